@@ -1,0 +1,40 @@
+"""spillover: activation and optimizer-state offload for PyTorch training.
+
+``with spillover.offload_context(tier="host"):`` around forward moves saved activations into a
+pinned host pool (and, with the NVMe tier, on to disk) and brings them back for backward with
+gradients bitwise equal to training without it.
+"""
+
+from __future__ import annotations
+
+from . import _native
+from .config import Config, format_size, parse_size
+from .context import OffloadContext, keep, offload_context
+from .errors import (
+    ConfigError,
+    IntegrityError,
+    OutOfSpaceError,
+    PoolExhaustedError,
+    SpilloverError,
+    SwapIOError,
+)
+from .stats import OffloadStats
+
+__version__ = _native.__version__
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "IntegrityError",
+    "OffloadContext",
+    "OffloadStats",
+    "OutOfSpaceError",
+    "PoolExhaustedError",
+    "SpilloverError",
+    "SwapIOError",
+    "format_size",
+    "keep",
+    "offload_context",
+    "parse_size",
+    "__version__",
+]

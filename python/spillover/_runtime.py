@@ -1,0 +1,104 @@
+"""Process-wide resources shared by every context: host pools, logging, one-time warnings.
+
+A pool is expensive to make (it maps and pre-faults its arenas) and cheap to share (leases are
+thread-safe), so each distinct capacity is made once per process and reused by every
+``offload_context`` and optimizer that asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import psutil
+
+from . import _native
+from .config import Config, format_size
+
+log = logging.getLogger("spillover")
+
+_lock = threading.Lock()
+_pools: Dict[int, _native.Pool] = {}
+_warned: set = set()
+_cuda_registered: set = set()
+
+#: Default pool: a quarter of RAM, at most this much.
+DEFAULT_POOL_CAP = 8 << 30
+MIN_POOL = 64 << 20
+
+
+def configure_logging(cfg: Config) -> None:
+    log.setLevel(cfg.log)
+
+
+def warn_once(key: str, message: str, category: type = RuntimeWarning) -> None:
+    """Issue ``message`` as a warning the first time ``key`` is seen in this process."""
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, category, stacklevel=3)
+    log.warning(message)
+
+
+def default_pool_bytes() -> int:
+    total = psutil.virtual_memory().total
+    return max(MIN_POOL, min(total // 4, DEFAULT_POOL_CAP))
+
+
+def host_pool(cfg: Config) -> _native.Pool:
+    """The process's pool of ``cfg.host_pool_bytes`` (made on first use)."""
+    capacity = cfg.host_pool_bytes or default_pool_bytes()
+    with _lock:
+        pool = _pools.get(capacity)
+        if pool is None:
+            log.info("mapping a %s host pool", format_size(capacity))
+            pool = _native.Pool(capacity)
+            _pools[capacity] = pool
+            lock_warning = pool.lock_warning
+        else:
+            lock_warning = None
+    if lock_warning:
+        warn_once("pool-lock", lock_warning)
+    return pool
+
+
+def pool_ranges() -> List[Tuple[int, int]]:
+    """Address ranges of every pool arena (to recognise tensors that already live in one)."""
+    with _lock:
+        pools = list(_pools.values())
+    return [(a, a + n) for p in pools for (a, n) in p.arenas()]
+
+
+def register_with_cuda(pool: _native.Pool) -> bool:
+    """Page-lock the pool's arenas for CUDA (cudaHostRegister) once, so copies from and to them
+    are truly asynchronous. Returns False (after one warning) when CUDA refuses."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    with _lock:
+        if id(pool) in _cuda_registered:
+            return True
+        _cuda_registered.add(id(pool))
+    cudart = torch.cuda.cudart()
+    for addr, length in pool.arenas():
+        # flags 0 = cudaHostRegisterDefault: portable to the current context's device.
+        err = cudart.cudaHostRegister(addr, length, 0)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            warn_once(
+                "cuda-register",
+                f"spillover: cudaHostRegister of a {format_size(length)} host arena failed "
+                f"(cudaError {code}); device copies from the pool will be synchronous. Check "
+                "RLIMIT_MEMLOCK (`ulimit -l`) and lower SPILLOVER_HOST_POOL_BYTES.",
+            )
+            return False
+    return True
+
+
+def pool_for_tests(capacity: int) -> Optional[_native.Pool]:
+    with _lock:
+        return _pools.get(capacity)

@@ -1,0 +1,26 @@
+"""``python -m spillover <command>``."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+USAGE = """usage: python -m spillover <command> [options]
+
+commands:
+  demo     train a small built-in GPT in several offload modes and compare them
+"""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"spillover: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2

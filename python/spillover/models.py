@@ -1,0 +1,106 @@
+"""A small GPT-style model for the demo, the tests and the benches (no downloads).
+
+Attention is written out (``softmax(q kᵀ / √d) v``), so the s×s scores are materialised and
+saved, as in the models whose activation memory spillover exists to cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["GPTConfig", "GPT", "Block", "synthetic_batch"]
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab: int = 512
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    seq: int = 256
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+        mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).tril()
+        self.register_buffer("causal", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.n_heads
+        q, k, v = self.qkv(x).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // h)
+        scores = scores.masked_fill(~self.causal[:s, :s], float("-inf"))
+        att = F.softmax(scores, dim=-1)
+        att = F.dropout(att, self.dropout, self.training)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Optional[GPTConfig] = None):
+        super().__init__()
+        cfg = cfg or GPTConfig()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy loss when ``targets`` is given."""
+        s = idx.shape[1]
+        pos = torch.arange(s, device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def synthetic_batch(
+    cfg: GPTConfig, batch: int, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple:
+    """Token ids and next-token targets drawn from a fixed generator (reproducible)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
+    return idx[:, :-1].to(device), idx[:, 1:].to(device)

@@ -1,0 +1,74 @@
+"""Counters of one ``offload_context``: what was packed, where it went, what stayed and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Dict
+
+from .config import format_size
+
+__all__ = ["OffloadStats"]
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """Counters of one context. Byte counts are storage bytes (a storage saved through several
+    views is counted once, under ``bytes_deduplicated`` for the repeats)."""
+
+    tensors_packed: int = 0
+    bytes_packed: int = 0
+    tensors_offloaded: int = 0
+    bytes_offloaded_host: int = 0
+    bytes_offloaded_nvme: int = 0
+    storages_deduplicated: int = 0
+    bytes_deduplicated: int = 0
+    bytes_kept_small: int = 0
+    bytes_kept_parameter: int = 0
+    bytes_kept_marked: int = 0
+    bytes_kept_pool_full: int = 0
+    bytes_kept_unsupported: int = 0
+    tensors_unpacked: int = 0
+    bytes_unpacked: int = 0
+    #: Seconds unpack waited for a copy or read that was not finished yet.
+    stall_seconds: float = 0.0
+    pool_peak: int = 0
+    pool_capacity: int = 0
+
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def add(self, **deltas: Any) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    @property
+    def bytes_kept(self) -> int:
+        return (
+            self.bytes_kept_small
+            + self.bytes_kept_parameter
+            + self.bytes_kept_marked
+            + self.bytes_kept_pool_full
+            + self.bytes_kept_unsupported
+        )
+
+    @property
+    def bytes_offloaded(self) -> int:
+        return self.bytes_offloaded_host + self.bytes_offloaded_nvme
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
+        d["bytes_kept"] = self.bytes_kept
+        d["bytes_offloaded"] = self.bytes_offloaded
+        return d
+
+    def __str__(self) -> str:
+        return (
+            f"packed {self.tensors_packed} tensors ({format_size(self.bytes_packed)}): "
+            f"offloaded {format_size(self.bytes_offloaded_host)} to host, "
+            f"{format_size(self.bytes_offloaded_nvme)} to NVMe; kept "
+            f"{format_size(self.bytes_kept)}; deduplicated {self.storages_deduplicated}; "
+            f"pool peak {format_size(self.pool_peak)}"
+        )

@@ -1,0 +1,20 @@
+//! The `spillover._native` extension module (feature "python").
+//!
+//! Classes here are thin: they convert arguments, release the GIL around anything that waits or
+//! copies in bulk, and turn [`crate::Error`] into the Python classes of `spillover.errors` once,
+//! at this boundary.
+
+mod errors;
+mod pool;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<pool::PyPool>()?;
+    m.add_class::<pool::PyBlock>()?;
+    m.add_function(wrap_pyfunction!(pool::memlock_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::crc32c, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,61 @@
+import copy
+
+import pytest
+import torch
+
+import spillover
+from spillover.models import GPT, GPTConfig, synthetic_batch
+
+# Each test that checks pool accounting gets a pool of its own capacity (pools are shared per
+# capacity within a process), so other tests' live blocks cannot blur its counts.
+_next_pool = [200 << 20]
+
+
+@pytest.fixture
+def private_pool_bytes():
+    _next_pool[0] += 4096
+    return _next_pool[0]
+
+
+def grads(model):
+    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert (x is None) == (y is None), f"gradient {i}: one side is None"
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y), f"gradient {i} differs: max |d| = {(x - y).abs().max()}"
+
+
+def gpt_step(model, batch, ctx=None, outside=True):
+    """One forward/backward; with `outside`, backward runs after the `with` block."""
+    model.zero_grad(set_to_none=True)
+    idx, tgt = batch
+    if ctx is None:
+        loss = model(idx, tgt)
+        loss.backward()
+        return grads(model)
+    with ctx:
+        loss = model(idx, tgt)
+        if not outside:
+            loss.backward()
+    if outside:
+        loss.backward()
+    return grads(model)
+
+
+@pytest.fixture
+def tiny_gpt():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64)
+    return GPT(cfg), synthetic_batch(cfg, batch=4)
+
+
+def clone_model(m):
+    return copy.deepcopy(m)
+
+
+__all__ = ["assert_bitwise", "gpt_step", "grads", "clone_model", "spillover"]
