@@ -11,7 +11,9 @@ fn lease_return(c: &mut Criterion) {
     opts.lock = false;
     let pool = Pool::new(&opts).unwrap();
     // Some live blocks so the free lists are not trivially one extent.
-    let _held: Vec<_> = (0..64).map(|i| pool.lease(4096 * (1 + i % 7)).unwrap()).collect();
+    let _held: Vec<_> = (0..64)
+        .map(|i| pool.lease(4096 * (1 + i % 7)).unwrap())
+        .collect();
     let mut g = c.benchmark_group("lease_return");
     for size in [4 << 10, 1 << 20, 16 << 20] {
         g.bench_with_input(BenchmarkId::from_parameter(size), &size, |b, &s| {

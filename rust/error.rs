@@ -24,17 +24,9 @@ pub enum Error {
         source: io::Error,
     },
     /// A swap directory has no room for `need` more bytes.
-    OutOfSpace {
-        path: PathBuf,
-        need: u64,
-        free: u64,
-    },
+    OutOfSpace { path: PathBuf, need: u64, free: u64 },
     /// Data read back does not match the checksum taken when it was written.
-    Integrity {
-        key: u64,
-        expected: u32,
-        found: u32,
-    },
+    Integrity { key: u64, expected: u32, found: u32 },
     /// A caller passed something unusable (a size of zero, an unknown key, ...).
     Invalid(String),
 }

@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod extent;
+pub mod io;
 pub mod pool;
 
 #[cfg(feature = "python")]

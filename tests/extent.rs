@@ -38,7 +38,11 @@ fn check(a: &ExtentAllocator, live: &[Extent]) {
     // no two free extents are adjacent (coalescing)
     let free: Vec<Extent> = a.free_extents().collect();
     for w in free.windows(2) {
-        assert!(w[0].end() < w[1].offset, "free extents {:?} not coalesced", w);
+        assert!(
+            w[0].end() < w[1].offset,
+            "free extents {:?} not coalesced",
+            w
+        );
     }
     assert_eq!(a.used_bytes(), live.iter().map(|e| e.len).sum::<u64>());
 }

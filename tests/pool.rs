@@ -20,7 +20,10 @@ fn blocks_are_aligned_disjoint_and_return_on_drop() {
         b.as_mut_slice().fill(i as u8);
     }
     for (i, b) in blocks.iter().enumerate() {
-        assert!(b.as_slice().iter().all(|&x| x == i as u8), "block {i} was overwritten");
+        assert!(
+            b.as_slice().iter().all(|&x| x == i as u8),
+            "block {i} was overwritten"
+        );
     }
     let s = p.stats();
     assert_eq!(s.live_blocks, 39);

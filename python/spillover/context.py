@@ -110,10 +110,13 @@ class _Entry:
         "_dev",
         "_dev_uses",
         "_lock",
+        "spill",
+        "store",
+        "verify",
         "__weakref__",
     )
 
-    def __init__(self, block: Any, nbytes: int, device: torch.device, copy: Any):
+    def __init__(self, block: Any, nbytes: int, device: torch.device, copy: Any, verify: bool):
         self.block = block
         self.nbytes = nbytes
         self.device = device
@@ -123,6 +126,13 @@ class _Entry:
         self._dev: Optional[torch.Tensor] = None
         self._dev_uses = 0
         self._lock = threading.Lock()
+        self.spill: Any = None  # store.Spilled, on the NVMe tier
+        self.store: Any = None
+        self.verify = verify
+
+    def __del__(self) -> None:
+        if self.store is not None:
+            self.store.release(self)
 
 
 class _Packed:
@@ -176,15 +186,13 @@ class OffloadContext:
         self._pool_ranges: List[Tuple[int, int]] = []
         self._pool_starts: List[int] = []
         self._backends: Dict[Any, Any] = {}
+        self._store: Any = None
 
     @staticmethod
     def _resolve_tier(tier: str) -> str:
-        if tier in ("host", "auto"):
-            return "host"
-        raise ConfigError(
-            f"tier={tier!r} is not available in this build: the NVMe tier is not built yet; "
-            "use tier='host' or 'auto'"
-        )
+        if tier not in ("host", "nvme", "auto"):
+            raise ConfigError(f"tier={tier!r}: expected host, nvme or auto")
+        return tier
 
     # -- context manager --
 
@@ -199,6 +207,8 @@ class OffloadContext:
         self._pool_ranges = sorted(_runtime.pool_ranges())
         self._pool_starts = [a for a, _ in self._pool_ranges]
         self._stats.pool_capacity = self._pool.capacity
+        if self.tier in ("nvme", "auto"):
+            self._store = self._open_store()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         _active().append(self)
@@ -215,6 +225,21 @@ class OffloadContext:
         self._hooks.__exit__(*exc)
         self._dedup.clear()
         self._update_pool_peak()
+
+    def _open_store(self) -> Any:
+        from . import store
+
+        try:
+            return store.StepStore(store.tier_for(self.config, self._pool), self._stats)
+        except Exception as e:
+            if self.tier == "nvme":
+                raise
+            _runtime.warn_once(
+                "auto-no-nvme",
+                f"spillover: tier='auto' runs host-only: the NVMe tier could not open ({e})",
+            )
+            self.tier = "host"
+            return None
 
     # -- user API --
 
@@ -306,7 +331,7 @@ class OffloadContext:
                 stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
                 return _Packed(entry, t)
         try:
-            block = self._pool.lease(nbytes)
+            block = self._store.lease(nbytes) if self._store else self._pool.lease(nbytes)
         except PoolExhaustedError:
             stats.add(bytes_kept_pool_full=nbytes)
             return t
@@ -314,14 +339,18 @@ class OffloadContext:
         backend.reap()
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         copy = backend.to_host(src, block, watch=t)
-        entry = _Entry(block, nbytes, t.device, copy)
+        entry = _Entry(block, nbytes, t.device, copy, self.config.verify)
         if self.config.verify:
             copy.wait()
             entry.checksum = block.checksum()
         wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
         self._dedup[key] = (weakref.ref(entry), wref)
         stats.add(tensors_offloaded=1, bytes_offloaded_host=nbytes)
-        return _Packed(entry, t)
+        packed = _Packed(entry, t)
+        if self._store is not None:
+            entry.store = self._store
+            self._store.add(entry)  # may start writing older entries out
+        return packed
 
     def _backend(self, device: torch.device) -> Any:
         b = self._backends.get(device)
@@ -333,14 +362,14 @@ class OffloadContext:
         if isinstance(packed, torch.Tensor):
             return packed
         e: _Entry = packed.entry
-        raw = self._materialize(e)
+        raw = self._materialize(e, packed)
         packed.check_version()
         out = torch.empty(0, dtype=packed.dtype, device=e.device)
         out.set_(raw.untyped_storage(), packed.offset, packed.size, packed.stride)
         self._stats.add(tensors_unpacked=1, bytes_unpacked=e.nbytes)
         return out
 
-    def _materialize(self, e: _Entry) -> torch.Tensor:
+    def _materialize(self, e: _Entry, packed: _Packed) -> torch.Tensor:
         """The entry's bytes as a uint8 tensor on its device."""
         with e._lock:
             if e._dev is not None:
@@ -351,17 +380,24 @@ class OffloadContext:
                 return raw
             backend = self._backend(e.device)
             t0 = time.perf_counter()
+            tier = "host"
+            if e.spill is not None:
+                tier = "nvme" if e.spill.went_to_disk else "host"
+                block = self._store.fetch(e)  # stalls are counted by the store
+            else:
+                block = e.block
             if self.config.verify:
                 e.copy.wait()
-                found = e.block.checksum()
+                found = block.checksum()
                 if found != e.checksum:
                     raise IntegrityError(
-                        f"offloaded storage of {e.nbytes} bytes from the host tier does not "
-                        f"match its checksum (crc32c {e.checksum:#010x} at pack, {found:#010x} "
-                        "at unpack)"
+                        f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} "
+                        f"read back from the {tier} tier does not match its checksum (crc32c "
+                        f"{e.checksum:#010x} at pack, {found:#010x} at unpack)"
                     )
-            raw, _ = backend.to_device(e.block, e.device, e.copy)
-            self._stats.add(stall_seconds=time.perf_counter() - t0)
+            raw, _ = backend.to_device(block, e.device, e.copy)
+            if e.spill is None:
+                self._stats.add(stall_seconds=time.perf_counter() - t0)
             if e.device.type != "cpu" and e.handles > 1:
                 e._dev, e._dev_uses = raw, 1
             return raw

@@ -30,7 +30,12 @@ class OffloadStats:
     bytes_kept_unsupported: int = 0
     tensors_unpacked: int = 0
     bytes_unpacked: int = 0
-    #: Seconds unpack waited for a copy or read that was not finished yet.
+    #: NVMe tier: unpacks of entries that had gone to disk and were back in host memory in
+    #: time (hits) or not (misses); unpacks served by entries that never left the host pool.
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    host_cache_hits: int = 0
+    #: Seconds pack or unpack waited for a copy, write or read that was not finished yet.
     stall_seconds: float = 0.0
     pool_peak: int = 0
     pool_capacity: int = 0
@@ -57,6 +62,11 @@ class OffloadStats:
     @property
     def bytes_offloaded(self) -> int:
         return self.bytes_offloaded_host + self.bytes_offloaded_nvme
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        n = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / n if n else float("nan")
 
     def as_dict(self) -> Dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}

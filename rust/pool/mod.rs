@@ -87,7 +87,9 @@ pub struct Pool {
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool").field("stats", &self.stats()).finish()
+        f.debug_struct("Pool")
+            .field("stats", &self.stats())
+            .finish()
     }
 }
 
@@ -97,7 +99,9 @@ impl Pool {
     /// still works unlocked and [`Pool::lock_warning`] says what to raise.
     pub fn new(opts: &PoolOptions) -> Result<Pool> {
         if opts.capacity == 0 {
-            return Err(Error::Invalid("host pool capacity must be > 0 bytes".into()));
+            return Err(Error::Invalid(
+                "host pool capacity must be > 0 bytes".into(),
+            ));
         }
         let capacity = crate::extent::round_up(opts.capacity);
         let arena_bytes = crate::extent::round_up(opts.arena_bytes.max(GRANULE));
@@ -173,7 +177,12 @@ impl Pool {
             .map(|(i, _)| i);
         let Some(arena) = best else {
             st.failed += 1;
-            let largest_free = st.allocs.iter().map(|a| a.largest_free()).max().unwrap_or(0);
+            let largest_free = st
+                .allocs
+                .iter()
+                .map(|a| a.largest_free())
+                .max()
+                .unwrap_or(0);
             return Err(Error::PoolExhausted {
                 need: nbytes,
                 largest_free,
@@ -209,7 +218,12 @@ impl Pool {
             live_blocks: st.live,
             leases: st.leases,
             failed_leases: st.failed,
-            largest_free: st.allocs.iter().map(|a| a.largest_free()).max().unwrap_or(0),
+            largest_free: st
+                .allocs
+                .iter()
+                .map(|a| a.largest_free())
+                .max()
+                .unwrap_or(0),
             free_extents: st.allocs.iter().map(|a| a.free_extent_count() as u64).sum(),
             locked_bytes: self
                 .inner

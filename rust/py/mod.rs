@@ -6,6 +6,7 @@
 
 mod errors;
 mod pool;
+mod swap;
 
 use pyo3::prelude::*;
 
@@ -14,6 +15,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<pool::PyPool>()?;
     m.add_class::<pool::PyBlock>()?;
+    m.add_class::<swap::PySwap>()?;
+    m.add_class::<swap::PySlot>()?;
+    m.add_class::<swap::PyTicket>()?;
     m.add_function(wrap_pyfunction!(pool::memlock_limit, m)?)?;
     m.add_function(wrap_pyfunction!(pool::crc32c, m)?)?;
     Ok(())

@@ -5,6 +5,9 @@
 //! block (and the arena under it) stays mapped while any tensor views it — with no copy, on every
 //! Python version the abi3 wheel supports.
 
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -45,7 +48,7 @@ impl PyPool {
     /// Lease a block of `nbytes` (> 0). Raises `PoolExhaustedError` when no free extent fits.
     fn lease(&self, nbytes: u64) -> PyResult<PyBlock> {
         let block = self.pool.lease(nbytes).map_err(to_py)?;
-        Ok(PyBlock { block })
+        Ok(PyBlock::new(block))
     }
 
     #[getter]
@@ -94,37 +97,80 @@ impl PyPool {
     }
 }
 
+/// A leased block. I/O takes the block out of this object for the duration of a request
+/// (`Swap.write`/`Swap.read`) and its ticket hands back a new `Block`; any use of the emptied
+/// object raises ValueError instead of touching memory the kernel may be writing.
 #[pyclass(name = "Block", module = "spillover._native", frozen)]
 pub struct PyBlock {
-    pub(crate) block: Block,
+    // The lock is only held to clone or take the Arc, never across a GIL release (a thread
+    // waiting for it while holding the GIL would otherwise deadlock with one re-acquiring it).
+    inner: Mutex<Option<Arc<Block>>>,
+}
+
+impl PyBlock {
+    pub(crate) fn new(block: Block) -> Self {
+        PyBlock {
+            inner: Mutex::new(Some(Arc::new(block))),
+        }
+    }
+
+    fn get(&self) -> PyResult<Arc<Block>> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.clone().ok_or_else(|| {
+            PyValueError::new_err(
+                "this block was handed to an I/O request; use the Block its ticket returns",
+            )
+        })
+    }
+
+    /// Move the block out (for an I/O request). Fails while a copy is using it.
+    pub(crate) fn take(&self) -> PyResult<Block> {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let arc = g.take().ok_or_else(|| {
+            PyValueError::new_err("this block was already handed to an I/O request")
+        })?;
+        match Arc::try_unwrap(arc) {
+            Ok(b) => Ok(b),
+            Err(arc) => {
+                *g = Some(arc);
+                Err(PyValueError::new_err("block is busy (a copy is using it)"))
+            }
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&Block) -> R) -> PyResult<R> {
+        let b = self.get()?;
+        Ok(f(&b))
+    }
 }
 
 #[pymethods]
 impl PyBlock {
     /// Bytes asked for at lease time.
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.block.len()
+    fn nbytes(&self) -> PyResult<usize> {
+        self.with(|b| b.len())
     }
 
     /// Bytes reserved (rounded up to 4 KiB).
     #[getter]
-    fn capacity(&self) -> usize {
-        self.block.capacity()
+    fn capacity(&self) -> PyResult<usize> {
+        self.with(|b| b.capacity())
     }
 
     #[getter]
-    fn address(&self) -> usize {
-        self.block.as_ptr() as usize
+    fn address(&self) -> PyResult<usize> {
+        self.with(|b| b.as_ptr() as usize)
     }
 
     /// numpy's array interface: a writable 1-D uint8 array over the block's `nbytes`.
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (len, addr) = self.with(|b| (b.len(), b.as_ptr() as usize))?;
         let d = PyDict::new(py);
-        d.set_item("shape", (self.block.len(),))?;
+        d.set_item("shape", (len,))?;
         d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.block.as_ptr() as usize, false))?;
+        d.set_item("data", (addr, false))?;
         d.set_item("version", 3)?;
         Ok(d)
     }
@@ -136,9 +182,9 @@ impl PyBlock {
     #[pyo3(signature = (src, nbytes, offset=0))]
     fn copy_from(&self, py: Python<'_>, src: usize, nbytes: usize, offset: usize) -> PyResult<()> {
         if src == 0 && nbytes > 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err("null source address"));
+            return Err(PyValueError::new_err("null source address"));
         }
-        let block = &self.block;
+        let block = self.get()?;
         // SAFETY: the Python caller guarantees `src` points at `nbytes` readable host bytes of a
         // tensor it holds alive and does not mutate during the call; a block is never a tensor's
         // own storage when copying into it, so the ranges do not overlap.
@@ -150,30 +196,29 @@ impl PyBlock {
     #[pyo3(signature = (dst, nbytes, offset=0))]
     fn copy_to(&self, py: Python<'_>, dst: usize, nbytes: usize, offset: usize) -> PyResult<()> {
         if dst == 0 && nbytes > 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err("null destination address"));
+            return Err(PyValueError::new_err("null destination address"));
         }
-        let block = &self.block;
+        let block = self.get()?;
         // SAFETY: as in `copy_from`, with `dst` valid for `nbytes` writes.
         py.detach(|| unsafe { block.copy_to_raw(dst as *mut u8, nbytes, offset) })
             .map_err(to_py)
     }
 
     /// crc32c of the block's bytes (GIL released).
-    fn checksum(&self, py: Python<'_>) -> u32 {
-        let block = &self.block;
-        py.detach(|| ::crc32c::crc32c(block.as_slice()))
+    fn checksum(&self, py: Python<'_>) -> PyResult<u32> {
+        let block = self.get()?;
+        Ok(py.detach(|| ::crc32c::crc32c(block.as_slice())))
     }
 
-    fn __len__(&self) -> usize {
-        self.block.len()
+    fn __len__(&self) -> PyResult<usize> {
+        self.nbytes()
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Block(nbytes={}, address={:#x})",
-            self.block.len(),
-            self.block.as_ptr() as usize
-        )
+        match self.with(|b| (b.len(), b.as_ptr() as usize)) {
+            Ok((n, a)) => format!("Block(nbytes={n}, address={a:#x})"),
+            Err(_) => "Block(<in an I/O request>)".to_string(),
+        }
     }
 }
 

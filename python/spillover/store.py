@@ -1,0 +1,376 @@
+"""The NVMe tier: the host pool as a write-back cache over swap files, with look-ahead reads.
+
+Per process and configuration there is one :class:`NvmeTier` (pool + swap engine + the access
+order learned from the last step); each ``offload_context`` has a :class:`StepStore` over it.
+
+Eviction: when the pool passes its high-water mark, entries are written out oldest-packed
+first: backward runs in (roughly) reverse pack order, so the earliest packed entry is the one
+whose next use is farthest away, and the last layers' tensors usually never touch the disk.
+A lease that finds the pool full waits for the oldest write in flight, or starts one.
+
+Prefetch: on every unpack, reads are issued for the entries expected next (the unpack order
+learned from the previous step, or reverse pack order on the first step), up to
+``prefetch_bytes`` ahead. Unpack waits (GIL released) on a read already in flight instead of
+issuing another.
+
+Note [parked I/O]
+    An entry freed while its write or read is in flight hands its ticket and slot to the tier,
+    which keeps them until the request completes: the engine parks the block itself, and the
+    slot must not be reallocated (and rewritten) while an older write to it may still land.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from . import _native, _runtime
+from .config import Config
+from .errors import ConfigError, PoolExhaustedError
+
+HIGH_WATER = 0.75  # start writing out when the pool is this full
+DEFAULT_PREFETCH_CAP = 256 << 20
+
+_tiers: Dict[Tuple, NvmeTier] = {}
+_tiers_lock = threading.Lock()
+_tmpdirs: List[str] = []
+
+
+def _default_dir() -> str:
+    d = tempfile.mkdtemp(prefix="spillover-swap-")
+    os.chmod(d, 0o700)
+    _tmpdirs.append(d)
+    return d
+
+
+@atexit.register
+def _cleanup() -> None:
+    for d in _tmpdirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def check_dirs(dirs: Tuple[str, ...]) -> None:
+    """Refuse, before any step runs, a swap directory that cannot work."""
+    for d in dirs:
+        if not os.path.exists(d):
+            raise ConfigError(
+                f"SPILLOVER_NVME_PATH: {d!r} does not exist; create it or point "
+                "SPILLOVER_NVME_PATH at a directory on a local NVMe drive"
+            )
+        if not os.path.isdir(d):
+            raise ConfigError(f"SPILLOVER_NVME_PATH: {d!r} is not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"SPILLOVER_NVME_PATH: {d!r} is not writable by this user; fix its "
+                "permissions or choose another directory"
+            )
+
+
+class NvmeTier:
+    def __init__(self, cfg: Config, pool: Any):
+        dirs = cfg.nvme_path or (_default_dir(),)
+        check_dirs(dirs)
+        self.pool = pool
+        self.capacity = pool.capacity
+        self.swap = _native.Swap(
+            pool,
+            list(dirs),
+            engine=cfg.io_engine,
+            queue_depth=cfg.io_queue_depth,
+            block_bytes=cfg.io_block_bytes,
+            allow_buffered=cfg.allow_buffered_io,
+        )
+        if self.swap.warning:
+            _runtime.warn_once("swap:" + self.swap.warning, self.swap.warning)
+        self.prefetch_bytes = cfg.prefetch_bytes or min(self.capacity // 4, DEFAULT_PREFETCH_CAP)
+        self.high_water = int(self.capacity * HIGH_WATER)
+        self.learned: Optional[List[int]] = None
+        self.last_order: Optional[List[int]] = None
+        self._parked: List[Tuple[Any, Any]] = []
+        self._lock = threading.Lock()
+
+    def park(self, ticket: Any, slot: Any) -> None:
+        """Note [parked I/O]."""
+        with self._lock:
+            self._parked.append((ticket, slot))
+
+    def reap_parked(self) -> None:
+        with self._lock:
+            still = []
+            for t, s in self._parked:
+                if t.done():
+                    # The entry is gone, so nobody needs these bytes or this request's error.
+                    with contextlib.suppress(Exception):
+                        t.wait()
+                else:
+                    still.append((t, s))
+            self._parked = still
+
+
+def tier_for(cfg: Config, pool: Any) -> NvmeTier:
+    key = (
+        pool.capacity,
+        cfg.nvme_path,
+        cfg.io_engine,
+        cfg.io_queue_depth,
+        cfg.io_block_bytes,
+        cfg.allow_buffered_io,
+        cfg.prefetch_bytes,
+    )
+    with _tiers_lock:
+        t = _tiers.get(key)
+        if t is None:
+            _runtime.log.info("opening NVMe tier in %s", cfg.nvme_path or "a private temp dir")
+            t = _tiers[key] = NvmeTier(cfg, pool)
+        return t
+
+
+class Spilled:
+    """Where an entry's bytes are. ``state``: host, writing, disk or reading."""
+
+    __slots__ = ("state", "ticket", "slot", "seq", "viewed", "went_to_disk")
+
+    def __init__(self, seq: int):
+        self.state = "host"
+        self.ticket: Any = None
+        self.slot: Any = None
+        self.seq = seq
+        self.viewed = False
+        self.went_to_disk = False
+
+
+class StepStore:
+    """The NVMe side of one context: which entries are resident, written, being read."""
+
+    def __init__(self, tier: NvmeTier, stats: Any):
+        self.tier = tier
+        self.stats = stats
+        self.lock = threading.RLock()
+        # Resident entries are held weakly: an entry lives exactly as long as autograd's
+        # handles to it (and a write or read in flight), never because the store knows it.
+        self.resident: Dict[int, Any] = {}
+        self.writing: Deque[Any] = collections.deque()
+        self.reading: Dict[int, Any] = {}
+        self.by_seq: Dict[int, Any] = {}  # seq -> weakref of entry
+        self.next_seq = 0
+        self.order: List[int] = []  # this step's unpack order (taught to the next step)
+        if tier.last_order:
+            tier.learned = list(tier.last_order)
+        tier.last_order = self.order
+        self.learned = tier.learned
+        self._learned_pos: Dict[int, int] = (
+            {s: i for i, s in enumerate(self.learned)} if self.learned else {}
+        )
+
+    # -- forward --
+
+    def lease(self, nbytes: int) -> Any:
+        """A block, writing out older entries when the pool is full. Raises
+        PoolExhaustedError when nothing can be evicted (the caller keeps the tensor)."""
+        pool = self.tier.pool
+        while True:
+            try:
+                return pool.lease(nbytes)
+            except PoolExhaustedError:
+                with self.lock:
+                    writing = self.writing[0] if self.writing else None
+                    evicted = writing is None and self._evict_one()
+                    reading = next(iter(self.reading.values()), None)
+                    copying = next((e for e in self._resident() if not e.copy.done()), None)
+                if writing is not None:
+                    self._finish_write(writing, wait=True)
+                elif evicted:
+                    continue
+                elif reading is not None:  # a prefetched entry becomes resident (evictable)
+                    self._finish_read(reading)
+                elif copying is not None:  # its pack copy is still running: then evictable
+                    t0 = time.perf_counter()
+                    copying.copy.wait()
+                    self.stats.add(stall_seconds=time.perf_counter() - t0)
+                else:
+                    raise
+
+    def add(self, entry: Any) -> None:
+        with self.lock:
+            entry.spill = Spilled(self.next_seq)
+            self.next_seq += 1
+            self.resident[entry.spill.seq] = self.by_seq[entry.spill.seq] = weakref.ref(entry)
+        self.tier.reap_parked()
+        self._reap_writes()
+        self._reap_reads()
+        self._write_behind()
+
+    def _write_behind(self) -> None:
+        with self.lock:
+            while self.tier.pool.stats()["in_use"] > self.tier.high_water:
+                if not self._evict_one():
+                    break
+
+    def _evict_one(self) -> bool:
+        """Start writing the evictable resident entry packed earliest. Caller holds the lock."""
+        for seq in sorted(self.resident):  # earliest packed = next use farthest away
+            e = self.resident[seq]()
+            if e is None:
+                del self.resident[seq]
+                continue
+            # Evictable once its pack copy is done and nothing but the entry refers to the block
+            # (an unpacked tensor viewing it holds a reference through numpy's array base).
+            if not e.copy.done() or sys.getrefcount(e.block) > 2:
+                continue
+            if e.checksum is None and e.verify:
+                e.checksum = e.block.checksum()
+            slot = self.tier.swap.alloc(e.nbytes)  # OutOfSpaceError: this step fails here
+            e.spill.ticket = self.tier.swap.write(e.block, slot)
+            e.spill.slot = slot
+            e.spill.state = "writing"
+            if not e.spill.went_to_disk:
+                self.stats.add(bytes_offloaded_nvme=e.nbytes, bytes_offloaded_host=-e.nbytes)
+            e.spill.went_to_disk = True
+            e.block = None
+            del self.resident[seq]
+            self.writing.append(e)
+            return True
+        return False
+
+    def _resident(self) -> List[Any]:
+        return [e for e in (r() for r in list(self.resident.values())) if e is not None]
+
+    def _reap_reads(self) -> None:
+        with self.lock:
+            done = [e for e in self.reading.values() if e.spill.ticket.done()]
+        for e in done:
+            self._finish_read(e)
+
+    def _reap_writes(self) -> None:
+        while True:
+            with self.lock:
+                if not self.writing or not self.writing[0].spill.ticket.done():
+                    return
+                e = self.writing[0]
+            self._finish_write(e, wait=False)
+
+    def _finish_write(self, e: Any, wait: bool) -> None:
+        t0 = time.perf_counter()
+        with self.lock:
+            if e.spill.state != "writing":
+                return
+            ticket = e.spill.ticket
+            e.spill.ticket = None
+            if self.writing and self.writing[0] is e:
+                self.writing.popleft()
+            else:
+                self.writing.remove(e)
+        blk = ticket.wait()  # raises SwapIOError / OutOfSpaceError
+        del blk  # the write is on disk: the block goes back to the pool
+        with self.lock:
+            e.spill.state = "disk"
+        if wait:
+            self.stats.add(stall_seconds=time.perf_counter() - t0)
+
+    # -- backward --
+
+    def fetch(self, e: Any) -> Any:
+        """The entry's host block, read back if needed; then prefetch what comes next."""
+        sp = e.spill
+        with self.lock:
+            self.order.append(sp.seq)
+            state = sp.state
+        hit = True
+        if state == "writing":
+            self._finish_write(e, wait=True)
+            state = "disk"
+        if state == "disk":
+            hit = False
+            self._start_read(e)
+            state = "reading"
+        if state == "reading":
+            t0 = time.perf_counter()
+            if hit and not sp.ticket.done():
+                hit = False
+            self._finish_read(e)
+            self.stats.add(stall_seconds=time.perf_counter() - t0)
+        if sp.went_to_disk:
+            self.stats.add(prefetch_hits=int(hit), prefetch_misses=int(not hit))
+        else:
+            self.stats.add(host_cache_hits=1)
+        with self.lock:
+            sp.viewed = True
+        self._reap_reads()
+        self.tier.reap_parked()
+        self._prefetch_after(sp.seq)
+        return e.block
+
+    def _start_read(self, e: Any) -> None:
+        blk = self.lease(e.nbytes)
+        with self.lock:
+            if e.spill.state != "disk":  # someone else started it
+                return
+            e.spill.ticket = self.tier.swap.read(e.spill.slot, blk)
+            e.spill.state = "reading"
+            self.reading[e.spill.seq] = e
+
+    def _finish_read(self, e: Any) -> None:
+        with self.lock:
+            if e.spill.state != "reading":
+                return
+            ticket = e.spill.ticket
+        blk = ticket.wait()
+        with self.lock:
+            if e.spill.state == "reading":
+                e.block = blk
+                e.spill.state = "host"
+                e.spill.ticket = None
+                e.spill.slot = None  # space back to the swap file
+                self.reading.pop(e.spill.seq, None)
+                self.resident[e.spill.seq] = weakref.ref(e)
+
+    def _expected_after(self, seq: int) -> List[int]:
+        pos = self._learned_pos.get(seq)
+        if self.learned is not None and pos is not None:
+            return self.learned[pos + 1 :]
+        return list(range(seq - 1, -1, -1))
+
+    def _prefetch_after(self, seq: int) -> None:
+        window = self.tier.prefetch_bytes
+        ahead = 0
+        for s in self._expected_after(seq):
+            if ahead >= window:
+                break
+            ref = self.by_seq.get(s)
+            e = ref() if ref is not None else None
+            if e is None:
+                continue
+            st = e.spill.state
+            if st in ("reading", "writing"):
+                ahead += e.nbytes
+            elif st == "disk":
+                try:
+                    blk = self.tier.pool.lease(e.nbytes)  # prefetch never evicts
+                except PoolExhaustedError:
+                    break
+                with self.lock:
+                    if e.spill.state == "disk":
+                        e.spill.ticket = self.tier.swap.read(e.spill.slot, blk)
+                        e.spill.state = "reading"
+                        self.reading[s] = e
+                ahead += e.nbytes
+            elif st == "host" and not e.spill.viewed:
+                ahead += e.nbytes
+
+    def release(self, e: Any) -> None:
+        """Called when an entry dies: Note [parked I/O]."""
+        sp = getattr(e, "spill", None)
+        if sp is None:
+            return
+        if sp.ticket is not None and not sp.ticket.done():
+            self.tier.park(sp.ticket, sp.slot)
+

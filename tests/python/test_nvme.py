@@ -1,0 +1,167 @@
+"""NVMe tier: gradients bitwise equal with most tensors really on disk, both engines,
+striping, prefetch, errors (bad paths at entry, injected EIO, disk full), no growth."""
+
+import gc
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from conftest import assert_bitwise, gpt_step
+
+import spillover
+from spillover import _native
+from spillover.store import tier_for
+
+ENGINES = ["io_uring", "threads"]
+
+
+def _uring_ok():
+    try:
+        p = _native.Pool(1 << 20, lock=False)
+        _native.Swap(p, [tempfile.gettempdir()], engine="io_uring")
+        return True
+    except Exception:
+        return False
+
+
+URING = _uring_ok()
+
+
+def nvme(tmp_path, engine, pool, **kw):
+    if engine == "io_uring" and not URING:
+        pytest.skip("io_uring refused on this kernel/container")
+    kw.setdefault("min_offload_bytes", 0)
+    return spillover.offload_context(
+        "nvme", host_pool_bytes=pool, nvme_path=str(tmp_path), io_engine=engine, **kw
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gpt_parity_with_most_tensors_on_disk(tiny_gpt, tmp_path, engine, private_pool_bytes):
+    model, batch = tiny_gpt
+    ref = gpt_step(model, batch)
+    pool = (5 << 18) + private_pool_bytes % (1 << 18)  # far smaller than the activations
+    for _ in range(3):
+        c = nvme(tmp_path, engine, pool)
+        assert_bitwise(ref, gpt_step(model, batch, c))
+        s = c.stats()
+        assert s.bytes_offloaded_nvme > s.bytes_offloaded_host, s
+        assert s.prefetch_hits + s.prefetch_misses > 0
+    assert c._store.tier.swap.engine == engine
+
+
+def test_views_retain_graph_and_bf16_on_disk(tiny_gpt, tmp_path):
+    model, (idx, tgt) = tiny_gpt
+    model = model.to(torch.bfloat16)
+    model.zero_grad()
+    loss = model(idx, tgt)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    c = nvme(tmp_path, "threads", 5 << 18)
+    with c:
+        loss = model(idx, tgt)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert_bitwise(ref, [p.grad for p in model.parameters()])
+    assert c.stats().bytes_offloaded_nvme > 0
+
+
+def test_two_directories_are_striped(tiny_gpt, tmp_path):
+    model, batch = tiny_gpt
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ref = gpt_step(model, batch)
+    c = spillover.offload_context(
+        "nvme", host_pool_bytes=(2 << 20) + 8192, nvme_path=f"{a},{b}", min_offload_bytes=0
+    )
+    assert_bitwise(ref, gpt_step(model, batch, c))
+    swap = c._store.tier.swap
+    assert len(swap.dirs) == 2
+    assert swap.stats()["bytes_written"] > 0, (c.stats(), swap.stats())
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_nvme_verify_round_trip(tiny_gpt, tmp_path, verify):
+    model, batch = tiny_gpt
+    ref = gpt_step(model, batch)
+    c = nvme(tmp_path, "threads", (2 << 20) + 4096 * (2 + verify), verify=verify)
+    assert_bitwise(ref, gpt_step(model, batch, c))
+
+
+def test_bad_paths_fail_at_context_entry(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for path, msg in [(tmp_path / "missing", "does not exist"), (f, "not a directory")]:
+        c = spillover.offload_context("nvme", nvme_path=str(path), host_pool_bytes=5 << 20)
+        with pytest.raises(spillover.ConfigError, match=msg), c:
+            pass
+
+
+def test_injected_read_error_is_an_exception(tiny_gpt, tmp_path):
+    model, (idx, tgt) = tiny_gpt
+    c = nvme(tmp_path, "threads", (2 << 20) + 3 * 4096)
+    with c:
+        loss = model(idx, tgt)
+    assert c.stats().bytes_offloaded_nvme > 0
+    c._store.tier.swap.inject_fault("read", 5, 1)
+    with pytest.raises(spillover.SwapIOError) as e:
+        loss.backward()
+    assert e.value.errno == 5 and "read" in str(e.value)
+    del loss
+    # the next step works once the cause is gone
+    gpt_step(model, (idx, tgt), nvme(tmp_path, "threads", (2 << 20) + 3 * 4096))
+
+
+def test_injected_write_error_is_an_exception(tiny_gpt, tmp_path):
+    model, (idx, tgt) = tiny_gpt
+    c = nvme(tmp_path, "threads", (2 << 20) + 5 * 4096)
+    tier = tier_for(c.config, spillover._runtime.host_pool(c.config))
+    tier.swap.inject_fault("write", 5, 1)
+    with pytest.raises(spillover.SwapIOError), c:
+        model(idx, tgt).backward()
+
+
+def test_disk_full_names_the_path(tiny_gpt, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+    try:
+        model, (idx, tgt) = tiny_gpt
+        c = spillover.offload_context(
+            "nvme", nvme_path=str(mnt), host_pool_bytes=(2 << 20) + 7 * 4096,
+            min_offload_bytes=0, io_engine="threads",
+        )
+        with pytest.raises(spillover.OutOfSpaceError) as e, c:
+            model(idx, tgt).backward()
+        assert str(mnt) in str(e.value)
+        gc.collect()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_many_steps_do_not_grow(tiny_gpt, tmp_path, private_pool_bytes):
+    model, batch = tiny_gpt
+    pool = (2 << 20) + 4096 + private_pool_bytes % (1 << 18)
+    fd_dir = f"/proc/{os.getpid()}/fd"
+    samples = []
+    for i in range(60):
+        c = nvme(tmp_path, "threads", pool)
+        gpt_step(model, batch, c)
+        if i >= 10:
+            gc.collect()
+            swap = c._store.tier.swap
+            samples.append((len(os.listdir(fd_dir)), swap.stats()["swap_in_use"],
+                            c._pool.stats()["in_use"]))
+    fds, swap_used, pool_used = zip(*samples)
+    assert max(fds) == min(fds), fds
+    assert max(swap_used) == 0 and max(pool_used) == 0, samples[-3:]
