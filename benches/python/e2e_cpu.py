@@ -13,6 +13,7 @@ is pre-faulted, so RSS alone would hide it). Ratios are against `none` from the 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import io
 import os
@@ -26,6 +27,12 @@ from torch.utils.checkpoint import checkpoint
 
 import spillover
 from spillover.models import GPT, GPTConfig, synthetic_batch
+
+
+_libc = ctypes.CDLL("libc.so.6")
+# Large blocks from mmap, returned to the OS on free: RSS then tracks live tensors instead of
+# what glibc keeps cached from an earlier step (which made deltas read 0 for later modes).
+_libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB (also disables its dynamic growth)
 
 
 def rss() -> int:
@@ -98,6 +105,7 @@ def main() -> None:
         for mode in modes:
             model.zero_grad(set_to_none=True)
             gc.collect()
+            _libc.malloc_trim(0)
             before = rss()
             t0 = time.perf_counter()
             loss, ctx = forward(model, idx, tgt, mode, args, tmp)

@@ -9,6 +9,7 @@ USAGE = """usage: python -m spillover <command> [options]
 
 commands:
   demo     train a small built-in GPT in several offload modes and compare them
+  doctor   check io_uring, O_DIRECT, free space, memlock, huge pages, CUDA; show the config
 """
 
 
@@ -22,5 +23,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(rest)
     print(f"spillover: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -36,7 +36,7 @@ from .errors import ConfigError, IntegrityError, PoolExhaustedError
 from .stats import OffloadStats
 from .transfer import backend_for
 
-__all__ = ["offload_context", "OffloadContext", "keep"]
+__all__ = ["offload_context", "OffloadContext", "keep", "current_context"]
 
 try:  # torch >= 2.0
     from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
@@ -51,6 +51,12 @@ def _active() -> List[OffloadContext]:
     if stack is None:
         stack = _tls.stack = []
     return stack
+
+
+def current_context() -> Optional["OffloadContext"]:
+    """The innermost ``offload_context`` active on this thread, or None."""
+    stack = _active()
+    return stack[-1] if stack else None
 
 
 def keep(tensor: torch.Tensor) -> torch.Tensor:
@@ -255,6 +261,16 @@ class OffloadContext:
         with s._lock:
             return OffloadStats(**{k: v for k, v in s.as_dict().items() if hasattr(s, k)
                                    and k not in ("bytes_kept", "bytes_offloaded")})
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Offload ``tensor`` as this context's saved-tensor hook would; returns a handle for
+        :meth:`unpack` (or the tensor itself when it is kept). For wrappers that save tensors
+        outside autograd's hooks, e.g. selective checkpointing's cached op outputs."""
+        return self._pack(tensor)
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        """The tensor :meth:`pack` was given, bitwise, on its original device."""
+        return self._unpack(handle)
 
     def synchronize(self) -> None:
         """Wait for every copy this process has in flight (for tests and measurements)."""
