@@ -28,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 import spillover
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
-
 _libc = ctypes.CDLL("libc.so.6")
 # Large blocks from mmap, returned to the OS on free: RSS then tracks live tensors instead of
 # what glibc keeps cached from an earlier step (which made deltas read 0 for later modes).

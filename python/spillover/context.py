@@ -53,7 +53,7 @@ def _active() -> List[OffloadContext]:
     return stack
 
 
-def current_context() -> Optional["OffloadContext"]:
+def current_context() -> Optional[OffloadContext]:
     """The innermost ``offload_context`` active on this thread, or None."""
     stack = _active()
     return stack[-1] if stack else None

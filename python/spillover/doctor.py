@@ -77,7 +77,7 @@ def check_thp(r: Report) -> None:
                     f"misses). Enable with `echo madvise > {path}`")
 
 
-def check_dirs(r: Report, cfg: Config, pool: "_native.Pool") -> List[str]:
+def check_dirs(r: Report, cfg: Config, pool: _native.Pool) -> List[str]:
     dirs = list(cfg.nvme_path or (tempfile.gettempdir(),))
     usable = []
     for d in dirs:
@@ -100,7 +100,7 @@ def check_dirs(r: Report, cfg: Config, pool: "_native.Pool") -> List[str]:
     return usable
 
 
-def check_uring(r: Report, pool: "_native.Pool", d: str) -> Optional[str]:
+def check_uring(r: Report, pool: _native.Pool, d: str) -> Optional[str]:
     try:
         s = _native.Swap(pool, [d], engine="io_uring")
         msg = s.warning
@@ -134,7 +134,7 @@ def check_cuda(r: Report) -> None:
                    "pool will not be asynchronous. Raise RLIMIT_MEMLOCK")
 
 
-def probe_bandwidth(r: Report, pool: "_native.Pool", d: Optional[str], engine: str,
+def probe_bandwidth(r: Report, pool: _native.Pool, d: Optional[str], engine: str,
                     seconds: float) -> None:
     n = 64 << 20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8)
