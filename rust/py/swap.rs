@@ -27,7 +27,7 @@ impl PySwap {
     /// for io_uring. Raises ValueError / SwapIOError / OutOfSpaceError naming the directory.
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments Python sees
-    #[pyo3(signature = (pool, dirs, *, engine="auto", queue_depth=32, block_bytes=1<<20,
+    #[pyo3(signature = (pool, dirs, *, engine="auto", queue_depth=32, block_bytes=1048576,
                         allow_buffered=false, capacity_per_dir=None))]
     fn new(
         py: Python<'_>,
