@@ -8,9 +8,10 @@ thread-safe), so each distinct capacity is made once per process and reused by e
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import psutil
 
@@ -99,6 +100,14 @@ def register_with_cuda(pool: _native.Pool) -> bool:
     return True
 
 
-def pool_for_tests(capacity: int) -> Optional[_native.Pool]:
-    with _lock:
-        return _pools.get(capacity)
+def _after_fork_in_child() -> None:
+    """Note [fork] (rust/io/mod.rs): a forked child starts with no pools or tiers of its own;
+    what it inherited stays with the parent (the Rust engine refuses to be driven from the
+    child and is leaked there, never joined)."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at fork time
+    _pools.clear()
+    _cuda_registered.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

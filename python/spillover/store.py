@@ -68,6 +68,21 @@ def check_dirs(dirs: Tuple[str, ...]) -> None:
             )
         if not os.path.isdir(d):
             raise ConfigError(f"SPILLOVER_NVME_PATH: {d!r} is not a directory")
+        real = os.path.realpath(d)
+        if real.split(os.sep)[1:2] in (["proc"], ["sys"], ["dev"]) and not real.startswith(
+            "/dev/shm"
+        ):
+            raise ConfigError(
+                f"SPILLOVER_NVME_PATH: {d!r} is under /{real.split(os.sep)[1]}, a kernel "
+                "file system: choose a directory on a local drive"
+            )
+        st = os.stat(real)
+        if st.st_mode & 0o002 and not st.st_mode & 0o1000:
+            raise ConfigError(
+                f"SPILLOVER_NVME_PATH: {d!r} is world-writable without the sticky bit, so "
+                "other users could replace what is in it; use a private directory (chmod 700) "
+                "or one with the sticky bit (chmod +t)"
+            )
         if not os.access(d, os.W_OK | os.X_OK):
             raise ConfigError(
                 f"SPILLOVER_NVME_PATH: {d!r} is not writable by this user; fix its "
@@ -114,6 +129,15 @@ class NvmeTier:
                 else:
                     still.append((t, s))
             self._parked = still
+
+
+def _after_fork_in_child() -> None:
+    global _tiers_lock
+    _tiers_lock = threading.Lock()
+    _tiers.clear()  # Note [fork]: the child opens its own swap files if it offloads
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tier_for(cfg: Config, pool: Any) -> NvmeTier:

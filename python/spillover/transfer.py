@@ -200,6 +200,14 @@ _backends: Dict[Any, Any] = {}
 _backends_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _backends_lock
+    _backends_lock = threading.Lock()  # copy threads do not survive fork; keys carry the pid
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def backend_for(device: torch.device) -> Any:
     """The process's backend for ``device`` (one CPU backend, one CUDA backend per device)."""
     key = (device.type, device.index if device.type == "cuda" else None, os.getpid())

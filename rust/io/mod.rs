@@ -308,7 +308,11 @@ pub(crate) trait Engine: Send + Sync {
 
 /// The NVMe tier's I/O: swap files, their space, and an engine. Send + Sync; share by `Arc`.
 pub struct Swap {
-    engine: Box<dyn Engine>,
+    /// `ManuallyDrop` so a copy inherited by a forked child can be leaked instead of joined
+    /// (Note [fork]).
+    engine: std::mem::ManuallyDrop<Box<dyn Engine>>,
+    /// The process that opened the swap.
+    pid: u32,
     ctx: Arc<Ctx>,
     block_bytes: u64,
     warning: Option<String>,
@@ -404,7 +408,8 @@ impl Swap {
             },
         };
         Ok(Swap {
-            engine,
+            engine: std::mem::ManuallyDrop::new(engine),
+            pid: std::process::id(),
             ctx,
             block_bytes: opts.block_bytes,
             warning: (!warnings.is_empty()).then(|| warnings.join("\n")),
@@ -456,6 +461,12 @@ impl Swap {
     fn request(&self, op: Op, block: Block, slot: &Slot) -> Ticket {
         let done = Completion::new();
         let ticket = Ticket::new(done.clone());
+        if self.forked() {
+            let msg = "this swap engine belongs to the parent process (it was inherited through \
+                       fork); a forked child must open its own offload context";
+            done.complete(block, Err(Error::Invalid(msg.into())));
+            return ticket;
+        }
         let chunks = match self.chunks(&block, slot) {
             Ok(c) => c,
             Err(e) => {
@@ -555,9 +566,25 @@ impl Swap {
     }
 }
 
+// Note [fork]: a child made by fork() inherits the Swap's memory but not its engine threads,
+// while the ring, the files and any in-flight requests still belong to the parent. The child
+// must neither submit (nothing would ever complete the request) nor join threads that do not
+// exist in it (a hang at exit), so both check the pid and the child leaks its copy. Guarded by
+// tests/python/test_hardening.py::test_fork_child_does_not_touch_the_engine.
+impl Swap {
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+}
+
 impl Drop for Swap {
     fn drop(&mut self) {
+        if self.forked() {
+            return; // the engine is leaked, never joined: Note [fork]
+        }
         self.engine.shutdown();
+        // SAFETY: `engine` is dropped exactly once, here, and never used again.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.engine) };
     }
 }
 
