@@ -109,7 +109,8 @@ pid = os.fork()
 if pid == 0:
     torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork (DataLoader does this)
     mine = grads()
-    ok = all(torch.equal(a, b) for a, b in zip(mine, grads(spillover.offload_context("nvme", **kw))))
+    got = grads(spillover.offload_context("nvme", **kw))
+    ok = all(torch.equal(a, b) for a, b in zip(mine, got))
     os._exit(0 if ok else 3)
 _, status = os.waitpid(pid, 0)
 assert os.waitstatus_to_exitcode(status) == 0, status
@@ -247,7 +248,9 @@ def test_hostile_swap_paths(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(real)  # followed: the swap file lives in the real directory
     for path in (open_dir, link):
-        c = spillover.offload_context("nvme", nvme_path=str(path), host_pool_bytes=(1 << 20) + 20480)
+        c = spillover.offload_context(
+            "nvme", nvme_path=str(path), host_pool_bytes=(1 << 20) + 20480
+        )
         with c:
             pass
         assert [os.path.realpath(d) for d in c._store.tier.swap.dirs] == [os.path.realpath(path)]
