@@ -16,9 +16,11 @@ python3 -m pip install --no-index --find-links dist/gpu --no-deps --force-reinst
 python3 -m pip install --no-index --find-links dist/gpu pytest 2>/dev/null || true
 status=0
 echo "== gpu tests"
-timeout 240 python3 -m pytest tests/python -m gpu -q -p no:cacheprovider \
+timeout 120 python3 -m pytest tests/python -m gpu -q -p no:cacheprovider \
     --junitxml="$OUT/gpu-tests.xml" || status=1
+echo "== Llama-style 1B benchmark (bf16, seq 4096)"
+timeout 240 python3 benches/gpu/bench.py --out "$OUT" --nvme-path "${SPILLOVER_NVME_PATH:-/tmp}" || status=1
 echo "== demo on the GPU"
-timeout 180 python3 -m spillover demo --size medium --steps 4 --out "$OUT/demo" || status=1
+timeout 150 python3 -m spillover demo --size medium --steps 4 --out "$OUT/demo" || status=1
 echo "== exit $status"
 exit $status
