@@ -10,6 +10,7 @@ USAGE = """usage: python -m spillover <command> [options]
 commands:
   demo     train a small built-in GPT in several offload modes and compare them
   doctor   check io_uring, O_DIRECT, free space, memlock, huge pages, CUDA; show the config
+  bench    calibrate bandwidths and compute for the planner; --compare runs the engine vs fio
 """
 
 
@@ -23,6 +24,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "bench":
+        from .benchcmd import main as bench_main
+
+        return bench_main(rest)
     if cmd == "doctor":
         from .doctor import main as doctor_main
 
