@@ -45,6 +45,10 @@ except ImportError:  # pragma: no cover
 
 _tls = threading.local()
 
+#: H2D staging distance on CUDA: this many entries, at most this many bytes, ahead of unpack.
+STAGE_AHEAD_ENTRIES = 2
+STAGE_AHEAD_BYTES = 512 << 20
+
 
 def _active() -> List[OffloadContext]:
     stack = getattr(_tls, "stack", None)
@@ -115,6 +119,8 @@ class _Entry:
         "handles",
         "_dev",
         "_dev_uses",
+        "_dev_event",
+        "seq",
         "_lock",
         "spill",
         "store",
@@ -131,6 +137,8 @@ class _Entry:
         self.handles = 0
         self._dev: Optional[torch.Tensor] = None
         self._dev_uses = 0
+        self._dev_event: Any = None
+        self.seq = -1
         self._lock = threading.Lock()
         self.spill: Any = None  # store.Spilled, on the NVMe tier
         self.store: Any = None
@@ -193,6 +201,8 @@ class OffloadContext:
         self._pool_starts: List[int] = []
         self._backends: Dict[Any, Any] = {}
         self._store: Any = None
+        self._by_seq: Dict[int, Any] = {}  # pack order -> weakref(entry), for H2D staging
+        self._next_seq = 0
 
     @staticmethod
     def _resolve_tier(tier: str) -> str:
@@ -356,6 +366,10 @@ class OffloadContext:
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         copy = backend.to_host(src, block, watch=t)
         entry = _Entry(block, nbytes, t.device, copy, self.config.verify)
+        entry.seq = self._next_seq
+        self._next_seq += 1
+        if t.device.type == "cuda":
+            self._by_seq[entry.seq] = weakref.ref(entry)
         if self.config.verify:
             copy.wait()
             entry.checksum = block.checksum()
@@ -390,10 +404,18 @@ class OffloadContext:
         with e._lock:
             if e._dev is not None:
                 raw = e._dev
+                if e._dev_event is not None:  # staged ahead: Note [stream ordering]
+                    torch.cuda.current_stream(e.device).wait_event(e._dev_event)
                 e._dev_uses += 1
                 if e._dev_uses >= e.handles:  # every view has had its copy: stop caching
-                    e._dev, e._dev_uses = None, 0
-                return raw
+                    e._dev, e._dev_uses, e._dev_event = None, 0, None
+                cached = True
+            else:
+                cached = False
+        if cached:
+            self._stage_ahead(e)
+            return raw
+        with e._lock:
             backend = self._backend(e.device)
             t0 = time.perf_counter()
             tier = "host"
@@ -415,8 +437,36 @@ class OffloadContext:
             if e.spill is None:
                 self._stats.add(stall_seconds=time.perf_counter() - t0)
             if e.device.type != "cpu" and e.handles > 1:
-                e._dev, e._dev_uses = raw, 1
-            return raw
+                e._dev, e._dev_uses, e._dev_event = raw, 1, None
+        if e.device.type == "cuda":
+            self._stage_ahead(e)
+        return raw
+
+    def _stage_ahead(self, e: _Entry) -> None:
+        """Start the H2D copies of the next entries backward will ask for (reverse pack
+        order, or the NVMe tier's learned order), a bounded distance ahead, so unpack finds
+        them on the device (Note [stream ordering] in transfer.py)."""
+        if self._store is not None and e.spill is not None:
+            nxt = self._store._expected_after(e.spill.seq)
+            cands = (self._store.by_seq.get(s) for s in nxt)
+        else:
+            cands = (self._by_seq.get(s) for s in range(e.seq - 1, -1, -1))
+        staged, nbytes = 0, 0
+        backend = self._backend(e.device)
+        for ref in cands:
+            if staged >= STAGE_AHEAD_ENTRIES or nbytes >= STAGE_AHEAD_BYTES:
+                break
+            c = ref() if ref is not None else None
+            if c is None or c.device.type != "cuda":
+                continue
+            with c._lock:
+                if c._dev is None:
+                    if c.spill is not None and c.spill.state != "host":
+                        break  # still on disk or in flight: the store's prefetch owns it
+                    raw, ev = backend.to_device(c.block, c.device, c.copy, wait=False)
+                    c._dev, c._dev_uses, c._dev_event = raw, 0, ev
+            staged += 1
+            nbytes += c.nbytes
 
 
 def offload_context(tier: Optional[str] = None, **overrides: Any) -> OffloadContext:

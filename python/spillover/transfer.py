@@ -122,10 +122,13 @@ class CpuBackend:
         fut = self._pool.submit(block.copy_from, src.data_ptr(), src.numel(), 0)
         return Copy(future=fut, keep=(src, block), watch=watch)
 
-    def to_device(self, block: Any, device: torch.device, after: Optional[Copy]) -> tuple:
+    def to_device(
+        self, block: Any, device: torch.device, after: Optional[Copy], wait: bool = True
+    ) -> tuple:
         # CPU "device": the block itself is the storage (no copy), once the pack copy is done.
-        stalled = after.wait() if after is not None else 0.0
-        return block_tensor(block), stalled
+        if after is not None:
+            after.wait()
+        return block_tensor(block), None
 
     def reap(self) -> None:
         pass
@@ -135,14 +138,7 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """Side-stream copies ordered by events (Note [in-place after pack]
-    Under saved_tensors_hooks autograd no longer checks that a saved tensor was not modified in
-    place before backward, and an asynchronous copy could read a half-modified tensor. So the
-    saved tensor is watched: its version counter is compared when the copy completes (Copy
-    .modified) and again at unpack while it is alive; either mismatch raises the error autograd
-    itself would raise. Guarded by test_context.py::test_inplace_after_save_is_an_error.
-
-Note [stream ordering])."""
+    """Side-stream copies ordered by events (Note [stream ordering])."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -164,7 +160,12 @@ Note [stream ordering])."""
             self._pending.append(c)
         return c
 
-    def to_device(self, block: Any, device: torch.device, after: Optional[Copy]) -> tuple:
+    def to_device(
+        self, block: Any, device: torch.device, after: Optional[Copy], wait: bool = True
+    ) -> tuple:
+        """Start the H2D copy; returns (device uint8 tensor, event). With ``wait``, the current
+        stream waits for it now; a prefetch (``wait=False``) makes the consumer wait on the
+        event when it uses the tensor (Note [stream ordering])."""
         host = block_tensor(block)
         compute = torch.cuda.current_stream(self.device)
         out = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
@@ -175,12 +176,13 @@ Note [stream ordering])."""
             out.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
-        compute.wait_event(event)
+        if wait:
+            compute.wait_event(event)
         out.record_stream(self.h2d)
         c = Copy(event=event, keep=(host, block))
         with self._lock:
             self._pending.append(c)
-        return out, 0.0
+        return out, event
 
     def reap(self) -> None:
         """Drop the references of copies that have finished (Note [source lifetime])."""
