@@ -151,7 +151,7 @@ def test_disk_full_names_the_path(tiny_gpt, tmp_path):
 
 def test_many_steps_do_not_grow(tiny_gpt, tmp_path, private_pool_bytes):
     model, batch = tiny_gpt
-    pool = (2 << 20) + 4096 + private_pool_bytes % (1 << 18)
+    pool = (7 << 18) + private_pool_bytes % (1 << 18)  # a capacity no other test uses
     fd_dir = f"/proc/{os.getpid()}/fd"
     samples = []
     for i in range(60):
