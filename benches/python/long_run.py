@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         if step % args.every == 0 or step == 1:
             s = sample(ctx)
             samples.append((step, s))
-            print(f"  step {step:5d}  loss {ctx.stats().bytes_offloaded_nvme >> 10:6d} KiB to "
+            print(f"  step {step:5d}  {ctx.stats().bytes_offloaded_nvme >> 10:6d} KiB to "
                   f"NVMe  rss {s['rss'] >> 20} MiB  fds {s['fds']}  threads {s['os_threads']}  "
                   f"swap {s['swap']}  pool {s['pool']}  ({time.perf_counter() - t0:.0f} s)",
                   flush=True)

@@ -35,6 +35,8 @@ class OffloadStats:
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     host_cache_hits: int = 0
+    #: Reads back that found no room in the pool and used a temporary buffer.
+    overflow_reads: int = 0
     #: Seconds pack or unpack waited for a copy, write or read that was not finished yet.
     stall_seconds: float = 0.0
     pool_peak: int = 0

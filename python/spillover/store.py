@@ -334,13 +334,29 @@ class StepStore:
         return e.block
 
     def _start_read(self, e: Any) -> None:
-        blk = self.lease(e.nbytes)
+        try:
+            blk = self.lease(e.nbytes)
+        except PoolExhaustedError:
+            blk = self._overflow_block(e.nbytes)
         with self.lock:
             if e.spill.state != "disk":  # someone else started it
                 return
             e.spill.ticket = self.tier.swap.read(e.spill.slot, blk)
             e.spill.state = "reading"
             self.reading[e.spill.seq] = e
+
+    def _overflow_block(self, nbytes: int) -> Any:
+        """Backward must not fail because the pool is full or fragmented: read into a block
+        of a one-off mapping instead (unregistered, so the engine uses plain reads), which goes
+        away with the tensor that views it."""
+        _runtime.warn_once(
+            "pool-overflow",
+            f"spillover: the {self.tier.capacity >> 20} MiB host pool had no room to read back "
+            f"a {nbytes >> 20} MiB tensor; used a temporary buffer (slower). Raise "
+            "SPILLOVER_HOST_POOL_BYTES to a few times the largest saved tensor.",
+        )
+        self.stats.add(overflow_reads=1)
+        return _native.Pool(nbytes, lock=False, huge_pages=False).lease(nbytes)
 
     def _finish_read(self, e: Any) -> None:
         with self.lock:
