@@ -182,8 +182,10 @@ class StepStore:
         # Resident entries are held weakly: an entry lives exactly as long as autograd's
         # handles to it (and a write or read in flight), never because the store knows it.
         self.resident: Dict[int, Any] = {}
-        self.writing: Deque[Any] = collections.deque()
-        self.reading: Dict[int, Any] = {}
+        # Entries with a write or read in flight, held weakly too: an entry whose handles are
+        # all gone dies at once and parks its request with the tier (Note [parked I/O]).
+        self.writing: Deque[Any] = collections.deque()  # weakrefs, oldest first
+        self.reading: Dict[int, Any] = {}  # seq -> weakref
         self.by_seq: Dict[int, Any] = {}  # seq -> weakref of entry
         self.next_seq = 0
         self.order: List[int] = []  # this step's unpack order (taught to the next step)
@@ -206,9 +208,9 @@ class StepStore:
                 return pool.lease(nbytes)
             except PoolExhaustedError:
                 with self.lock:
-                    writing = self.writing[0] if self.writing else None
+                    writing = self._oldest_writing()
                     evicted = writing is None and self._evict_one()
-                    reading = next(iter(self.reading.values()), None)
+                    reading = next((e for e in self._live(self.reading.values())), None)
                     copying = next((e for e in self._resident() if not e.copy.done()), None)
                 if writing is not None:
                     self._finish_write(writing, wait=True)
@@ -261,25 +263,39 @@ class StepStore:
             e.spill.went_to_disk = True
             e.block = None
             del self.resident[seq]
-            self.writing.append(e)
+            self.writing.append(weakref.ref(e))
             return True
         return False
+
+    @staticmethod
+    def _live(refs: Any) -> List[Any]:
+        return [e for e in (r() for r in list(refs)) if e is not None]
+
+    def _oldest_writing(self) -> Any:
+        """The oldest entry still being written (dropping references to dead ones)."""
+        while self.writing:
+            e = self.writing[0]()
+            if e is not None and e.spill.state == "writing":
+                return e
+            self.writing.popleft()
+        return None
 
     def _resident(self) -> List[Any]:
         return [e for e in (r() for r in list(self.resident.values())) if e is not None]
 
     def _reap_reads(self) -> None:
         with self.lock:
-            done = [e for e in self.reading.values() if e.spill.ticket.done()]
+            done = [e for e in self._live(self.reading.values())
+                    if e.spill.ticket is not None and e.spill.ticket.done()]
         for e in done:
             self._finish_read(e)
 
     def _reap_writes(self) -> None:
         while True:
             with self.lock:
-                if not self.writing or not self.writing[0].spill.ticket.done():
+                e = self._oldest_writing()
+                if e is None or not e.spill.ticket.done():
                     return
-                e = self.writing[0]
             self._finish_write(e, wait=False)
 
     def _finish_write(self, e: Any, wait: bool) -> None:
@@ -289,10 +305,7 @@ class StepStore:
                 return
             ticket = e.spill.ticket
             e.spill.ticket = None
-            if self.writing and self.writing[0] is e:
-                self.writing.popleft()
-            else:
-                self.writing.remove(e)
+            self.writing = collections.deque(r for r in self.writing if r() not in (e, None))
         blk = ticket.wait()  # raises SwapIOError / OutOfSpaceError
         del blk  # the write is on disk: the block goes back to the pool
         with self.lock:
@@ -343,7 +356,7 @@ class StepStore:
                 return
             e.spill.ticket = self.tier.swap.read(e.spill.slot, blk)
             e.spill.state = "reading"
-            self.reading[e.spill.seq] = e
+            self.reading[e.spill.seq] = weakref.ref(e)
 
     def _overflow_block(self, nbytes: int) -> Any:
         """Backward must not fail because the pool is full or fragmented: read into a block
@@ -401,7 +414,7 @@ class StepStore:
                     if e.spill.state == "disk":
                         e.spill.ticket = self.tier.swap.read(e.spill.slot, blk)
                         e.spill.state = "reading"
-                        self.reading[s] = e
+                        self.reading[s] = weakref.ref(e)
                 ahead += e.nbytes
             elif st == "host" and not e.spill.viewed:
                 ahead += e.nbytes

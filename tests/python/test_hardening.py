@@ -313,3 +313,98 @@ def test_huge_but_sparse_view_copies_its_storage_once():
         h1, h2 = c.pack(v), c.pack(big[5:9])
     assert torch.equal(c.unpack(h1), v) and torch.equal(c.unpack(h2), big[5:9])
     assert c.stats().storages_deduplicated == 1
+
+
+@pytest.mark.parametrize("change", ["removed", "read-only"])
+def test_swap_dir_removed_or_read_only_mid_run(tiny_gpt, tmp_path, change):
+    # The swap file is open and nameless, so the running tier keeps working (a stated
+    # fallback: nothing to do); a tier opened afterwards on that path fails at context entry.
+    model, batch = tiny_gpt
+    ref = gpt_step(model, batch)
+    d = tmp_path / "swap"
+    d.mkdir()
+    kw = dict(nvme_path=str(d), min_offload_bytes=0)
+    assert_bitwise(ref, gpt_step(model, batch, spillover.offload_context(
+        "nvme", host_pool_bytes=(1 << 20) + 45056, **kw)))
+    if change == "removed":
+        d.rmdir()
+    else:
+        os.chmod(d, 0o500)
+    c = spillover.offload_context("nvme", host_pool_bytes=(1 << 20) + 45056, **kw)
+    assert_bitwise(ref, gpt_step(model, batch, c))
+    assert c.stats().bytes_offloaded_nvme > 0
+    if os.geteuid() == 0 and change == "read-only":
+        return  # root writes through a read-only mode; the refusal below cannot be seen
+    msg = "does not exist" if change == "removed" else "not writable"
+    with pytest.raises(spillover.ConfigError, match=msg), spillover.offload_context(
+        "nvme", host_pool_bytes=(1 << 20) + 49152, **kw
+    ):
+        pass
+
+
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random put / get / evict / free sequences against the NVMe store: every get returns
+    the exact bytes put, and when every handle is gone nothing stays in the pool or swap."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.mkdtemp()
+        self.ctx = spillover.offload_context(
+            "nvme", nvme_path=self.dir, host_pool_bytes=(1 << 20) + 53248, min_offload_bytes=0,
+            io_engine="threads",
+        )
+        self.ctx.__enter__()
+        self.live = []
+        self.n = 0
+
+    @rule(kib=st.integers(1, 300), dtype=st.sampled_from([torch.float32, torch.int16]))
+    def put(self, kib, dtype):
+        self.n += 1
+        t = torch.arange(kib * 1024 // 4, dtype=torch.float32).mul_(self.n).to(dtype)
+        self.live.append((self.ctx.pack(t), t.clone()))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10**6))
+    def get(self, i):
+        h, expect = self.live[i % len(self.live)]
+        assert torch.equal(self.ctx.unpack(h), expect)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 10**6))
+    def free(self, i):
+        self.live.pop(i % len(self.live))
+
+    @rule()
+    def evict(self):
+        with self.ctx._store.lock:
+            self.ctx._store._evict_one()
+        self.ctx._store._reap_writes()
+
+    @invariant()
+    def pool_within_capacity(self):
+        s = self.ctx._pool.stats()
+        assert s["in_use"] <= s["capacity"]
+
+    def teardown(self):
+        self.live.clear()
+        store = self.ctx._store
+        self.ctx.__exit__(None, None, None)
+        gc.collect()
+        store.tier.swap.wait_idle()
+        store.tier.reap_parked()
+        store._reap_writes()
+        store.tier.reap_parked()
+        gc.collect()
+        assert self.ctx._pool.stats()["in_use"] == 0, self.ctx._pool.stats()
+        assert store.tier.swap.stats()["swap_in_use"] == 0
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30,
+                                          deadline=None)
+test_store_put_get_evict_free_sequences = StoreMachine.TestCase

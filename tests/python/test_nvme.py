@@ -180,14 +180,14 @@ def test_read_back_with_a_full_pool_uses_a_temporary_buffer(tmp_path):
     x.grad = None
     with c:
         loss = f()
-    tier = c._store.tier
-    c._store._write_behind()
-    while c._store.writing:
-        c._store._finish_write(c._store.writing[0], wait=True)
-    c._store._evict_one()
-    c._store._reap_writes()
-    tier.swap.wait_idle()
-    c._store._reap_writes()
+    tier, store = c._store.tier, c._store
+    c.synchronize()  # pack copies done: every entry is evictable
+    with store.lock:
+        while store._evict_one():
+            pass
+    while store._oldest_writing() is not None:
+        store._finish_write(store._oldest_writing(), wait=True)
+    assert not store._resident()  # everything is on disk now
     hog = tier.pool.lease(tier.pool.stats()["largest_free"])  # nothing left for the read
     spillover._runtime._warned.discard("pool-overflow")  # warned once per process
     with pytest.warns(RuntimeWarning, match="SPILLOVER_HOST_POOL_BYTES"):
