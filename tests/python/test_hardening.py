@@ -408,3 +408,12 @@ class StoreMachine(RuleBasedStateMachine):
 StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30,
                                           deadline=None)
 test_store_put_get_evict_free_sequences = StoreMachine.TestCase
+
+
+def test_long_run_bounded():
+    """CI's bounded form of benches/python/long_run.py (the full run is 1,000 steps)."""
+    script = os.path.join(HERE, "..", "..", "benches", "python", "long_run.py")
+    r = subprocess.run([sys.executable, script, "--steps", "60", "--every", "20"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "✓ fds flat" in r.stdout and "✓ pool in use 0" in r.stdout
