@@ -8,6 +8,7 @@
 pub mod error;
 pub mod extent;
 pub mod io;
+pub mod optim;
 pub mod pool;
 
 #[cfg(feature = "python")]

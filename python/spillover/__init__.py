@@ -18,6 +18,9 @@ from .errors import (
     SpilloverError,
     SwapIOError,
 )
+from .optim import OffloadAdamW
+from .planner import Planner
+from .recompute import SelectivePolicy, checkpoint, explain, unwrap, wrap
 from .stats import OffloadStats
 
 __version__ = _native.__version__
@@ -26,15 +29,22 @@ __all__ = [
     "Config",
     "ConfigError",
     "IntegrityError",
+    "OffloadAdamW",
     "OffloadContext",
     "OffloadStats",
     "OutOfSpaceError",
     "PoolExhaustedError",
     "SpilloverError",
     "SwapIOError",
+    "Planner",
+    "SelectivePolicy",
+    "checkpoint",
+    "explain",
     "format_size",
     "keep",
     "offload_context",
     "parse_size",
+    "unwrap",
+    "wrap",
     "__version__",
 ]

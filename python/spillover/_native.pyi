@@ -4,6 +4,17 @@ import os
 from typing import Any, Dict, List, Optional, Tuple, Union, final
 
 __version__: str
+__all__ = [
+    "__version__",
+    "Pool",
+    "Block",
+    "Swap",
+    "Slot",
+    "Ticket",
+    "AdamState",
+    "memlock_limit",
+    "crc32c",
+]
 
 @final
 class Pool:
@@ -83,3 +94,42 @@ class Ticket:
 
 def memlock_limit() -> Optional[int]: ...
 def crc32c(address: int, nbytes: int) -> int: ...
+
+@final
+class AdamState:
+    def __new__(
+        cls,
+        pool: Pool,
+        unit_lens: List[int],
+        *,
+        master: bool,
+        chunk_elems: int = 4194304,
+        task_elems: int = 8388608,
+        tier: str = "host",
+        allow_heap: bool = True,
+        dirs: Optional[List[Union[str, os.PathLike[str]]]] = None,
+        engine: str = "auto",
+        queue_depth: int = 32,
+        block_bytes: int = 1048576,
+        allow_buffered: bool = False,
+        buffers: int = 16,
+    ) -> AdamState: ...
+    def step(self, records: bytes) -> None: ...
+    def export_state(self, records: bytes) -> None: ...
+    def import_state(self, records: bytes) -> None: ...
+    def reset(self, unit: int) -> None: ...
+    def initialized(self) -> List[bool]: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def master(self) -> bool: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def swap_engine(self) -> Optional[str]: ...
+    @property
+    def swap_warning(self) -> Optional[str]: ...
+    def stats(self) -> Dict[str, Union[int, float]]: ...
+    @staticmethod
+    def fma_available() -> bool: ...
+    def inject_fault(self, kind: str, errno: int = 5, count: int = 1) -> None: ...

@@ -1,27 +1,40 @@
-"""``python -m spillover demo``: train a small built-in GPT on synthetic data in several modes
-and show, side by side, step time, activation memory, bytes moved and whether the gradients are
-bitwise identical to training without spillover."""
+"""``python -m spillover demo``: train a small built-in GPT on synthetic data in every mode
+spillover offers and show, side by side, step time, peak activation memory, bytes moved per
+tier, prefetch hit rate, stall time and whether the gradients are bitwise identical to
+training without spillover. Writes a PNG memory timeline and a JSON of the results."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import json
 import os
 import statistics
 import sys
+import tempfile
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import psutil
 import torch
 
+from . import _runtime
 from .config import format_size
 from .context import offload_context
 from .models import GPT, GPTConfig, synthetic_batch
 
-MODES = ("none", "host")
+MODES: Dict[str, str] = {
+    "none": "no checkpointing, no offload (the reference)",
+    "full": "spillover.wrap(policy='full'): recompute every block",
+    "selective": "spillover.wrap(policy='selective'): recompute cheap ops, keep matmuls",
+    "host": "offload_context('host'): saved activations to the pinned host pool",
+    "nvme": "offload_context('nvme'): host pool 1/8 of the activations, the rest on disk",
+    "auto": "wrap(policy='auto') + offload_context('auto'): the planner, budget 1/3",
+    "adamw": "offload_context('host') + spillover.OffloadAdamW(tier='host')",
+}
 
 SIZES = {
     # name: (GPTConfig kwargs, batch)
@@ -31,14 +44,60 @@ SIZES = {
 }
 
 
-def _rss() -> int:
-    return psutil.Process().memory_info().rss
+def _trim_malloc() -> Callable[[], None]:
+    """Make freed CPU tensors leave RSS (glibc): large blocks from mmap, trimmed on demand.
+    Without this, RSS keeps what an earlier mode freed and later modes look free."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+        return lambda: libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return lambda: None
 
 
-def _device_mem(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    return _rss()
+class Sampler:
+    """Samples memory every ``interval`` seconds on a thread: device memory on CUDA; on CPU
+    the process RSS plus the pool bytes in use (the pool is pre-faulted, so RSS alone would
+    hide what moved into it)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.005):
+        self.device = device
+        self.interval = interval
+        self.samples: List[Tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+        self._t0 = 0.0
+        self._thread: Optional[threading.Thread] = None
+
+    def now(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        pools = list(_runtime._pools.values())
+        return self._proc.memory_info().rss + sum(p.stats()["in_use"] for p in pools) - sum(
+            p.capacity for p in pools
+        )
+
+    def __enter__(self) -> Sampler:
+        self.base = self.now()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self._t0, self.now() - self.base))
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.samples.append((time.perf_counter() - self._t0, self.now() - self.base))
+
+    @property
+    def peak(self) -> int:
+        return max((m for _, m in self.samples), default=0)
 
 
 def _sync(device: torch.device) -> None:
@@ -46,100 +105,123 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Mode:
-    def __init__(self, name: str, enter: Callable[[], Any]):
+class Mode:
+    def __init__(self, name: str, base: GPT, device: torch.device, act_bytes: int,
+                 swapdir: str):
+        import spillover
+
         self.name = name
-        self.enter = enter
-
-
-def _modes(names: List[str], pool_bytes: int) -> List[_Mode]:
-    out = []
-    for n in names:
-        if n == "none":
-            out.append(_Mode(n, lambda: None))
-        elif n == "host":
-            out.append(
-                _Mode(n, lambda: offload_context("host", host_pool_bytes=pool_bytes))
-            )
+        self.model = copy.deepcopy(base).to(device)
+        self.ctx_kw: Optional[Dict[str, Any]] = None
+        pool = max(64 << 20, 2 * act_bytes)
+        if name in ("full", "selective"):
+            spillover.wrap(self.model, policy=name)
+        elif name == "host" or name == "adamw":
+            self.ctx_kw = dict(tier="host", host_pool_bytes=pool)
+        elif name == "nvme":
+            self.ctx_kw = dict(tier="nvme", host_pool_bytes=max(8 << 20, act_bytes // 8),
+                               nvme_path=swapdir)
+        elif name == "auto":
+            spillover.wrap(self.model, policy="auto", budget_bytes=max(1 << 20, act_bytes // 3))
+            self.ctx_kw = dict(tier="auto", host_pool_bytes=pool, nvme_path=swapdir)
+        params = self.model.parameters()
+        if name == "adamw":
+            self.opt: Any = spillover.OffloadAdamW(params, lr=1e-3, tier="host")
         else:
-            raise SystemExit(f"spillover demo: unknown mode {n!r}; choose from {', '.join(MODES)}")
-    return out
+            self.opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def context(self) -> Any:
+        return offload_context(**self.ctx_kw) if self.ctx_kw is not None else None
 
 
-def run_mode(
-    mode: _Mode,
-    base: GPT,
-    batches: List[tuple],
-    device: torch.device,
-    progress: Callable[[str], None],
-) -> Dict[str, Any]:
-    torch.manual_seed(0)
-    model = copy.deepcopy(base).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times, held, grads_per_step = [], [], []
-    stats: Dict[str, Any] = {}
-    timeline: List[tuple] = []
-    t_start = time.perf_counter()
+def run_mode(mode: Mode, batches: List[tuple], device: torch.device, trim: Callable[[], None],
+             progress: Callable[[str], None]) -> Dict[str, Any]:
+    times, peaks, grads = [], [], []
+    stats: Dict[str, float] = {"bytes_offloaded_host": 0, "bytes_offloaded_nvme": 0,
+                               "prefetch_hits": 0, "prefetch_misses": 0, "stall_seconds": 0.0}
+    timeline: List[Tuple[float, int]] = []
     for step, (idx, tgt) in enumerate(batches):
         gc.collect()
+        trim()
         _sync(device)
-        before = _device_mem(device)
-        t0 = time.perf_counter()
-        ctx = mode.enter()
-        if ctx is not None:
-            with ctx:
-                loss = model(idx, tgt)
-        else:
-            loss = model(idx, tgt)
-        _sync(device)
-        after_fwd = _device_mem(device)
-        timeline.append((time.perf_counter() - t_start, after_fwd - before))
-        loss.backward()
-        _sync(device)
-        dt = time.perf_counter() - t0
-        timeline.append((time.perf_counter() - t_start, _device_mem(device) - before))
-        grads_per_step.append([p.grad.detach().clone() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step > 0:  # step 0 is warm-up (pool mapping, allocator growth)
+        ctx = mode.context()
+        with Sampler(device) as sampler:
+            t0 = time.perf_counter()
+            if ctx is not None:
+                with ctx:
+                    loss = mode.model(idx, tgt)
+            else:
+                loss = mode.model(idx, tgt)
+            loss.backward()
+            _sync(device)
+            dt = time.perf_counter() - t0
+        grads.append([p.grad.detach().clone() for p in mode.model.parameters()])
+        mode.opt.step()
+        mode.opt.zero_grad(set_to_none=True)
+        if step == 0:
+            first_params = [p.detach().clone() for p in mode.model.parameters()]
+        if step > 0:  # step 0 is warm-up (pool mapping, swap files, allocator growth)
             times.append(dt)
-            held.append(after_fwd - before)
-        if ctx is not None:
-            s = ctx.stats()
-            stats = {
-                "bytes_offloaded_host": s.bytes_offloaded_host,
-                "bytes_offloaded_nvme": s.bytes_offloaded_nvme,
-                "bytes_kept": s.bytes_kept,
-                "pool_peak": s.pool_peak,
-                "stall_seconds": stats.get("stall_seconds", 0.0) + s.stall_seconds,
-            }
-        progress(f"{mode.name}: step {step + 1}/{len(batches)}  {dt:.2f}s  loss {loss.item():.4f}")
-        del loss
+            peaks.append(sampler.peak)
+            timeline = sampler.samples
+            if ctx is not None:
+                s = ctx.stats()
+                for k in stats:
+                    stats[k] += getattr(s, k)
+        progress(f"{mode.name:<9} step {step + 1}/{len(batches)}  {dt:6.2f} s  "
+                 f"loss {loss.item():.4f}")
+        del loss, ctx
+    n = max(1, len(times))
     return {
         "mode": mode.name,
-        "step_seconds": statistics.median(times) if times else float("nan"),
-        "activation_bytes": statistics.median(held) if held else 0,
-        "grads": grads_per_step,
+        "step_seconds": statistics.median(times),
+        "peak_bytes": statistics.median(peaks),
+        "grads": grads,
+        "params": first_params,
         "timeline": timeline,
-        **stats,
+        "bytes_offloaded_host": stats["bytes_offloaded_host"] / n,
+        "bytes_offloaded_nvme": stats["bytes_offloaded_nvme"] / n,
+        "prefetch_hits": stats["prefetch_hits"],
+        "prefetch_misses": stats["prefetch_misses"],
+        "stall_seconds": stats["stall_seconds"] / n,
+        "uses_context": mode.ctx_kw is not None,
     }
 
 
+def _check(ref: Dict[str, Any], r: Dict[str, Any]) -> str:
+    if r["mode"] == "adamw":
+        # Another optimizer: gradients can match only while the parameters do (step 1); its
+        # update is checked by the parameters after that step against torch.optim.AdamW's
+        # (later steps drift apart through the model, not through the optimizer).
+        first = all(torch.equal(a, b) for a, b in zip(ref["grads"][0], r["grads"][0]))
+        close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                    for a, b in zip(ref["params"], r["params"]))
+        return "✓ step 1 (+AdamW ≈ torch)" if first and close else "✗ DIFFER"
+    same = all(torch.equal(a, b) for ga, gb in zip(ref["grads"], r["grads"])
+               for a, b in zip(ga, gb))
+    return "✓ identical" if same else "✗ DIFFER"
+
+
 def _table(rows: List[Dict[str, Any]], device: torch.device) -> str:
-    mem_label = "act. mem (device)" if device.type == "cuda" else "act. RSS after fwd"
-    head = ["mode", "step s", "x none", mem_label, "to host", "pool peak", "stall s", "grads"]
-    base_t = rows[0]["step_seconds"]
+    mem_label = "peak act. (device)" if device.type == "cuda" else "peak act. (RSS+pool)"
+    head = ["mode", "step s", "x none", mem_label, "x none", "to host", "to NVMe",
+            "prefetch hit", "stall s", "gradients"]
+    base_t, base_m = rows[0]["step_seconds"], max(1, rows[0]["peak_bytes"])
     lines = []
     for r in rows:
+        hits, misses = r["prefetch_hits"], r["prefetch_misses"]
+        ctx = r["uses_context"]
         lines.append([
             r["mode"],
             f"{r['step_seconds']:.3f}",
             f"{r['step_seconds'] / base_t:.2f}",
-            format_size(max(0, r["activation_bytes"])),
-            format_size(r.get("bytes_offloaded_host")) if "pool_peak" in r else "-",
-            format_size(r.get("pool_peak")) if "pool_peak" in r else "-",
-            f"{r['stall_seconds']:.3f}" if "stall_seconds" in r else "-",
-            "✓ identical" if r["identical"] else "✗ DIFFER",
+            format_size(max(0, r["peak_bytes"])),
+            f"{max(0, r['peak_bytes']) / base_m:.2f}",
+            format_size(r["bytes_offloaded_host"]) if ctx else "-",
+            format_size(r["bytes_offloaded_nvme"]) if ctx else "-",
+            f"{hits / (hits + misses):.0%}" if hits + misses else "-",
+            f"{r['stall_seconds']:.3f}" if ctx else "-",
+            r["check"],
         ])
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -148,22 +230,47 @@ def _table(rows: List[Dict[str, Any]], device: torch.device) -> str:
     return "\n".join(out)
 
 
+def _plot(rows: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+    for r in rows:
+        if r["timeline"]:
+            ts, ms = zip(*r["timeline"])
+            ax.plot(ts, [m / 2**20 for m in ms], label=r["mode"], linewidth=1.4)
+    ax.set_xlabel("seconds into the step (forward, then backward)")
+    ax.set_ylabel("activation memory (MiB)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spillover demo", description=__doc__)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument(
-        "--steps", type=int, default=3, help="training steps per mode (the first is warm-up)"
-    )
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    p.add_argument("--steps", type=int, default=3,
+                   help="training steps per mode (the first is warm-up)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, from: {', '.join(MODES)}")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--out", default="spillover-demo", help="folder for results.json")
+    p.add_argument("--out", default="spillover-demo", help="folder for the PNG and the JSON")
     args = p.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if "none" in names:
-        names.remove("none")
-    names.insert(0, "none")  # the reference every other mode is compared against
+    bad = [m for m in names if m not in MODES]
+    if bad:
+        p.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
+    names = ["none"] + [m for m in names if m != "none"]  # the reference comes first
     cfg_kw, batch = SIZES[args.size]
     cfg = GPTConfig(**cfg_kw)
     torch.manual_seed(0)
@@ -173,16 +280,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     batches = [
         tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=s)) for s in range(steps)
     ]
-    # Room for every activation of a step, with margin (scores: 3 per head; the rest ~24 d).
-    per_layer = batch * cfg.seq * (cfg.n_heads * cfg.seq * 3 + cfg.d_model * 24) * 4
-    pool_bytes = 2 * cfg.n_layers * per_layer
-    pool_bytes = max(pool_bytes, 64 << 20)
-    print(
-        f"spillover demo: GPT {cfg.n_layers} layers, d_model {cfg.d_model}, seq {cfg.seq}, "
-        f"batch {batch}, {nparams / 1e6:.1f}M params, on {device}; {steps} steps per mode "
-        f"(first is warm-up)",
-        flush=True,
-    )
+    trim = _trim_malloc()
+    swapdir = tempfile.mkdtemp(prefix="spillover-demo-swap-")
+    print(f"spillover demo: GPT {cfg.n_layers} layers, d_model {cfg.d_model}, seq {cfg.seq}, "
+          f"batch {batch}, {nparams / 1e6:.1f}M params, on {device}; {steps} steps per mode "
+          "(the first is warm-up)", flush=True)
+    for n in names:
+        print(f"  {n:<9} {MODES[n]}")
+    print(flush=True)
     tty = sys.stdout.isatty()
 
     def progress(msg: str) -> None:
@@ -191,35 +296,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print("  " + msg, flush=True)
 
-    rows = []
-    for mode in _modes(names, pool_bytes):
-        r = run_mode(mode, base, batches, device, progress)
+    rows: List[Dict[str, Any]] = []
+    act_bytes = 0
+    for name in names:
+        mode = Mode(name, base, device, act_bytes, swapdir)
+        r = run_mode(mode, batches, device, trim, progress)
         if tty:
             print()
+        if name == "none":
+            act_bytes = int(r["peak_bytes"])
         rows.append(r)
-    ref = rows[0]["grads"]
+        del mode
     for r in rows:
-        r["identical"] = all(
-            torch.equal(a, b) for ga, gb in zip(ref, r["grads"]) for a, b in zip(ga, gb)
-        )
+        r["check"] = _check(rows[0], r)
     print()
     print(_table(rows, device))
     os.makedirs(args.out, exist_ok=True)
+    png = _plot(rows, os.path.join(args.out, "timeline.png"),
+                f"spillover demo: GPT {cfg.n_layers}x{cfg.d_model}, seq {cfg.seq}, batch "
+                f"{batch}, {device}")
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
-        json.dump(
-            {
-                "device": str(device),
-                "model": cfg_kw,
-                "batch": batch,
-                "steps": steps,
-                "rows": [{k: v for k, v in r.items() if k != "grads"} for r in rows],
-            },
-            f,
-            indent=2,
-        )
-    print(f"\nresults written to {path}")
-    ok = all(r["identical"] for r in rows)
+        json.dump({
+            "device": str(device), "model": cfg_kw, "batch": batch, "steps": steps,
+            "modes": {n: MODES[n] for n in names},
+            "rows": [{k: v for k, v in r.items() if k not in ("grads", "params")}
+                     for r in rows],
+        }, f, indent=1)
+    print(f"\nwrote {path}" + (f" and {png}" if png else " (matplotlib missing: no PNG)"))
+    ok = all(r["check"].startswith("✓") for r in rows)
     if not ok:
         print("spillover demo: gradients differ from training without offload", file=sys.stderr)
     return 0 if ok else 1

@@ -5,6 +5,7 @@
 //! at this boundary.
 
 mod errors;
+mod optim;
 mod pool;
 mod swap;
 
@@ -18,6 +19,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<swap::PySwap>()?;
     m.add_class::<swap::PySlot>()?;
     m.add_class::<swap::PyTicket>()?;
+    m.add_class::<optim::PyAdamState>()?;
     m.add_function(wrap_pyfunction!(pool::memlock_limit, m)?)?;
     m.add_function(wrap_pyfunction!(pool::crc32c, m)?)?;
     Ok(())

@@ -1,0 +1,190 @@
+"""Recompute policies end to end on CPU: activation memory held after forward and step time,
+per mode, same run (the method of e2e_cpu.py: glibc's mmap threshold pinned so freed tensors
+leave RSS; memory = RSS after forward - RSS before it + the spillover pool's bytes in use).
+
+    python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
+        --batch 4] [--steps 2] [--modes none,full,sac-mm,selective,offload-nvme,auto]
+        [--pool 256MiB] [--auto-pool 64MiB] [--explain]
+
+Modes:
+  none          the plain model
+  full          spillover.wrap(policy="full"): each block saves only its input
+  sac-mm        torch's own selective checkpointing saving every matmul output (reference)
+  selective     spillover.wrap(policy="selective")
+  offload-nvme  spillover.wrap(policy="offload") under offload_context("nvme", pool --pool)
+  auto          spillover.wrap(policy="auto") under offload_context("nvme", pool --auto-pool),
+                budget = what `full` held after forward in this run (the least of rounds 0
+                and 1: auto learns in round 0 and plans at the start of round 1)
+  auto-sel      the same with budget = what `selective` held (is auto faster at equal memory?)
+
+Steps are interleaved round by round (1 warm-up + --steps measured per mode); medians are shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import gc
+import statistics
+import tempfile
+import time
+
+import psutil
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import spillover
+from spillover import calibrate
+from spillover.config import format_size
+from spillover.models import GPT, GPTConfig, synthetic_batch
+
+_libc = ctypes.CDLL("libc.so.6")
+
+aten = torch.ops.aten
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _sac_mm_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sac_forward(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    x = model.tok(idx) + model.pos(torch.arange(idx.shape[1]))
+    ctx_fn = functools.partial(create_selective_checkpoint_contexts, _sac_mm_policy)
+    for blk in model.blocks:
+        x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False, context_fn=ctx_fn)
+    logits = model.head(model.ln_f(x))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2, help="measured steps per mode (+1 warm-up)")
+    ap.add_argument("--modes",
+                    default="none,full,sac-mm,selective,offload-nvme,auto,auto-sel")
+    ap.add_argument("--pool", default="256MiB", help="host pool of offload-nvme")
+    ap.add_argument("--auto-pool", default="64MiB", help="host pool of auto's NVMe context")
+    ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="leave glibc's mmap threshold alone: faster steps (freed memory is "
+                         "reused without page faults) but the memory column then misreads")
+    args = ap.parse_args()
+    if not args.glibc_default:
+        _libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB: RSS tracks live tensors
+    cfg = GPTConfig(vocab=2048, d_model=args.d_model, n_heads=args.heads,
+                    n_layers=args.layers, seq=args.seq)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    idx, tgt = synthetic_batch(cfg, args.batch)
+    modes = args.modes.split(",")
+    tmp = tempfile.mkdtemp(prefix="spillover-recompute-bench-")
+    machine = calibrate.calibrate(device="cpu")  # before timing: the planner reads it
+    print(calibrate.describe(machine), flush=True)
+
+    models = {}
+    planners = {}  # auto mode -> (planner, the mode whose memory is its budget)
+    for mode in modes:
+        if mode in ("none", "sac-mm"):
+            models[mode] = base
+            continue
+        m = GPT(cfg)
+        m.load_state_dict(base.state_dict())
+        policy = {"full": "full", "selective": "selective", "offload-nvme": "offload"}.get(mode)
+        if mode in ("auto", "auto-sel"):
+            planner = spillover.Planner(budget_bytes=1)  # set from this run's measurements
+            planners[mode] = (planner, "full" if mode == "auto" else "selective")
+            policy = planner
+        models[mode] = spillover.wrap(m, policy=policy)
+
+    def context(mode):
+        if mode == "offload-nvme":
+            return spillover.offload_context("nvme", host_pool_bytes=args.pool, nvme_path=tmp)
+        if mode in ("auto", "auto-sel"):
+            return spillover.offload_context("nvme", host_pool_bytes=args.auto_pool,
+                                             nvme_path=tmp)
+        return None
+
+    results = {m: {"t": [], "mem": []} for m in modes}
+    least_held: dict = {}
+    for step in range(args.steps + 1):
+        for mode in modes:
+            model = models[mode]
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            _libc.malloc_trim(0)
+            ctx = context(mode)
+            before = rss()
+            t0 = time.perf_counter()
+            if ctx is not None:
+                with ctx:
+                    loss = model(idx, tgt)
+            elif mode == "sac-mm":
+                loss = sac_forward(model, idx, tgt)
+            else:
+                loss = model(idx, tgt)
+            held = rss() - before
+            if ctx is not None:
+                held += ctx._pool.stats()["in_use"]
+            loss.backward()
+            dt = time.perf_counter() - t0
+            if step <= 1:
+                # An auto mode's budget: what its reference mode held in this run (the least
+                # of the rounds before its plan is made, at the start of its round 1; the
+                # reference runs before it in each round).
+                least_held[mode] = min(least_held.get(mode, held), held)
+                for planner, ref in planners.values():
+                    if ref == mode:
+                        planner.budget_bytes = least_held[mode]
+            if step > 0:
+                results[mode]["t"].append(dt)
+                results[mode]["mem"].append(held)
+            print(f"  step {step} {mode:<13} {dt:6.2f} s  {held / 2**20:8.0f} MiB", flush=True)
+            del loss, ctx
+
+    med = {m: (statistics.median(r["t"]), statistics.median(r["mem"]))
+           for m, r in results.items()}
+    base_t, base_m = med.get("none", (float("nan"), float("nan")))
+    full_t, full_m = med.get("full", (float("nan"), float("nan")))
+    print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
+          f"{args.batch}, fp32, CPU ({torch.get_num_threads()} threads); medians of "
+          f"{args.steps} steps")
+    head = ("mode", "step s", "x none", "x full", "act MiB", "x none")
+    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>7} {head[3]:>7} {head[4]:>8} {head[5]:>7}")
+    for m in modes:
+        t, mem = med[m]
+        print(f"{m:<13} {t:7.2f} {t / base_t:7.2f} {t / full_t:7.2f} {mem / 2**20:8.0f} "
+              f"{mem / base_m:7.2f}")
+    if "selective" in med and "none" in med:
+        t, mem = med["selective"]
+        print(f"goal selective: memory {mem / base_m:.0%} of none (<= 35%), time "
+              f"{t / base_t:.2f}x none (<= 1.05x)")
+    if "auto" in med and "full" in med:
+        t, mem = med["auto"]
+        print(f"goal auto: memory {mem / full_m:.2f}x full's (budget "
+              f"{format_size(planners['auto'][0].budget_bytes)}), time "
+              f"{t / full_t:.2f}x full (<= 0.9x)")
+    if "auto-sel" in med and "selective" in med:
+        t, mem = med["auto-sel"]
+        sel_t, sel_m = med["selective"]
+        print(f"auto-sel: memory {mem / sel_m:.2f}x selective's (budget "
+              f"{format_size(planners['auto-sel'][0].budget_bytes)}), time "
+              f"{t / sel_t:.2f}x selective")
+    if args.explain:
+        for m in modes:
+            if m in ("selective", "auto", "auto-sel"):
+                print(f"\n== explain: {m}")
+                print(spillover.explain(models[m]))
+
+
+if __name__ == "__main__":
+    main()

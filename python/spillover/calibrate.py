@@ -1,0 +1,353 @@
+"""Measured compute throughput and transfer bandwidths of this machine, cached on disk.
+
+The planner (:mod:`spillover.planner`) turns per-tensor bytes and FLOPs into seconds with these
+numbers. They are measured once per machine — by ``python -m spillover bench`` or on the
+planner's first use — and reused from a JSON file::
+
+    $XDG_CACHE_HOME/spillover/calibration-<fingerprint>.json   (default ~/.cache/spillover/)
+
+The fingerprint covers what changes the numbers (host name, CPU model and count, torch version
+and thread count, GPU names, swap directories), so a home directory shared between machines
+keeps one file per machine. ``calibrate(force=True)`` measures again.
+
+What is measured (all seconds are medians of a few repeats, after one warm-up):
+
+``matmul_flops``
+    FLOP/s of a large matmul on the device, per dtype (fp32; bf16 and fp16 on CUDA). The output
+    is freshly allocated each time, as in training, so on CPU first-touch page faults count.
+``elementwise_bytes_per_s``
+    Bytes read plus written per second by an out-of-place elementwise op with a fresh output.
+``d2h_bytes_per_s`` / ``h2d_bytes_per_s``
+    Device to pinned host memory and back. On a CPU-only machine: a copy into a host-pool block
+    (what ``offload_context`` does there) — the "link" is memcpy.
+``nvme_write_bytes_per_s`` / ``nvme_read_bytes_per_s``
+    The swap engine (``O_DIRECT``, the configured io engine and queue depth) over the first
+    SPILLOVER_NVME_PATH directory, or a private temp dir. ``None`` with ``nvme_error`` when no
+    swap file can be opened there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .config import Config, format_size
+
+__all__ = ["calibrate", "load", "cache_path", "main", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "spillover")
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def fingerprint(cfg: Optional[Config] = None) -> Dict[str, Any]:
+    """What the measured numbers depend on."""
+    cfg = cfg or Config.load()
+    gpus: List[str] = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "host": platform.node(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__.split("+")[0],
+        "threads": torch.get_num_threads(),
+        "gpus": gpus,
+        "nvme_path": list(cfg.nvme_path) if cfg.nvme_path else None,
+        "io_engine": cfg.io_engine,
+    }
+
+
+def cache_path(cfg: Optional[Config] = None) -> str:
+    """The JSON file this machine's calibration is kept in."""
+    key = json.dumps(fingerprint(cfg), sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return os.path.join(_cache_dir(), f"calibration-{digest}.json")
+
+
+def load(cfg: Optional[Config] = None) -> Optional[Dict[str, Any]]:
+    """The cached calibration of this machine, or None (missing, unreadable or outdated)."""
+    path = cache_path(cfg)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        return None
+    return data
+
+
+def _save(data: Dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+# ---- measurements ---------------------------------------------------------------------------
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> float:
+    a = torch.randn(2 * n, n, device=device).to(dtype)
+    b = torch.randn(n, 2 * n, device=device).to(dtype)
+    sec = _median_seconds(lambda: a @ b, repeats, _sync_for(device))
+    return 2.0 * (2 * n) * n * (2 * n) / sec
+
+
+def _elementwise(device: torch.device, nbytes: int, repeats: int) -> float:
+    x = torch.randn(nbytes // 4, device=device)
+    sec = _median_seconds(lambda: x * 1.5, repeats, _sync_for(device))
+    return 2.0 * nbytes / sec
+
+
+def _link(device: torch.device, nbytes: int, repeats: int) -> Dict[str, float]:
+    """Device <-> pinned host memory, or (CPU) memcpy into a host-pool-like block."""
+    if device.type == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        sync = _sync_for(device)
+        d2h = _median_seconds(lambda: host.copy_(src, non_blocking=True), repeats, sync)
+        h2d = _median_seconds(lambda: src.copy_(host, non_blocking=True), repeats, sync)
+        return {"d2h_bytes_per_s": nbytes / d2h, "h2d_bytes_per_s": nbytes / h2d}
+    from . import _native
+
+    pool = _native.Pool(max(nbytes, 64 << 20), lock=False)
+    block = pool.lease(nbytes)
+    src = torch.randn(nbytes // 4)
+    sec = _median_seconds(
+        functools.partial(block.copy_from, src.data_ptr(), nbytes, 0), repeats, lambda: None
+    )
+    return {"d2h_bytes_per_s": nbytes / sec, "h2d_bytes_per_s": nbytes / sec}
+
+
+def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
+    """Write then read ``total`` bytes in ``chunk``-sized requests, all in flight at once."""
+    from . import _native
+
+    own_dir = None
+    if cfg.nvme_path:
+        dirs = [cfg.nvme_path[0]]
+    else:
+        own_dir = tempfile.mkdtemp(prefix="spillover-calibrate-")
+        dirs = [own_dir]
+    try:
+        n = max(1, total // chunk)
+        pool = _native.Pool(n * chunk + (4 << 20), lock=False)
+        swap = _native.Swap(
+            pool,
+            dirs,
+            engine=cfg.io_engine,
+            queue_depth=cfg.io_queue_depth,
+            block_bytes=cfg.io_block_bytes,
+            allow_buffered=cfg.allow_buffered_io,
+        )
+        blocks = [pool.lease(chunk) for _ in range(n)]
+        fill = torch.randn(chunk // 4)
+        for b in blocks:
+            b.copy_from(fill.data_ptr(), chunk, 0)
+        slots = [swap.alloc(chunk) for _ in range(n)]
+        best_w = best_r = float("inf")
+        for _ in range(2):  # the first round also warms the file's extents
+            t0 = time.perf_counter()
+            tickets = [swap.write(b, s) for b, s in zip(blocks, slots)]
+            blocks = [t.wait() for t in tickets]
+            best_w = min(best_w, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tickets = [swap.read(s, b) for b, s in zip(blocks, slots)]
+            blocks = [t.wait() for t in tickets]
+            best_r = min(best_r, time.perf_counter() - t0)
+        out = {
+            "nvme_write_bytes_per_s": n * chunk / best_w,
+            "nvme_read_bytes_per_s": n * chunk / best_r,
+            "nvme_engine": swap.engine,
+            "nvme_direct": bool(swap.direct),
+            "nvme_dir": dirs[0],
+            "nvme_error": None,
+        }
+        del tickets, blocks, slots, swap, pool
+        return out
+    except Exception as e:  # no usable swap directory: the planner then never picks NVMe
+        return {
+            "nvme_write_bytes_per_s": None,
+            "nvme_read_bytes_per_s": None,
+            "nvme_dir": dirs[0],
+            "nvme_error": f"{type(e).__name__}: {e}",
+        }
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+def measure_device(device: torch.device, quick: bool = False) -> Dict[str, Any]:
+    """Throughput and link bandwidth of one device (not cached; see :func:`calibrate`)."""
+    n = 512 if quick else 1024
+    repeats = 2 if quick else 3
+    flops = {"float32": _matmul_flops(device, torch.float32, n, repeats)}
+    if device.type == "cuda":
+        n_half = 2048 if quick else 4096
+        for dt in (torch.bfloat16, torch.float16):
+            flops[str(dt).replace("torch.", "")] = _matmul_flops(device, dt, n_half, repeats)
+    ew_bytes = (16 << 20) if quick else (64 << 20)
+    out: Dict[str, Any] = {
+        "matmul_flops": flops,
+        "elementwise_bytes_per_s": _elementwise(device, ew_bytes, repeats),
+    }
+    out.update(_link(device, (16 << 20) if quick else (64 << 20), repeats))
+    if device.type == "cuda":
+        out["name"] = torch.cuda.get_device_name(device)
+    return out
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type
+
+
+def calibrate(
+    force: bool = False,
+    device: Optional[torch.device | str] = None,
+    quick: bool = False,
+    cfg: Optional[Config] = None,
+) -> Dict[str, Any]:
+    """This machine's calibration: from the cache, or measured now (and cached).
+
+    Args:
+        force: measure again even when a cached result exists.
+        device: the compute device to measure (default: CUDA when available, else CPU). Each
+            device measured is added to the same file.
+        quick: smaller, faster measurements (about a second on a CPU; for tests).
+        cfg: the configuration whose swap directory and io engine are measured (default:
+            ``Config.load()``, i.e. the SPILLOVER_* environment).
+
+    Returns:
+        ``{"version", "fingerprint", "devices": {"cpu": {...}, "cuda:0": {...}},
+        "nvme_write_bytes_per_s", "nvme_read_bytes_per_s", "nvme_error", ...}``.
+    """
+    cfg = cfg or Config.load()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    key = _device_key(dev)
+    path = cache_path(cfg)
+    data = None if force else load(cfg)
+    if data is not None and key in data.get("devices", {}) and "nvme_error" in data:
+        return data
+    data = data or {"version": FORMAT_VERSION, "fingerprint": fingerprint(cfg), "devices": {}}
+    t0 = time.perf_counter()
+    data["devices"][key] = measure_device(dev, quick=quick)
+    if force or "nvme_error" not in data:
+        total, chunk = ((32 << 20), (4 << 20)) if quick else ((256 << 20), (8 << 20))
+        data.update(_nvme(cfg, total, chunk))
+    data["quick"] = bool(quick)
+    data["measured_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"
+    )
+    data["seconds"] = round(time.perf_counter() - t0, 2)
+    try:
+        _save(data, path)
+    except OSError as e:  # a read-only home still gets numbers, just not cached
+        data["cache_error"] = str(e)
+    return data
+
+
+def _rate(v: Optional[float], unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "B":
+        return f"{format_size(v)}/s"
+    return f"{v / 1e9:.1f} G{unit}/s"
+
+
+def describe(data: Dict[str, Any]) -> str:
+    """A short human-readable table of a calibration."""
+    lines = []
+    for key, d in data.get("devices", {}).items():
+        name = f"{key} ({d['name']})" if d.get("name") else key
+        lines.append(f"{name}:")
+        for dt, f in d["matmul_flops"].items():
+            lines.append(f"  matmul {dt:<9}        {_rate(f, 'FLOP')}")
+        lines.append(f"  elementwise (read+write) {_rate(d['elementwise_bytes_per_s'], 'B')}")
+        lines.append(f"  device -> host           {_rate(d['d2h_bytes_per_s'], 'B')}")
+        lines.append(f"  host -> device           {_rate(d['h2d_bytes_per_s'], 'B')}")
+    if data.get("nvme_error"):
+        lines.append(f"nvme ({data.get('nvme_dir')}): unavailable: {data['nvme_error']}")
+    else:
+        lines.append(
+            f"nvme ({data.get('nvme_dir')}, {data.get('nvme_engine')}"
+            f"{'' if data.get('nvme_direct') else ', buffered'}): write "
+            f"{_rate(data.get('nvme_write_bytes_per_s'), 'B')}, read "
+            f"{_rate(data.get('nvme_read_bytes_per_s'), 'B')}"
+        )
+    lines.append(f"measured {data.get('measured_at')} in {data.get('seconds')} s")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m spillover bench``: calibrate this machine (or show the cached result)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m spillover bench",
+        description="Measure compute throughput and transfer bandwidths for the planner.",
+    )
+    ap.add_argument("--force", action="store_true", help="measure again, ignoring the cache")
+    ap.add_argument("--quick", action="store_true", help="smaller, faster measurements")
+    ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    data = calibrate(force=args.force, device=args.device, quick=args.quick)
+    if args.json:
+        json.dump(data, sys.stdout, indent=1, sort_keys=True)
+        print()
+    else:
+        print(describe(data))
+        print(f"cached in {cache_path()}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

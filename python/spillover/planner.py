@@ -1,0 +1,793 @@
+"""The planner: keep, offload (host or NVMe) or recompute, per saved tensor, under a budget.
+
+It works on what one training step of a wrapped model saves, learned from a step that runs every
+region fully recomputed (the safe choice when nothing is known yet) while recording, per op of
+each region: the bytes of its output, its recompute FLOPs (from the op and its shapes), whether
+autograd saves it, and where recomputation stops. Costs come from this machine's measured
+throughput and bandwidths (:mod:`spillover.calibrate`). Then, under the device-memory budget
+(``budget_bytes=`` or SPILLOVER_DEVICE_BUDGET_BYTES; by default a share of free memory):
+
+1. If what no checkpointing holds fits, every region runs plainly and keeps everything.
+2. Otherwise every region is checkpointed and, starting from "save every op output", bytes are
+   freed in order of least cost per byte: recompute an output (its op's estimated time), or
+   hand it to the offload tier (free while the link can hide the transfer behind compute, then
+   its transfer time). Earlier regions are freed first at equal cost, and the last region's
+   tensors are never counted as hidden: backward needs them first.
+3. Regions, last first, go back to running plainly while the budget still holds.
+
+On a CPU-only machine the "device" is host memory: offloading to the host pool frees nothing,
+so only NVMe (through a write-back pool whose resident part still counts) and recompute do.
+
+The plan is reused while each region's call order, input shapes and the offload context stay
+the same. A step that differs runs its remaining regions as learning runs; if it differed from
+its first region on, the next step is planned from it, otherwise the next step learns again.
+
+Note [planner step boundaries]
+    ``wrap`` starts a step at each forward of the wrapped model. A standalone
+    ``checkpoint(..., policy=planner)`` starts one when a region runs after a backward has
+    reached a region of the current step (seen by a hook on the region's output).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import psutil
+import torch
+
+from .config import Config, format_size
+
+__all__ = [
+    "Planner",
+    "Machine",
+    "OpRecord",
+    "RegionRecord",
+    "Explanation",
+    "op_flops",
+    "output_tensors",
+    "storage_bytes",
+    "HIGH_WATER",
+]
+
+#: The NVMe tier keeps this share of its host pool resident (store.HIGH_WATER).
+HIGH_WATER = 0.75
+#: Share of the NVMe tier's pool one region's offloaded outputs may take (they all come back
+#: when the region is recomputed).
+REGION_POOL_SHARE = 0.5
+#: Share of free memory the planner may use when no budget is given.
+DEFAULT_BUDGET_SHARE = 0.5
+
+try:  # torch >= 2.1
+    from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
+except ImportError:  # pragma: no cover
+    _FLOP_REGISTRY = {}
+
+
+# ---- what an op costs -----------------------------------------------------------------------
+
+
+def output_tensors(out: Any) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (what keeping them pins)."""
+    seen = set()
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        try:
+            st = t.untyped_storage()
+            key = (t.device, st.data_ptr())
+        except (RuntimeError, NotImplementedError):  # fake (compile) or storage-less subclasses
+            total += t.numel() * t.element_size()
+            continue
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def _tensor_bytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> int:
+    """Recompute FLOPs of one op: torch's flop formulas for matmuls, convolutions and fused
+    attention; one per output element for everything else (memory-bound ops)."""
+    formula = _FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
+    if formula is not None:
+        try:
+            return int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # an overload the formula does not know
+            pass
+    return sum(t.numel() for t in output_tensors(out))
+
+
+def is_compute_bound(func: Any) -> bool:
+    return getattr(func, "overloadpacket", None) in _FLOP_REGISTRY
+
+
+# ---- the machine ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Machine:
+    """Measured rates of one device and its host (see :mod:`spillover.calibrate`)."""
+
+    matmul_flops: Dict[str, float]
+    elementwise_bytes_per_s: float
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    nvme_write_bytes_per_s: Optional[float] = None
+    nvme_read_bytes_per_s: Optional[float] = None
+
+    @classmethod
+    def from_calibration(cls, data: Dict[str, Any], device: str) -> Machine:
+        devs = data["devices"]
+        d = devs.get(device) or devs.get(device.split(":")[0]) or next(iter(devs.values()))
+        return cls(
+            matmul_flops=dict(d["matmul_flops"]),
+            elementwise_bytes_per_s=d["elementwise_bytes_per_s"],
+            d2h_bytes_per_s=d["d2h_bytes_per_s"],
+            h2d_bytes_per_s=d["h2d_bytes_per_s"],
+            nvme_write_bytes_per_s=data.get("nvme_write_bytes_per_s"),
+            nvme_read_bytes_per_s=data.get("nvme_read_bytes_per_s"),
+        )
+
+    def flops_per_s(self, dtype: str) -> float:
+        f = self.matmul_flops
+        return f.get(dtype) or f.get("float32") or max(f.values())
+
+    def op_seconds(self, op: OpRecord) -> float:
+        """Estimated time to run the op again: its FLOPs at matmul speed if it is compute-bound,
+        plus its bytes in and out at elementwise speed (fresh outputs included)."""
+        t = op.moved_bytes / self.elementwise_bytes_per_s
+        if op.compute_bound:
+            t += op.flops / self.flops_per_s(op.dtype)
+        return t
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return min(self.d2h_bytes_per_s, self.h2d_bytes_per_s)
+
+    @property
+    def nvme_bytes_per_s(self) -> Optional[float]:
+        if not self.nvme_write_bytes_per_s or not self.nvme_read_bytes_per_s:
+            return None
+        return min(self.nvme_write_bytes_per_s, self.nvme_read_bytes_per_s)
+
+
+_machines: Dict[str, Machine] = {}
+_machines_lock = threading.Lock()
+
+
+def machine_for(device: str) -> Machine:
+    """This process's :class:`Machine` for ``device``: calibrated on first use, then cached on
+    disk (``python -m spillover bench`` does the same ahead of time)."""
+    with _machines_lock:
+        m = _machines.get(device)
+        if m is None:
+            from . import calibrate
+
+            m = _machines[device] = Machine.from_calibration(
+                calibrate.calibrate(device=device), device
+            )
+        return m
+
+
+# ---- what one step recorded ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """One op call inside a region, as its forward ran."""
+
+    index: int
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+    bytes: int  # storage bytes its outputs pin if saved (0 for views)
+    flops: int
+    moved_bytes: int  # inputs + outputs, for the memory-bound part of its cost
+    compute_bound: bool
+    #: why the op is never saved ("view", "mutates an input", "random") or always saved
+    #: ("effect"); None when the policy or planner decides.
+    forced: Optional[str] = None
+    needed: bool = False  # autograd saved (a view of) its output
+    after_stop: bool = False  # recomputation stops before it, so it is never asked for
+    action: str = "recompute"  # keep | offload | recompute
+    tier: str = ""  # host | nvme, for offloaded outputs (the planner's estimate)
+    reason: str = ""
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+@dataclasses.dataclass
+class RegionRecord:
+    """One region invocation of one step."""
+
+    key: Any
+    name: str
+    signature: Any
+    device: str
+    mode: str  # checkpoint | plain | plain-keep
+    input_bytes: int = 0
+    ops: List[OpRecord] = dataclasses.field(default_factory=list)
+    needed_bytes: int = 0  # op outputs autograd saved: what running it plainly holds
+    stop: int = 0  # ops at or after this index are never recomputed
+    offload: Optional[Dict[str, Any]] = None  # the offload context seen: tier, pool bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this run holds after forward (saved outputs, kept or offloaded, + inputs)."""
+        if self.mode != "checkpoint":
+            return self.input_bytes + self.needed_bytes
+        return self.input_bytes + sum(o.bytes for o in self.ops if o.action == "keep")
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RegionPlan:
+    signature: Any
+    mode: str  # checkpoint | plain-keep
+    actions: Dict[int, Tuple[str, str, str]]  # index -> (op name, action, tier)
+
+
+@dataclasses.dataclass
+class Plan:
+    regions: List[RegionPlan]
+    budget: Optional[int]
+    plain_bytes: int  # what no checkpointing holds
+    full_bytes: int  # what full recompute holds (inputs + the rest of the model)
+    planned_bytes: int
+    recompute_seconds: float
+    transfer_seconds: float  # exposed (not hidden) transfer time
+    fits: bool
+    note: str = ""
+
+
+def _ctx_signature(ctx: Any) -> Optional[Tuple[Any, ...]]:
+    if ctx is None:
+        return None
+    cap = ctx.stats().pool_capacity
+    return (ctx.tier, cap, ctx._store is not None)
+
+
+def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
+    if ctx is None:
+        return None
+    return {
+        "tier": ctx.tier,
+        "pool_bytes": ctx.stats().pool_capacity,
+        "nvme": ctx._store is not None,
+    }
+
+
+def input_signature(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    sig: List[Any] = []
+    for a in list(args) + [kwargs[k] for k in sorted(kwargs)]:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), str(a.dtype), str(a.device), a.requires_grad))
+        elif isinstance(a, (list, tuple)):
+            sig.append(input_signature(a, {}))
+    return tuple(sig)
+
+
+class _Item:
+    __slots__ = ("region", "op", "seconds", "rc")
+
+    def __init__(self, region: int, op: OpRecord, seconds: float):
+        self.region = region
+        self.op = op
+        self.seconds = seconds
+        self.rc = seconds / op.bytes
+
+
+def make_plan(
+    regions: List[RegionRecord],
+    machine: Machine,
+    budget: Optional[int],
+    outside_bytes: int = 0,
+) -> Plan:
+    """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
+
+    Mutates the records (``mode``, ``action``, ``tier``, ``reason``) so that they explain
+    themselves, and returns the :class:`Plan` the next steps follow.
+    """
+    plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
+    full = outside_bytes + sum(r.input_bytes for r in regions)
+    if not regions or budget is None or plain <= budget:
+        for r in regions:
+            r.mode = "plain-keep"
+            for o in r.ops:
+                o.action, o.tier = "keep", ""
+                o.reason = "everything fits the budget"
+        return Plan(
+            [RegionPlan(r.signature, "plain-keep", {}) for r in regions],
+            budget, plain, full, plain, 0.0, 0.0, True,
+        )
+    ctx = regions[0].offload
+    device_is_host = regions[0].device == "cpu"
+    # The last k regions run plainly (they are needed first in backward and cost nothing to
+    # rebuild); the others are planned op by op in what remains of the budget, with and
+    # without offloading op outputs.
+    variants: List[_Greedy] = []
+    n = len(regions)
+    for k in range(n):
+        plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
+        if k and plain_tail > budget:
+            break
+        for use_offload in (False, True) if ctx is not None else (False,):
+            g = _Greedy(regions[: n - k], machine, budget - plain_tail, outside_bytes, ctx,
+                        device_is_host, use_offload).run()
+            g.add_plain_tail(regions[n - k:], plain_tail)
+            variants.append(g)
+    fitting = [v for v in variants if v.mem <= budget]
+    best = (min(fitting, key=lambda v: v.recompute + v.transfer) if fitting
+            else min(variants, key=lambda v: v.mem))
+    for ri, r in enumerate(regions):
+        r.mode = best.modes[ri]
+        for o in r.ops:
+            o.action, o.tier, o.reason = best.ops[(ri, o.index)]
+    note = ""
+    if not fitting:
+        note = (
+            f"the budget ({format_size(budget)}) is below the least this plan can hold "
+            f"({format_size(best.mem)}): everything that can be freed is"
+        )
+    plans = [
+        RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops})
+        for r in regions
+    ]
+    return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
+                bool(fitting), note)
+
+
+class _Greedy:
+    """One planning pass (with or without offloading op outputs); see the module docstring.
+
+    Memory is counted as the device sees it. An active context takes the region inputs and
+    the rest of the model's saved tensors off the device whatever the plan says: to host memory
+    on a GPU (free here), into the pool on a CPU host, where the pool is this same memory — the
+    host tier keeps all of it, the NVMe tier up to its capacity (the last packed bytes).
+    """
+
+    def __init__(self, regions: List[RegionRecord], machine: Machine, budget: int,
+                 outside_bytes: int, ctx: Optional[Dict[str, Any]], device_is_host: bool,
+                 use_offload: bool):
+        self.regions = regions
+        self.machine = machine
+        self.budget = budget
+        self.device_is_host = device_is_host
+        self.last = len(regions) - 1
+        self.ops: Dict[Tuple[int, int], Tuple[str, str, str]] = {}
+        self.modes = ["checkpoint"] * len(regions)
+        self.nvme = bool(ctx and ctx["nvme"] and machine.nvme_bytes_per_s)
+        self.pool = ctx["pool_bytes"] if ctx else 0
+        # What stays in the pool after forward: the NVMe tier writes out past its high-water
+        # mark, but blocks being written still count, so on a CPU host (where the pool is
+        # device memory) the whole pool is charged.
+        self.resident = self.pool if device_is_host or not self.nvme else int(
+            self.pool * HIGH_WATER)
+        self.fixed_in = outside_bytes + sum(r.input_bytes for r in regions)
+        # Offloading op outputs frees device memory on a GPU, and on a CPU host only through
+        # the NVMe tier.
+        self.use_offload = use_offload and ctx is not None and (not device_is_host or self.nvme)
+        if ctx is None:
+            self.charge = "device"  # inputs and the rest stay: counted in full
+        elif not device_is_host:
+            self.charge = "none"  # they leave the device
+        else:
+            self.charge = "resident" if self.nvme else "device"
+        # The host tier alone holds what it is given until backward: the plan's offloads share
+        # the pool with what the context takes by itself.
+        self.host_room = self.pool - self.fixed_in if ctx is not None and not self.nvme else 0
+        self.kept = 0
+        self.items: List[_Item] = []
+        self.fwd = [0.0] * len(regions)
+        for ri, r in enumerate(regions):
+            for o in r.ops:
+                sec = machine.op_seconds(o)
+                self.fwd[ri] += sec
+                k = (ri, o.index)
+                if o.after_stop:
+                    self.ops[k] = ("recompute", "", "after the last saved tensor: never rerun")
+                elif o.forced == "effect":
+                    self.ops[k] = ("keep", "", "has an ordered side effect: saved")
+                    self.kept += o.bytes
+                elif o.forced is not None or o.bytes == 0:
+                    self.ops[k] = ("recompute", "", o.forced or "holds no memory")
+                else:
+                    self.items.append(_Item(ri, o, sec))
+                    self.kept += o.bytes
+        self.recompute = 0.0
+        self.transfer = 0.0
+        self.region_transfer = [0.0] * len(regions)
+        self.region_off = [0] * len(regions)
+        self.offloaded = 0
+        self.tail_bytes = 0
+        self.link_used = 0.0
+        # What the link can hide: the copy out overlaps forward compute, the copy back the
+        # (longer) backward; the last region's is never hidden (backward needs it first).
+        self.hide_seconds = sum(self.fwd[: self.last])
+        self.per_byte_cpu = 1.0 / machine.link_bytes_per_s if device_is_host else 0.0
+
+    @property
+    def mem(self) -> int:
+        """Device bytes held after forward under the decisions so far."""
+        if self.charge == "device":
+            fixed = self.fixed_in
+        elif self.charge == "resident":
+            fixed = min(self.resident, self.fixed_in + self.offloaded)
+        else:
+            fixed = 0
+        return fixed + self.kept + self.tail_bytes
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        m = self.machine
+        if self.nvme:
+            # Bytes pass through host memory; what exceeds the resident share also goes to disk.
+            t = 0.0 if self.device_is_host else nbytes / m.link_bytes_per_s
+            over = max(0, self.offloaded + nbytes - self.resident) - max(
+                0, self.offloaded - self.resident)
+            return t + over / (m.nvme_bytes_per_s or float("inf"))
+        return nbytes / m.link_bytes_per_s
+
+    def can_offload(self, it: _Item) -> bool:
+        if not self.use_offload:
+            return False
+        if self.nvme:
+            # Recomputing a region brings back all its offloaded outputs (and inputs) at once,
+            # and each holds a pool block until the region's backward is done. Past what the
+            # pool holds, the NVMe tier reads back through temporary mappings (slower, with a
+            # warning): plan within a share of the pool, leaving room to read ahead.
+            r = self.regions[it.region]
+            need = self.region_off[it.region] + it.op.bytes + r.input_bytes
+            return need <= self.pool * REGION_POOL_SHARE
+        return self.offloaded + it.op.bytes <= self.host_room
+
+    def offload_cost(self, it: _Item) -> Tuple[float, bool]:
+        t = self.transfer_seconds(it.op.bytes)
+        hidden = it.region != self.last and self.link_used + t <= self.hide_seconds
+        return (0.0 if hidden else t) + it.op.bytes * self.per_byte_cpu, hidden
+
+    def run(self) -> _Greedy:
+        by_rc = sorted(self.items, key=lambda it: (it.rc, it.region, it.op.index))
+        # Offload candidates: dearest to recompute first, the last region's after all others.
+        by_off = sorted(
+            (it for it in self.items if self.use_offload),
+            key=lambda it: (it.region == self.last, -it.rc, it.region, it.op.index),
+        )
+        taken: set = set()
+        lo = hi = 0
+        while self.mem > self.budget:
+            while lo < len(by_rc) and id(by_rc[lo]) in taken:
+                lo += 1
+            while hi < len(by_off) and (
+                id(by_off[hi]) in taken or not self.can_offload(by_off[hi])
+            ):
+                hi += 1
+            if lo >= len(by_rc):
+                break
+            cand = by_rc[lo]
+            off = by_off[hi] if hi < len(by_off) else None
+            off_cost, hidden = self.offload_cost(off) if off is not None else (float("inf"), False)
+            if off is None or cand.rc <= off_cost / off.op.bytes:
+                taken.add(id(cand))
+                self.kept -= cand.op.bytes
+                self.ops[(cand.region, cand.op.index)] = (
+                    "recompute", "", f"cheapest to free ({_rate_text(cand)})")
+            else:
+                taken.add(id(off))
+                self.link_used += self.transfer_seconds(off.op.bytes)
+                self.offloaded += off.op.bytes
+                self.region_off[off.region] += off.op.bytes
+                self.kept -= off.op.bytes
+                self.transfer += off_cost
+                self.region_transfer[off.region] += off_cost
+                why = ("the transfer hides behind compute" if hidden
+                       else "cheaper to move than to recompute")
+                self.ops[(off.region, off.op.index)] = ("offload", "", why)
+        for it in self.items:
+            if id(it) not in taken:
+                self.ops[(it.region, it.op.index)] = ("keep", "", "fits the budget")
+        self._label_tiers()
+        self._total_recompute()
+        return self
+
+    def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int) -> None:
+        """Append regions that run plainly and keep everything (after planning the rest)."""
+        base = len(self.modes)
+        for i, r in enumerate(tail):
+            self.modes.append("plain-keep")
+            for o in r.ops:
+                self.ops[(base + i, o.index)] = (
+                    "keep", "", "region runs plainly: backward needs it first and it fits")
+        self.tail_bytes += tail_bytes
+        self.budget += tail_bytes
+
+    def _label_tiers(self) -> None:
+        """The NVMe tier writes out the earliest packed first: what was packed last stays in
+        the pool, up to its resident share; everything packed before that goes to disk."""
+        room = self.resident
+        spilled = False
+        for ri in range(self.last, -1, -1):
+            for o in reversed(self.regions[ri].ops):
+                act, _tier, why = self.ops[(ri, o.index)]
+                if act != "offload":
+                    continue
+                if not self.nvme or (not spilled and o.bytes <= room):
+                    room -= o.bytes
+                    self.ops[(ri, o.index)] = (act, "host", why)
+                else:
+                    spilled = True
+                    self.ops[(ri, o.index)] = (act, "nvme", why)
+
+    def _total_recompute(self) -> None:
+        t = 0.0
+        for ri, r in enumerate(self.regions):
+            if self.modes[ri] != "checkpoint":
+                continue
+            for o in r.ops:
+                if not o.after_stop and self.ops[(ri, o.index)][0] == "recompute":
+                    t += self.machine.op_seconds(o)
+        self.recompute = t
+
+
+def _rate_text(it: _Item) -> str:
+    return f"{it.seconds * 1e3:.2f} ms for {format_size(it.op.bytes)}"
+
+
+# ---- the planner ------------------------------------------------------------------------------
+
+
+class Planner:
+    """The ``"auto"`` policy: one per wrapped model (``wrap(model, policy="auto")``), or shared
+    by standalone ``checkpoint(fn, ..., policy=planner)`` calls.
+
+    Args:
+        budget_bytes: device memory the step's activations may hold; default
+            SPILLOVER_DEVICE_BUDGET_BYTES, else half of the device's free memory when planning.
+        machine: rates to plan with (default: this machine's calibration, measured on first use
+            and cached on disk).
+    """
+
+    def __init__(self, budget_bytes: Optional[int | str] = None, machine: Optional[Machine] = None):
+        cfg = Config.load()
+        if budget_bytes is not None:
+            cfg = cfg.replace(device_budget_bytes=budget_bytes)
+        self.budget_bytes: Optional[int] = cfg.device_budget_bytes
+        self._machine = machine
+        self._lock = threading.Lock()
+        self.plan: Optional[Plan] = None
+        self.learning = True
+        self.explicit_steps = False  # set by wrap: it calls begin_step() itself
+        self.steps = 0
+        self.replans = 0
+        self._records: List[RegionRecord] = []  # this step's
+        self.last_records: List[RegionRecord] = []  # the last finished step's
+        self.planned_records: List[RegionRecord] = []  # the records the plan was made from
+        self._ordinals: Dict[Any, int] = {}
+        self._pos = 0
+        self._dirty = False
+        self._all_learned = True
+        self._backward_seen = False
+        self.outside_bytes = 0
+
+    # -- steps --
+
+    def machine(self, device: str) -> Machine:
+        return self._machine or machine_for(device)
+
+    def begin_step(self) -> None:
+        """Close the step that ran (plan from it if it was a learning step) and open one."""
+        with self._lock:
+            recs = self._records
+            if recs:
+                self.last_records = recs
+                if self._all_learned:  # every region of the step recorded a learning run
+                    self._make_plan(recs)
+                elif self._dirty:  # part of the step followed a plan that no longer fits
+                    self.learning = True
+                    self.plan = None
+            self._all_learned = True
+            self._records = []
+            self._ordinals = {}
+            self._pos = 0
+            self._dirty = False
+            self._backward_seen = False
+            self.steps += 1
+
+    def _budget_for(self, device: str) -> int:
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if device.startswith("cuda") and torch.cuda.is_available():
+            free, _total = torch.cuda.mem_get_info(torch.device(device))
+            return int(free * DEFAULT_BUDGET_SHARE)
+        return int(psutil.virtual_memory().available * DEFAULT_BUDGET_SHARE)
+
+    def _make_plan(self, recs: List[RegionRecord]) -> None:
+        device = recs[0].device
+        self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
+                              self.outside_bytes)
+        self.planned_records = recs
+        self.learning = False
+        self.replans += 1
+
+    # -- regions (called by spillover.recompute) --
+
+    def note_backward(self) -> None:
+        self._backward_seen = True
+
+    def region_plan(self, key: Any, args: Sequence[Any], kwargs: Dict[str, Any], ctx: Any
+                    ) -> Tuple[Any, Optional[RegionPlan]]:
+        """(signature, plan for this region or None to learn). Starts a step when needed."""
+        if not self.explicit_steps and self._backward_seen:
+            self.begin_step()
+        with self._lock:
+            n = self._ordinals.get(key, 0)
+            self._ordinals[key] = n + 1
+            sig = (key, n, input_signature(args, kwargs), _ctx_signature(ctx))
+            pos = self._pos
+            self._pos += 1
+            if self.learning or self.plan is None or self._dirty:
+                return sig, None
+            plans = self.plan.regions
+            if pos < len(plans) and plans[pos].signature == sig:
+                self._all_learned = False
+                return sig, plans[pos]
+            self._dirty = True  # shapes, order or context changed: learn again next step
+            return sig, None
+
+    def add_record(self, rec: RegionRecord) -> None:
+        with self._lock:
+            self._records.append(rec)
+
+    def mark_stale(self) -> None:
+        """The op sequence of a planned region differed from the learned one."""
+        with self._lock:
+            self._dirty = True
+
+
+def default_budget_text(planner: Planner) -> str:
+    if planner.budget_bytes is not None:
+        return format_size(planner.budget_bytes)
+    return f"{int(DEFAULT_BUDGET_SHARE * 100)}% of free memory"
+
+
+# ---- explain ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What the last step decided, per op kind. ``rows`` are dicts; ``str()`` is a table."""
+
+    policy: str
+    rows: List[Dict[str, Any]]
+    summary: Dict[str, Any]
+
+    def __str__(self) -> str:
+        s = self.summary
+        out = [f"spillover: policy {self.policy}; {s.get('regions', 0)} regions"]
+        for k, v in s.items():
+            if k != "regions" and v not in (None, ""):
+                out.append(f"  {k}: {v}")
+        head = ("op", "output", "n", "decision", "each", "total", "FLOP/B", "recompute",
+                "transfer", "why")
+        table = [head] + [
+            (
+                r["op"], r["output"], str(r["count"]), r["decision"], format_size(r["bytes"]),
+                format_size(r["total_bytes"]), f"{r['flops_per_byte']:.0f}",
+                _ms(r["recompute_s"]), _ms(r["transfer_s"]), r["why"],
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
+        for row in table:
+            cells = [c.ljust(w) if i in (0, 1, 3) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(row[:-1], widths))]
+            out.append("  ".join(cells) + "  " + row[-1])
+        return "\n".join(out)
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def explain_records(
+    records: List[RegionRecord],
+    policy: str,
+    machine: Optional[Machine],
+    plan: Optional[Plan] = None,
+    outside_bytes: int = 0,
+) -> Explanation:
+    """Group a step's op records by (op, output shape, decision), with bytes and costs."""
+    groups: Dict[Tuple[str, Tuple[int, ...], str, str], Dict[str, Any]] = {}
+    for ri, r in enumerate(records):
+        for o in r.ops:
+            if o.bytes == 0 and o.forced == "view":
+                continue  # views hold nothing and cost nothing
+            if r.mode == "plain-keep":
+                decision = "keep" if o.needed else "not held"
+            elif o.after_stop:
+                decision = "not rerun"
+            elif o.action == "offload" and o.tier:
+                decision = f"offload-{o.tier}"
+            else:
+                decision = o.action
+            if decision == "not held":
+                why = "runs plainly; autograd does not save it"
+            else:
+                why = o.reason or (
+                    "after the last saved tensor: never rerun" if o.after_stop else o.forced or "")
+            k = (o.name, o.shape, decision, why)
+            g = groups.get(k)
+            if g is None:
+                sec = machine.op_seconds(o) if machine and decision == "recompute" else None
+                link = None
+                if machine and decision.startswith("offload"):
+                    bw = machine.link_bytes_per_s
+                    if o.tier == "nvme" and machine.nvme_bytes_per_s:
+                        bw = machine.nvme_bytes_per_s
+                    link = o.bytes / bw
+                g = groups[k] = {
+                    "op": o.name, "output": _shape_text(o.shape, o.dtype), "count": 0,
+                    "decision": decision, "bytes": o.bytes, "total_bytes": 0,
+                    "flops": o.flops, "flops_per_byte": o.flops_per_byte,
+                    "recompute_s": sec, "transfer_s": link, "needed": o.needed, "why": why,
+                    "first_index": (ri, o.index),
+                }
+            g["count"] += 1
+            g["total_bytes"] += o.bytes
+    rows = sorted(groups.values(), key=lambda g: g["first_index"])
+    for g in rows:
+        del g["first_index"]
+    summary: Dict[str, Any] = {"regions": len(records)}
+    if plan is not None:
+        summary.update({
+            "budget": format_size(plan.budget) if plan.budget is not None else "none",
+            "no checkpointing holds": format_size(plan.plain_bytes),
+            "full recompute holds": format_size(plan.full_bytes),
+            "this plan holds": format_size(plan.planned_bytes)
+            + ("" if plan.fits else " (over budget)"),
+            "est. recompute per step": _ms(plan.recompute_seconds),
+            "est. exposed transfer per step": _ms(plan.transfer_seconds),
+            "note": plan.note,
+        })
+    else:
+        modes = collections.Counter(r.mode for r in records)
+        if modes.get("full"):
+            summary["full"] = f"{modes['full']} regions save only their inputs, recompute all"
+        if modes.get("plain"):
+            summary["offload"] = (f"{modes['plain']} regions recompute nothing; what they save "
+                                  "goes to the offload context (or stays)")
+        held = outside_bytes + sum(r.held_bytes for r in records)
+        summary["held after forward (regions)"] = format_size(held)
+        if machine is not None:
+            rc = sum(
+                machine.op_seconds(o) for r in records if r.mode == "checkpoint"
+                for o in r.ops if o.action == "recompute" and not o.after_stop
+            )
+            summary["est. recompute per step"] = _ms(rc)
+    return Explanation(policy, rows, summary)
+
+
+def _shape_text(shape: Tuple[int, ...], dtype: str) -> str:
+    return f"{list(shape)} {dtype}" if shape else dtype

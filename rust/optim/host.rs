@@ -1,0 +1,62 @@
+//! Host-tier storage: one buffer per chunk, resident for the optimizer's lifetime.
+//!
+//! Buffers are leased from the host pool; when the pool has no room the chunk falls back to
+//! a 64-byte-aligned heap allocation (counted in [`HostStore::heap_chunks`], so the caller can
+//! warn once) instead of failing: the optimizer state is needed for the whole run, and the
+//! pool is shared with activation offload, which degrades gracefully when it is full.
+
+use crate::error::{Error, Result};
+use crate::pool::{Block, Pool};
+
+/// One cache line of f32.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+enum Buf {
+    Pool(Block),
+    Heap(Vec<Line>),
+}
+
+pub(crate) struct HostStore {
+    bufs: Vec<Buf>,
+    heap_chunks: usize,
+}
+
+impl HostStore {
+    /// A buffer of `floats[c]` f32 for every chunk `c`.
+    pub fn new(pool: &Pool, floats: impl Iterator<Item = usize>, allow_heap: bool) -> Result<Self> {
+        let mut bufs = Vec::new();
+        let mut heap_chunks = 0;
+        for n in floats {
+            let bytes = (n.max(1) * 4) as u64;
+            match pool.lease(bytes) {
+                Ok(b) => bufs.push(Buf::Pool(b)),
+                Err(Error::PoolExhausted { .. }) if allow_heap => {
+                    heap_chunks += 1;
+                    // Zeroed pages come lazily from the kernel; the state is initialised per
+                    // unit on its first step anyway.
+                    bufs.push(Buf::Heap(vec![Line([0.0; 16]); n.div_ceil(16).max(1)]));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(HostStore { bufs, heap_chunks })
+    }
+
+    pub fn heap_chunks(&self) -> usize {
+        self.heap_chunks
+    }
+
+    /// Base address of each chunk's buffer. `&mut self`: the caller is the only one writing
+    /// through them until it next borrows the store.
+    pub fn chunk_ptrs(&mut self) -> Vec<*mut f32> {
+        self.bufs
+            .iter_mut()
+            .map(|b| match b {
+                Buf::Pool(b) => b.as_ptr() as *mut f32,
+                Buf::Heap(v) => v.as_mut_ptr() as *mut f32,
+            })
+            .collect()
+    }
+}

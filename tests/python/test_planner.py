@@ -1,0 +1,274 @@
+"""The keep / offload / recompute planner: its decisions on synthetic steps (no torch run), then
+learning, re-planning and the budget on real models, and the calibration cache."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from conftest import assert_bitwise, gpt_step
+
+import spillover
+from spillover import calibrate
+from spillover.models import GPT, GPTConfig, synthetic_batch
+from spillover.planner import Machine, OpRecord, Planner, RegionRecord, make_plan
+
+MiB = 1 << 20
+# CPU-like and GPU-like rates: 100 GFLOP/s matmul, 5 GB/s elementwise, 10 GB/s link, 2 GB/s NVMe.
+CPU = Machine({"float32": 1e11}, 5e9, 1e10, 1e10, 2e9, 2e9)
+GPU = Machine({"float32": 5e12}, 5e11, 2e10, 2e10, 5e9, 5e9)
+
+
+def _op(i, name, mib, flops_per_byte=0.25, needed=False, after_stop=False, forced=None):
+    nbytes = int(mib * MiB)
+    return OpRecord(
+        index=i, name=name, shape=(int(mib * MiB) // 4,), dtype="float32", bytes=nbytes,
+        flops=int(flops_per_byte * nbytes), moved_bytes=2 * nbytes,
+        compute_bound=flops_per_byte > 1, forced=forced, needed=needed, after_stop=after_stop,
+    )
+
+
+def _block(ri, device="cpu", offload=None):
+    """A transformer-ish block: a big cheap attention-score chain, matmuls, elementwise ops."""
+    ops = [
+        _op(0, "layer_norm", 8, needed=True),
+        _op(1, "qkv", 24, flops_per_byte=256),
+        _op(2, "view", 0, forced="view"),
+        _op(3, "scores", 128, flops_per_byte=32),
+        _op(4, "softmax", 128, needed=True),
+        _op(5, "attn_v", 8, flops_per_byte=512, needed=True),
+        _op(6, "up", 32, flops_per_byte=256, needed=True),
+        _op(7, "gelu", 32, needed=True),
+        _op(8, "down", 8, flops_per_byte=1024, after_stop=True),
+    ]
+    needed = sum(o.bytes for o in ops if o.needed)
+    return RegionRecord(key=ri, name=f"blocks.{ri}", signature=ri, device=device,
+                        mode="checkpoint", input_bytes=8 * MiB, ops=ops, needed_bytes=needed,
+                        stop=8, offload=offload)
+
+
+def _step(n=4, device="cpu", offload=None):
+    return [_block(i, device, offload) for i in range(n)]
+
+
+def _actions(rec):
+    return {o.name: o.action for o in rec.ops}
+
+
+def test_everything_fits_keeps_everything():
+    recs = _step()
+    plan = make_plan(recs, CPU, budget=10 << 30, outside_bytes=16 * MiB)
+    assert plan.fits and plan.recompute_seconds == 0
+    assert all(r.mode == "plain-keep" for r in plan.regions)
+    assert plan.planned_bytes == plan.plain_bytes == 16 * MiB + 4 * (8 + 208) * MiB
+    plan = make_plan(_step(), CPU, budget=None)
+    assert all(r.mode == "plain-keep" for r in plan.regions)
+
+
+def test_frees_the_cheapest_bytes_first_and_keeps_the_last_region():
+    recs = _step()
+    full = 16 * MiB + 4 * 8 * MiB
+    budget = full + 4 * 72 * MiB  # room for about the matmul outputs of every block
+    plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
+    assert plan.fits and plan.planned_bytes <= budget
+    first = _actions(recs[0])
+    # Memory-bound and score outputs are recomputed; the dear matmul outputs are kept.
+    assert first["scores"] == first["softmax"] == first["gelu"] == "recompute"
+    assert first["attn_v"] == "keep"
+    assert first["down"] == "recompute" and recs[0].ops[-1].after_stop
+    assert all(r.mode == "checkpoint" for r in recs[:-1])
+    # Cost grows with what is recomputed: a tighter budget costs more.
+    tight = make_plan(_step(), CPU, budget=full + 4 * 16 * MiB, outside_bytes=16 * MiB)
+    assert tight.recompute_seconds > plan.recompute_seconds
+    assert tight.planned_bytes <= full + 4 * 16 * MiB
+
+
+def test_slack_goes_to_the_last_regions_first():
+    recs = _step()
+    plain_one = 8 * MiB + recs[0].needed_bytes
+    # Room for three blocks' inputs and matmul outputs, and one block run plainly.
+    budget = 16 * MiB + 3 * (8 + 64) * MiB + plain_one
+    plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
+    assert [r.mode for r in recs] == ["checkpoint"] * 3 + ["plain-keep"]
+    assert plan.planned_bytes <= budget
+    assert [_actions(r)["qkv"] for r in recs[:3]] == ["keep"] * 3
+
+
+def test_budget_below_the_minimum_is_reported():
+    recs = _step()
+    plan = make_plan(recs, CPU, budget=1 * MiB, outside_bytes=16 * MiB)
+    assert not plan.fits and "below the least" in plan.note
+    assert plan.planned_bytes == plan.full_bytes
+    assert all(o.action == "recompute" for r in recs for o in r.ops)
+
+
+def test_gpu_offloads_what_the_link_hides():
+    offload = {"tier": "host", "pool_bytes": 64 << 30, "nvme": False}
+    recs = _step(8, device="cuda:0", offload=offload)
+    plan = make_plan(recs, GPU, budget=256 * MiB, outside_bytes=16 * MiB)
+    assert plan.fits
+    acts = [_actions(r) for r in recs]
+    # The dearest-to-recompute outputs of the early blocks move to host memory for free ...
+    assert acts[0]["attn_v"] == "offload" and acts[0]["up"] == "offload"
+    assert all(o.tier == "host" for o in recs[0].ops if o.action == "offload")
+    # ... the last block's are never counted as hidden (backward needs them first).
+    last_offloaded = [o for o in recs[-1].ops if o.action == "offload"]
+    assert all("cheaper to move" in o.reason for o in last_offloaded)
+    assert plan.transfer_seconds >= 0
+
+
+def test_nvme_only_beyond_the_host_pool():
+    offload = {"tier": "nvme", "pool_bytes": 256 * MiB, "nvme": True}
+    recs = _step(8, device="cuda:0", offload=offload)
+    make_plan(recs, GPU, budget=200 * MiB, outside_bytes=16 * MiB)
+    tiers = [(ri, o.tier) for ri, r in enumerate(recs) for o in r.ops if o.action == "offload"]
+    assert {"host", "nvme"} <= {t for _, t in tiers}
+    # Packed last = stays in the pool; earlier ones go to disk.
+    first_host = min(ri for ri, t in tiers if t == "host")
+    assert all(t == "host" for ri, t in tiers if ri > first_host)
+    assert all(t == "nvme" for ri, t in tiers if ri < first_host)
+
+
+def test_cpu_host_tier_frees_nothing_but_nvme_does():
+    host = {"tier": "host", "pool_bytes": 1 << 30, "nvme": False}
+    recs = _step(device="cpu", offload=host)
+    make_plan(recs, CPU, budget=200 * MiB, outside_bytes=16 * MiB)
+    assert not any(o.action == "offload" for r in recs for o in r.ops)
+    nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
+    recs = _step(device="cpu", offload=nvme)
+    plan = make_plan(recs, CPU, budget=200 * MiB, outside_bytes=16 * MiB)
+    moved = [o for r in recs for o in r.ops if o.action == "offload"]
+    assert moved and all(o.bytes <= 64 * MiB for o in moved)  # the 128 MiB scores never fit
+    for r in recs:  # a recomputed region's offloaded outputs fit in the pool together
+        assert r.input_bytes + sum(o.bytes for o in r.ops if o.action == "offload") <= 32 * MiB
+    assert plan.planned_bytes >= 64 * MiB  # the pool is this host's memory: it counts
+
+
+def test_learns_plans_and_replans_on_shape_change(tiny_gpt):
+    base, batch = tiny_gpt
+    ref = gpt_step(base, batch)
+    idx, tgt = batch
+    short = (idx[:, :32].contiguous(), tgt[:, :32].contiguous())
+    ref_short = gpt_step(base, short)
+    planner = Planner(budget_bytes=1 * MiB, machine=CPU)
+    model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    assert_bitwise(ref, gpt_step(model, batch))  # learning step (full recompute)
+    assert planner.plan is None and planner.learning
+    assert_bitwise(ref, gpt_step(model, batch))  # planned
+    assert planner.plan is not None and planner.replans == 1
+    assert_bitwise(ref, gpt_step(model, batch))
+    assert planner.replans == 1  # same shapes: no re-plan
+    assert_bitwise(ref_short, gpt_step(model, short))  # shapes changed: learns again
+    assert_bitwise(ref_short, gpt_step(model, short))
+    assert planner.replans == 2 and not planner.learning
+    assert_bitwise(ref_short, gpt_step(model, short))
+    assert planner.replans == 2
+
+
+def test_plan_respects_the_budget_on_a_real_model(tiny_gpt):
+    base, batch = tiny_gpt
+    ref = gpt_step(base, batch)
+    probe = Planner(budget_bytes=1, machine=CPU)
+    m = spillover.wrap(copy.deepcopy(base), policy=probe)
+    gpt_step(m, batch)
+    gpt_step(m, batch)
+    full, plain = probe.plan.full_bytes, probe.plan.plain_bytes
+    assert 0 < full < plain and probe.outside_bytes > 0
+    budget = (full + plain) // 2
+    planner = Planner(budget_bytes=budget, machine=CPU)
+    model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    for _ in range(3):
+        assert_bitwise(ref, gpt_step(model, batch))
+    plan = planner.plan
+    assert plan.fits and full <= plan.planned_bytes <= budget
+    held = planner.outside_bytes + sum(r.held_bytes for r in planner.planned_records)
+    assert held == plan.planned_bytes
+    text = str(spillover.explain(model, machine=CPU))
+    assert "budget" in text and "this plan holds" in text
+
+
+def test_standalone_checkpoint_with_a_shared_planner():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=32)
+    model = GPT(cfg)
+    idx, tgt = synthetic_batch(cfg, 2)
+    planner = Planner(budget_bytes=1, machine=CPU)
+
+    def step(use):
+        model.zero_grad(set_to_none=True)
+        x = model.tok(idx) + model.pos(torch.arange(idx.shape[1]))
+        for blk in model.blocks:
+            x = spillover.checkpoint(blk, x, policy=planner) if use else blk(x)
+        logits = model.head(model.ln_f(x))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = step(False)
+    for _ in range(3):
+        assert_bitwise(ref, step(True))
+    # Steps were told apart by the backward between them: one plan, from the first step.
+    assert planner.plan is not None and planner.replans == 1
+    assert len(planner.plan.regions) == cfg.n_layers
+    assert "auto" in str(spillover.explain(planner, machine=CPU))
+
+
+def test_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SPILLOVER_DEVICE_BUDGET_BYTES", "3MiB")
+    assert Planner().budget_bytes == 3 * MiB
+    assert Planner(budget_bytes="1GiB").budget_bytes == 1 << 30
+    monkeypatch.setenv("SPILLOVER_DEVICE_BUDGET_BYTES", "lots")
+    with pytest.raises(spillover.ConfigError, match="SPILLOVER_DEVICE_BUDGET_BYTES"):
+        Planner()
+
+
+def test_calibration_is_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a = calibrate.calibrate(quick=True, device="cpu")
+    path = calibrate.cache_path()
+    assert path.startswith(str(tmp_path / "spillover")) and os.path.exists(path)
+    dev = a["devices"]["cpu"]
+    assert dev["matmul_flops"]["float32"] > 1e8 and dev["elementwise_bytes_per_s"] > 1e7
+    assert dev["d2h_bytes_per_s"] > 1e7
+    assert a["nvme_error"] or a["nvme_write_bytes_per_s"] > 1e6
+    b = calibrate.calibrate(device="cpu")  # from the cache: not measured again
+    with open(path) as f:
+        assert b["measured_at"] == a["measured_at"] and b == json.load(f)
+    m = Machine.from_calibration(b, "cpu")
+    assert m.flops_per_s("bfloat16") == dev["matmul_flops"]["float32"]
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert calibrate.load() is None  # a damaged cache is measured again
+    assert calibrate.main(["--quick", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul float32" in out and "cached in" in out
+    assert calibrate.load() is not None
+
+
+def test_learned_bytes_match_what_autograd_saves(tiny_gpt):
+    """A learning step records exactly what each region would hold run plainly (the storages
+    autograd saves), though freed storages' addresses are reused within the region."""
+    base, batch = tiny_gpt
+    idx, tgt = batch
+    params = {p.untyped_storage().data_ptr() for p in base.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in base.buffers()}
+    x = (base.tok(idx) + base.pos(torch.arange(idx.shape[1]))).detach().requires_grad_()
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.data_ptr() != x.untyped_storage().data_ptr():
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        base.blocks[0](x)
+    planner = Planner(budget_bytes=1, machine=CPU)
+    model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    gpt_step(model, batch)
+    rec = planner._records[0]
+    assert rec.needed_bytes == sum(saved.values())
+    assert rec.input_bytes == x.untyped_storage().nbytes()
+    gpt_step(model, batch)
+    assert planner.plan.plain_bytes == planner.outside_bytes + sum(
+        r.input_bytes + r.needed_bytes for r in planner.planned_records)
