@@ -154,7 +154,7 @@ def test_many_steps_do_not_grow(tiny_gpt, tmp_path, private_pool_bytes):
     pool = (7 << 18) + private_pool_bytes % (1 << 18)  # a capacity no other test uses
     fd_dir = f"/proc/{os.getpid()}/fd"
     samples = []
-    for i in range(60):
+    for i in range(200):
         c = nvme(tmp_path, "threads", pool)
         gpt_step(model, batch, c)
         if i >= 10:
