@@ -60,6 +60,7 @@ torch.compile
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import functools
@@ -120,11 +121,12 @@ _MISMATCH = (
 # ---- policies ------------------------------------------------------------------------------------
 
 
-class _StaticPolicy:
+class _StaticPolicy(abc.ABC):
     """A fixed save/recompute rule (the base of "selective" and user callables)."""
 
+    @abc.abstractmethod
     def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
-        raise NotImplementedError
+        """ "save" or "recompute" for one op output."""
 
     # Under torch.compile (see "torch.compile" above): torch's SAC with the same decisions.
     # Dynamo needs context_fn to be a function, a partial or a method of an object made outside
