@@ -395,6 +395,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.live.clear()
         store = self.ctx._store
         self.ctx.__exit__(None, None, None)
+        # A pack copy still queued on the copy worker holds its block until it has run
+        # (Note [source lifetime]); under load a few can still be queued here.
+        self.ctx.synchronize()
         gc.collect()
         store.tier.swap.wait_idle()
         store.tier.reap_parked()
