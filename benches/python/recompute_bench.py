@@ -1,6 +1,13 @@
 """Recompute policies end to end on CPU: activation memory held after forward and step time,
-per mode, same run (the method of e2e_cpu.py: glibc's mmap threshold pinned so freed tensors
-leave RSS; memory = RSS after forward - RSS before it + the spillover pool's bytes in use).
+per mode, same run, in two phases:
+
+- memory: a child process with glibc's mmap threshold pinned at 64 KiB, so that freed tensors
+  leave RSS at once (the method of e2e_cpu.py); held = RSS after forward - RSS before it + the
+  spillover pool's bytes in use. Two rounds: every mode once (the auto modes learn, and their
+  budgets are set), then every mode again (auto planned); the second round is reported.
+- time: this process, glibc's allocator as users have it (the pinned threshold would make
+  every large allocation page-fault and slow the modes that allocate most: with it, `none`
+  ran slower than `full`). One warm-up round, then --steps rounds; medians.
 
     python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
         --batch 4] [--steps 2] [--modes none,full,sac-mm,selective,offload-nvme,auto]
@@ -17,7 +24,7 @@ Modes:
                 and 1: auto learns in round 0 and plans at the start of round 1)
   auto-sel      the same with budget = what `selective` held (is auto faster at equal memory?)
 
-Steps are interleaved round by round (1 warm-up + --steps measured per mode); medians are shown.
+Modes are interleaved round by round in both phases.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import argparse
 import ctypes
 import functools
 import gc
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -69,17 +79,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=2, help="measured steps per mode (+1 warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per mode (+1 warm-up)")
     ap.add_argument("--modes",
                     default="none,full,sac-mm,selective,offload-nvme,auto,auto-sel")
     ap.add_argument("--pool", default="256MiB", help="host pool of offload-nvme")
     ap.add_argument("--auto-pool", default="64MiB", help="host pool of auto's NVMe context")
     ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
-    ap.add_argument("--glibc-default", action="store_true",
-                    help="leave glibc's mmap threshold alone: faster steps (freed memory is "
-                         "reused without page faults) but the memory column then misreads")
+    ap.add_argument("--phase", choices=("all", "memory"), default="all",
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.glibc_default:
+    if args.phase == "memory":
         _libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB: RSS tracks live tensors
     cfg = GPTConfig(vocab=2048, d_model=args.d_model, n_heads=args.heads,
                     n_layers=args.layers, seq=args.seq)
@@ -114,42 +124,64 @@ def main() -> None:
                                              nvme_path=tmp)
         return None
 
-    results = {m: {"t": [], "mem": []} for m in modes}
-    least_held: dict = {}
-    for step in range(args.steps + 1):
-        for mode in modes:
-            model = models[mode]
-            model.zero_grad(set_to_none=True)
-            gc.collect()
+    def step_once(mode, measure_memory):
+        model = models[mode]
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if measure_memory:
             _libc.malloc_trim(0)
-            ctx = context(mode)
-            before = rss()
-            t0 = time.perf_counter()
-            if ctx is not None:
-                with ctx:
-                    loss = model(idx, tgt)
-            elif mode == "sac-mm":
-                loss = sac_forward(model, idx, tgt)
-            else:
+        ctx = context(mode)
+        before = rss()
+        t0 = time.perf_counter()
+        if ctx is not None:
+            with ctx:
                 loss = model(idx, tgt)
-            held = rss() - before
-            if ctx is not None:
-                held += ctx._pool.stats()["in_use"]
-            loss.backward()
-            dt = time.perf_counter() - t0
-            if step <= 1:
-                # An auto mode's budget: what its reference mode held in this run (the least
-                # of the rounds before its plan is made, at the start of its round 1; the
-                # reference runs before it in each round).
+        elif mode == "sac-mm":
+            loss = sac_forward(model, idx, tgt)
+        else:
+            loss = model(idx, tgt)
+        held = rss() - before
+        if ctx is not None:
+            held += ctx._pool.stats()["in_use"]
+        loss.backward()
+        return time.perf_counter() - t0, held
+
+    if args.phase == "memory":
+        # Round 0: every mode once (auto learns; the budgets come from it); round 1: what each
+        # holds, auto now planned.
+        least_held: dict = {}
+        held_by = {}
+        for step in range(2):
+            for mode in modes:
+                dt, held = step_once(mode, True)
                 least_held[mode] = min(least_held.get(mode, held), held)
                 for planner, ref in planners.values():
                     if ref == mode:
                         planner.budget_bytes = least_held[mode]
+                held_by[mode] = held
+                print(f"  memory round {step} {mode:<13} {held / 2**20:8.0f} MiB", flush=True)
+        budgets = {m: planners[m][0].budget_bytes for m in planners}
+        with open(args.json, "w") as f:
+            json.dump({"held": held_by, "budgets": budgets}, f)
+        return
+
+    # Memory first, in a child process whose allocator is pinned (see the module docstring);
+    # then the timing rounds here, under glibc's default allocator.
+    with tempfile.NamedTemporaryFile(suffix=".json") as jf:
+        cmd = [sys.executable, __file__, "--phase", "memory", "--json", jf.name,
+               *[a for a in sys.argv[1:] if a != "--explain"]]
+        subprocess.run(cmd, check=True)
+        with open(jf.name) as f:
+            mem = json.load(f)
+    for m, (planner, _) in planners.items():
+        planner.budget_bytes = mem["budgets"][m]
+    results = {m: {"t": [], "mem": [mem["held"][m]]} for m in modes}
+    for step in range(args.steps + 1):
+        for mode in modes:
+            dt, _ = step_once(mode, False)
             if step > 0:
                 results[mode]["t"].append(dt)
-                results[mode]["mem"].append(held)
-            print(f"  step {step} {mode:<13} {dt:6.2f} s  {held / 2**20:8.0f} MiB", flush=True)
-            del loss, ctx
+            print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
 
     med = {m: (statistics.median(r["t"]), statistics.median(r["mem"]))
            for m, r in results.items()}
