@@ -2,7 +2,8 @@
 # One command on a GPU host (PyTorch present, no Rust, no network), after
 # benches/gpu/prepare.sh filled dist/gpu on a CPU machine:
 #     OUT=/some/folder bash benches/gpu/run.sh
-# Installs the wheel (--no-deps), runs the gpu-marked tests and the GPU demo, and writes every
+# Installs the wheel (--no-deps), runs the gpu-marked tests, the Llama-style
+# benchmark, the optimizer's GPU step and the GPU demo, and writes every
 # log and result under $OUT (default ./gpu-out). Budget: under 8 minutes on one H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,8 +20,11 @@ echo "== gpu tests"
 timeout 120 python3 -m pytest tests/python -m gpu -q -p no:cacheprovider \
     --junitxml="$OUT/gpu-tests.xml" || status=1
 echo "== Llama-style 1B benchmark (bf16, seq 4096)"
-timeout 240 python3 benches/gpu/bench.py --out "$OUT" --nvme-path "${SPILLOVER_NVME_PATH:-/tmp}" || status=1
+timeout 210 python3 benches/gpu/bench.py --out "$OUT" --nvme-path "${SPILLOVER_NVME_PATH:-/tmp}" || status=1
+echo "== OffloadAdamW train step vs torch AdamW on the GPU (and torchao if installed)"
+timeout 60 python3 benches/python/optim_bench.py --parts gpu --rounds 6 | tee "$OUT/optim-gpu.md" \
+    || status=1
 echo "== demo on the GPU"
-timeout 150 python3 -m spillover demo --size medium --steps 4 --out "$OUT/demo" || status=1
+timeout 90 python3 -m spillover demo --size medium --steps 4 --out "$OUT/demo" || status=1
 echo "== exit $status"
 exit $status

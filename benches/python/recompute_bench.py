@@ -3,11 +3,15 @@ per mode, same run, in two phases:
 
 - memory: a child process with glibc's mmap threshold pinned at 64 KiB, so that freed tensors
   leave RSS at once (the method of e2e_cpu.py); held = RSS after forward - RSS before it + the
-  spillover pool's bytes in use. Two rounds: every mode once (the auto modes learn, and their
+  whole spillover pool under a context (pre-faulted RAM on a CPU host, used or not: the
+  planner charges it so too). Two rounds: every mode once (the auto modes learn, and their
   budgets are set), then every mode again (auto planned); the second round is reported.
 - time: this process, glibc's allocator as users have it (the pinned threshold would make
   every large allocation page-fault and slow the modes that allocate most: with it, `none`
-  ran slower than `full`). One warm-up round, then --steps rounds; medians.
+  ran slower than `full`). One warm-up round, then --steps rounds; medians. Under glibc's
+  default, tensors above 32 MiB (the attention scores here) are fresh page-faulted mappings
+  every time in every mode, and step times swing with what the previous mode left in the heap;
+  `--allocator cached` takes the page faults out, as a GPU's caching allocator does.
 
     python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
         --batch 4] [--steps 2] [--modes none,full,sac-mm,selective,offload-nvme,auto]
@@ -72,25 +76,38 @@ def sac_forward(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per mode (+1 warm-up)")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="rounds; each times one step per mode, in a fresh process after its "
+                         "warm-up step (two for auto: it learns, then plans)")
     ap.add_argument("--modes",
                     default="none,full,sac-mm,selective,offload-nvme,auto,auto-sel")
     ap.add_argument("--pool", default="256MiB", help="host pool of offload-nvme")
     ap.add_argument("--auto-pool", default="64MiB", help="host pool of auto's NVMe context")
     ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
-    ap.add_argument("--phase", choices=("all", "memory"), default="all",
+    ap.add_argument("--phase", choices=("all", "memory", "time"), default="all",
                     help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    ap.add_argument("--allocator", choices=("default", "cached"), default="default",
+                    help="time phase: glibc as configured (default), or 'cached': no mmap and "
+                         "no trimming, so freed memory is reused without page faults, as a "
+                         "GPU's caching allocator does")
+    return ap
+
+
+def measure(args: argparse.Namespace) -> None:
     if args.phase == "memory":
         _libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB: RSS tracks live tensors
+    elif args.allocator == "cached":
+        _libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: every allocation from the heap
+        _libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never give freed memory back
     cfg = GPTConfig(vocab=2048, d_model=args.d_model, n_heads=args.heads,
                     n_layers=args.layers, seq=args.seq)
     torch.manual_seed(0)
@@ -99,7 +116,8 @@ def main() -> None:
     modes = args.modes.split(",")
     tmp = tempfile.mkdtemp(prefix="spillover-recompute-bench-")
     machine = calibrate.calibrate(device="cpu")  # before timing: the planner reads it
-    print(calibrate.describe(machine), flush=True)
+    if args.phase == "memory":
+        print(calibrate.describe(machine), flush=True)
 
     models = {}
     planners = {}  # auto mode -> (planner, the mode whose memory is its budget)
@@ -142,7 +160,7 @@ def main() -> None:
             loss = model(idx, tgt)
         held = rss() - before
         if ctx is not None:
-            held += ctx._pool.stats()["in_use"]
+            held += ctx._pool.capacity  # pre-faulted RAM whether in use or not
         loss.backward()
         return time.perf_counter() - t0, held
 
@@ -163,25 +181,53 @@ def main() -> None:
         budgets = {m: planners[m][0].budget_bytes for m in planners}
         with open(args.json, "w") as f:
             json.dump({"held": held_by, "budgets": budgets}, f)
+        if args.explain:
+            for m in modes:
+                if m in ("selective", "auto", "auto-sel"):
+                    print(f"\n== explain: {m}")
+                    print(spillover.explain(models[m]))
         return
 
-    # Memory first, in a child process whose allocator is pinned (see the module docstring);
-    # then the timing rounds here, under glibc's default allocator.
+    # phase "time": one mode, in steady state (as a training loop runs it).
+    (mode,) = modes
+    if mode in planners:
+        planners[mode][0].budget_bytes = args.budget
+    for _ in range(2 if mode in planners else 1):  # auto: learn, then planned
+        step_once(mode, False)
+    dt, _ = step_once(mode, False)
+    with open(args.json, "w") as f:
+        json.dump({"t": dt}, f)
+
+
+def child(args: list) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as jf:
-        cmd = [sys.executable, __file__, "--phase", "memory", "--json", jf.name,
-               *[a for a in sys.argv[1:] if a != "--explain"]]
-        subprocess.run(cmd, check=True)
+        subprocess.run([sys.executable, __file__, "--json", jf.name, *args], check=True)
         with open(jf.name) as f:
-            mem = json.load(f)
-    for m, (planner, _) in planners.items():
-        planner.budget_bytes = mem["budgets"][m]
+            return json.load(f)
+
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    if args.phase != "all":
+        measure(args)
+        return
+    modes = args.modes.split(",")
+    shape = ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads",
+             str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch), "--pool",
+             args.pool, "--auto-pool", args.auto_pool, "--allocator", args.allocator]
+    # Memory first, in a child whose allocator is pinned (see the module docstring); then each
+    # timed step in a child of its own that runs one mode only, round by round.
+    mem = child(["--phase", "memory", "--modes", args.modes, *shape]
+                + (["--explain"] if args.explain else []))
     results = {m: {"t": [], "mem": [mem["held"][m]]} for m in modes}
-    for step in range(args.steps + 1):
+    for step in range(args.steps):
         for mode in modes:
-            dt, _ = step_once(mode, False)
-            if step > 0:
-                results[mode]["t"].append(dt)
+            budget = ["--budget", str(mem["budgets"][mode])] if mode in mem["budgets"] else []
+            dt = child(["--phase", "time", "--modes", mode, *shape, *budget])["t"]
+            results[mode]["t"].append(dt)
             print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
+    budgets = mem["budgets"]
 
     med = {m: (statistics.median(r["t"]), statistics.median(r["mem"]))
            for m, r in results.items()}
@@ -189,7 +235,7 @@ def main() -> None:
     full_t, full_m = med.get("full", (float("nan"), float("nan")))
     print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
           f"{args.batch}, fp32, CPU ({torch.get_num_threads()} threads); medians of "
-          f"{args.steps} steps")
+          f"{args.steps} rounds, allocator {args.allocator}")
     head = ("mode", "step s", "x none", "x full", "act MiB", "x none")
     print(f"{head[0]:<13} {head[1]:>7} {head[2]:>7} {head[3]:>7} {head[4]:>8} {head[5]:>7}")
     for m in modes:
@@ -203,19 +249,14 @@ def main() -> None:
     if "auto" in med and "full" in med:
         t, mem = med["auto"]
         print(f"goal auto: memory {mem / full_m:.2f}x full's (budget "
-              f"{format_size(planners['auto'][0].budget_bytes)}), time "
+              f"{format_size(budgets['auto'])}), time "
               f"{t / full_t:.2f}x full (<= 0.9x)")
     if "auto-sel" in med and "selective" in med:
         t, mem = med["auto-sel"]
         sel_t, sel_m = med["selective"]
         print(f"auto-sel: memory {mem / sel_m:.2f}x selective's (budget "
-              f"{format_size(planners['auto-sel'][0].budget_bytes)}), time "
+              f"{format_size(budgets['auto-sel'])}), time "
               f"{t / sel_t:.2f}x selective")
-    if args.explain:
-        for m in modes:
-            if m in ("selective", "auto", "auto-sel"):
-                print(f"\n== explain: {m}")
-                print(spillover.explain(models[m]))
 
 
 if __name__ == "__main__":
