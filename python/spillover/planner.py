@@ -104,15 +104,44 @@ def _tensor_bytes(x: Any) -> int:
     return 0
 
 
+def _shape_sig(x: Any) -> Any:
+    """What a flop formula reads of an argument: tensors by shape and dtype, the rest by value."""
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_shape_sig(y) for y in x)
+    return x
+
+
+#: op_flops of formula ops by (op, argument shapes): torch's formulas cost tens of
+#: microseconds per call, and a region's forward asks once per op per step.
+_FLOPS_MEMO: Dict[Any, int] = {}
+_FLOPS_MEMO_MAX = 4096
+
+
 def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> int:
     """Recompute FLOPs of one op: torch's flop formulas for matmuls, convolutions and fused
     attention; one per output element for everything else (memory-bound ops)."""
     formula = _FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
     if formula is not None:
         try:
-            return int(formula(*args, **kwargs, out_val=out))
+            key: Any = (func, _shape_sig(tuple(args)), _shape_sig(tuple(sorted(kwargs.items()))),
+                        _shape_sig(out))
+            hit = _FLOPS_MEMO.get(key)
+        except TypeError:  # an unhashable argument: no memo
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        try:
+            flops = int(formula(*args, **kwargs, out_val=out))
         except Exception:  # an overload the formula does not know
-            pass
+            flops = None
+        if flops is not None:
+            if key is not None:
+                if len(_FLOPS_MEMO) >= _FLOPS_MEMO_MAX:
+                    _FLOPS_MEMO.clear()
+                _FLOPS_MEMO[key] = flops
+            return flops
     return sum(t.numel() for t in output_tensors(out))
 
 

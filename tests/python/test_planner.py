@@ -272,3 +272,22 @@ def test_learned_bytes_match_what_autograd_saves(tiny_gpt):
     gpt_step(model, batch)
     assert planner.plan.plain_bytes == planner.outside_bytes + sum(
         r.input_bytes + r.needed_bytes for r in planner.planned_records)
+
+
+def test_op_flops_memo_follows_shapes():
+    # op_flops remembers torch's formula per (op, shapes): same shapes give the formula's
+    # answer again, other shapes their own, never a stale one.
+    from torch.utils.flop_counter import flop_registry
+
+    from spillover.planner import op_flops
+
+    mm = torch.ops.aten.mm.default
+    for _ in range(2):
+        for m, k, n in [(8, 16, 32), (8, 16, 64), (3, 5, 7), (8, 16, 32)]:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            out = mm(a, b)
+            want = flop_registry[torch.ops.aten.mm](a, b, out_val=out)
+            assert op_flops(mm, (a, b), {}, out) == want == 2 * m * k * n
+    # a memory-bound op: one per output element
+    x = torch.randn(4, 6)
+    assert op_flops(torch.ops.aten.relu.default, (x,), {}, x.relu()) == 24
