@@ -14,6 +14,15 @@ What is freed when
     (after the backward that used it, or when an abandoned graph is collected), the block goes
     back to the pool. A block also stays while a tensor returned by unpack still views it.
 
+Note [chunked storages]
+    On the NVMe tier a storage larger than half the pool is offloaded in pieces of at most an
+    eighth of the pool, each an entry of the store of its own (written out, read back and
+    prefetched like any other), so that one tensor larger than the whole pool still leaves the
+    device. Unpack assembles the pieces into a fresh tensor (a copy the whole-block path does
+    not make on CPU, where an unpacked tensor is a view of its block). The host tier keeps a
+    storage larger than half the pool where it is: every piece would have to stay in the pool
+    at once.
+
 Note [storage identity]
     Views are deduplicated by (device, storage address), but an address can be reused once the
     storage is freed. A dedup entry therefore also holds a *weak* reference to the storage and
@@ -172,6 +181,36 @@ class _Packed:
                 "without spillover autograd raises the same error). Use an out-of-place op, or "
                 "clone the tensor before modifying it."
             )
+
+
+class _PartsCopy:
+    """The pack copies of a chunked storage, seen as one (``modified`` when any part was)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[_Entry]):
+        self.parts = parts
+
+    @property
+    def modified(self) -> bool:
+        return any(p.copy.modified for p in self.parts)
+
+
+class _Chunked:
+    """One storage larger than half the NVMe tier's pool, offloaded as consecutive pieces
+    (Note [chunked storages])."""
+
+    __slots__ = ("parts", "nbytes", "device", "handles", "__weakref__")
+
+    def __init__(self, parts: List[_Entry], nbytes: int, device: torch.device):
+        self.parts = parts
+        self.nbytes = nbytes
+        self.device = device
+        self.handles = 0
+
+    @property
+    def copy(self) -> _PartsCopy:
+        return _PartsCopy(self.parts)
 
 
 # ---- the context ------------------------------------------------------------------------------
@@ -356,6 +395,8 @@ class OffloadContext:
             if entry is not None and (hit[1] is None or not hit[1].expired()):
                 stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
                 return _Packed(entry, t)
+        if self._store is not None and nbytes > self._store.tier.chunk_above:
+            return self._pack_chunked(t, storage, nbytes, key)
         try:
             block = self._store.lease(nbytes) if self._store else self._pool.lease(nbytes)
         except PoolExhaustedError:
@@ -382,6 +423,47 @@ class OffloadContext:
             self._store.add(entry)  # may start writing older entries out
         return packed
 
+    def _pack_chunked(self, t: torch.Tensor, storage: Any, nbytes: int,
+                      key: Tuple[str, int, int]) -> Any:
+        """Note [chunked storages]: each piece is an entry of its own in the NVMe store."""
+        stats = self._stats
+        store = self._store
+        backend = self._backend(t.device)
+        backend.reap()
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        step = store.tier.chunk_bytes
+        parts: List[_Entry] = []
+        try:
+            for off in range(0, nbytes, step):
+                n = min(step, nbytes - off)
+                block = store.lease(n)
+                copy = backend.to_host(src[off : off + n], block, watch=t)
+                e = _Entry(block, n, t.device, copy, self.config.verify)
+                e.seq = self._next_seq
+                self._next_seq += 1
+                if t.device.type == "cuda":
+                    self._by_seq[e.seq] = weakref.ref(e)
+                if self.config.verify:
+                    copy.wait()
+                    e.checksum = block.checksum()
+                stats.add(bytes_offloaded_host=n)  # before the store may write it out
+                e.store = store
+                store.add(e)
+                parts.append(e)
+        except PoolExhaustedError:
+            for e in parts:  # undo their counts; the pieces go back as they die
+                if e.spill is not None and e.spill.went_to_disk:
+                    stats.add(bytes_offloaded_nvme=-e.nbytes)
+                else:
+                    stats.add(bytes_offloaded_host=-e.nbytes)
+            stats.add(bytes_kept_pool_full=nbytes)
+            return t
+        c = _Chunked(parts, nbytes, t.device)
+        wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
+        self._dedup[key] = (weakref.ref(c), wref)
+        stats.add(tensors_offloaded=1, tensors_chunked=1)
+        return _Packed(c, t)
+
     def _backend(self, device: torch.device) -> Any:
         b = self._backends.get(device)
         if b is None:
@@ -391,12 +473,30 @@ class OffloadContext:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        e: _Entry = packed.entry
-        raw = self._materialize(e, packed)
+        e = packed.entry
+        if isinstance(e, _Chunked):
+            raw = self._materialize_chunked(e, packed)
+        else:
+            raw = self._materialize(e, packed)
         packed.check_version()
         out = torch.empty(0, dtype=packed.dtype, device=e.device)
         out.set_(raw.untyped_storage(), packed.offset, packed.size, packed.stride)
         self._stats.add(tensors_unpacked=1, bytes_unpacked=e.nbytes)
+        return out
+
+    def _materialize_chunked(self, c: _Chunked, packed: _Packed) -> torch.Tensor:
+        """The pieces' bytes, assembled into one fresh uint8 tensor on the device. Last piece
+        first: on a first step the store expects reverse pack order and reads ahead so."""
+        out = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
+        offs = []
+        off = 0
+        for part in c.parts:
+            offs.append(off)
+            off += part.nbytes
+        for part, off in zip(reversed(c.parts), reversed(offs)):
+            raw = self._materialize(part, packed)
+            out[off : off + part.nbytes].copy_(raw)
+            del raw  # the piece's block is evictable again (Note [clean entries] in store.py)
         return out
 
     def _materialize(self, e: _Entry, packed: _Packed) -> torch.Tensor:

@@ -483,6 +483,8 @@ class _Greedy:
         if not self.use_offload:
             return False
         if self.nvme:
+            if self.chunked(it):
+                return True  # it streams through the pool in pieces (Note [chunked storages])
             # Recomputing a region brings back all its offloaded outputs (and inputs) at once,
             # and each holds a pool block until the region's backward is done. Past what the
             # pool holds, the NVMe tier reads back through temporary mappings (slower, with a
@@ -492,10 +494,18 @@ class _Greedy:
             return need <= self.pool * REGION_POOL_SHARE
         return self.offloaded + it.op.bytes <= self.host_room
 
+    def chunked(self, it: _Item) -> bool:
+        """Offloaded in pieces by the NVMe tier: larger than half its pool (Note [chunked
+        storages] in context.py)."""
+        return self.nvme and it.op.bytes > self.pool // 2
+
     def offload_cost(self, it: _Item) -> Tuple[float, bool]:
         t = self.transfer_seconds(it.op.bytes)
         hidden = it.region != self.last and self.link_used + t <= self.hide_seconds
-        return (0.0 if hidden else t) + it.op.bytes * self.per_byte_cpu, hidden
+        # On a CPU host the copies cost compute: one into the pool, and for a chunked storage
+        # a second one, assembling the pieces on unpack.
+        copies = 2 if self.chunked(it) else 1
+        return (0.0 if hidden else t) + copies * it.op.bytes * self.per_byte_cpu, hidden
 
     def run(self) -> _Greedy:
         by_rc = sorted(self.items, key=lambda it: (it.rc, it.region, it.op.index))
@@ -527,7 +537,8 @@ class _Greedy:
                 taken.add(id(off))
                 self.link_used += self.transfer_seconds(off.op.bytes)
                 self.offloaded += off.op.bytes
-                self.region_off[off.region] += off.op.bytes
+                if not self.chunked(off):
+                    self.region_off[off.region] += off.op.bytes
                 self.kept -= off.op.bytes
                 self.transfer += off_cost
                 self.region_transfer[off.region] += off_cost

@@ -19,6 +19,8 @@ class OffloadStats:
     tensors_packed: int = 0
     bytes_packed: int = 0
     tensors_offloaded: int = 0
+    #: NVMe tier: storages larger than half the pool, offloaded in pieces.
+    tensors_chunked: int = 0
     bytes_offloaded_host: int = 0
     bytes_offloaded_nvme: int = 0
     storages_deduplicated: int = 0

@@ -13,6 +13,12 @@ learned from the previous step, or reverse pack order on the first step), up to
 ``prefetch_bytes`` ahead. Unpack waits (GIL released) on a read already in flight instead of
 issuing another.
 
+Note [clean entries]
+    An entry read back keeps its swap slot until it dies: its bytes on disk are still good, so
+    when the pool needs its block again (a large tensor read back in pieces, or a long
+    backward) it is dropped without being written a second time, and a second backward
+    (``retain_graph=True``) reads it again from the same place.
+
 Note [parked I/O]
     An entry freed while its write or read is in flight hands its ticket and slot to the tier,
     which keeps them until the request completes: the engine parks the block itself, and the
@@ -108,6 +114,9 @@ class NvmeTier:
             _runtime.warn_once("swap:" + self.swap.warning, self.swap.warning)
         self.prefetch_bytes = cfg.prefetch_bytes or min(self.capacity // 4, DEFAULT_PREFETCH_CAP)
         self.high_water = int(self.capacity * HIGH_WATER)
+        # Note [chunked storages] in context.py: larger storages go in pieces of chunk_bytes.
+        self.chunk_above = self.capacity // 2
+        self.chunk_bytes = max(4096, (self.capacity // 8) // 4096 * 4096)
         self.learned: Optional[List[int]] = None
         self.last_order: Optional[List[int]] = None
         self._parked: List[Tuple[Any, Any]] = []
@@ -252,6 +261,12 @@ class StepStore:
             # (an unpacked tensor viewing it holds a reference through numpy's array base).
             if not e.copy.done() or sys.getrefcount(e.block) > 2:
                 continue
+            if e.spill.slot is not None:
+                # Read back earlier: its bytes are still in its slot (Note [clean entries]).
+                e.block = None
+                e.spill.state = "disk"
+                del self.resident[seq]
+                return True
             if e.checksum is None and e.verify:
                 e.checksum = e.block.checksum()
             slot = self.tier.swap.alloc(e.nbytes)  # OutOfSpaceError: this step fails here
@@ -381,8 +396,7 @@ class StepStore:
             if e.spill.state == "reading":
                 e.block = blk
                 e.spill.state = "host"
-                e.spill.ticket = None
-                e.spill.slot = None  # space back to the swap file
+                e.spill.ticket = None  # the slot stays: Note [clean entries]
                 self.reading.pop(e.spill.seq, None)
                 self.resident[e.spill.seq] = weakref.ref(e)
 

@@ -139,9 +139,11 @@ def test_cpu_host_tier_frees_nothing_but_nvme_does():
     recs = _step(device="cpu", offload=nvme)
     plan = make_plan(recs, CPU, budget=200 * MiB, outside_bytes=16 * MiB)
     moved = [o for r in recs for o in r.ops if o.action == "offload"]
-    assert moved and all(o.bytes <= 64 * MiB for o in moved)  # the 128 MiB scores never fit
-    for r in recs:  # a recomputed region's offloaded outputs fit in the pool together
-        assert r.input_bytes + sum(o.bytes for o in r.ops if o.action == "offload") <= 32 * MiB
+    # the 128 MiB scores go in pieces (Note [chunked storages] in context.py)
+    assert moved and any(o.bytes > 64 * MiB for o in moved)
+    for r in recs:  # a recomputed region's whole-block offloads fit in the pool together
+        whole = [o.bytes for o in r.ops if o.action == "offload" and o.bytes <= 32 * MiB]
+        assert r.input_bytes + sum(whole) <= 32 * MiB
     assert plan.planned_bytes >= 64 * MiB  # the pool is this host's memory: it counts
 
 
