@@ -405,15 +405,7 @@ class OffloadContext:
         backend = self._backend(t.device)
         backend.reap()
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        copy = backend.to_host(src, block, watch=t)
-        entry = _Entry(block, nbytes, t.device, copy, self.config.verify)
-        entry.seq = self._next_seq
-        self._next_seq += 1
-        if t.device.type == "cuda":
-            self._by_seq[entry.seq] = weakref.ref(entry)
-        if self.config.verify:
-            copy.wait()
-            entry.checksum = block.checksum()
+        entry = self._new_entry(backend, src, block, t)
         wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
         self._dedup[key] = (weakref.ref(entry), wref)
         stats.add(tensors_offloaded=1, bytes_offloaded_host=nbytes)
@@ -422,6 +414,19 @@ class OffloadContext:
             entry.store = self._store
             self._store.add(entry)  # may start writing older entries out
         return packed
+
+    def _new_entry(self, backend: Any, src: torch.Tensor, block: Any, t: torch.Tensor) -> _Entry:
+        """Start copying ``src`` (bytes of ``t``'s storage) into ``block``; the entry for it."""
+        copy = backend.to_host(src, block, watch=t)
+        entry = _Entry(block, src.numel(), t.device, copy, self.config.verify)
+        entry.seq = self._next_seq
+        self._next_seq += 1
+        if t.device.type == "cuda":
+            self._by_seq[entry.seq] = weakref.ref(entry)
+        if self.config.verify:
+            copy.wait()
+            entry.checksum = block.checksum()
+        return entry
 
     def _pack_chunked(self, t: torch.Tensor, storage: Any, nbytes: int,
                       key: Tuple[str, int, int]) -> Any:
@@ -437,15 +442,7 @@ class OffloadContext:
             for off in range(0, nbytes, step):
                 n = min(step, nbytes - off)
                 block = store.lease(n)
-                copy = backend.to_host(src[off : off + n], block, watch=t)
-                e = _Entry(block, n, t.device, copy, self.config.verify)
-                e.seq = self._next_seq
-                self._next_seq += 1
-                if t.device.type == "cuda":
-                    self._by_seq[e.seq] = weakref.ref(e)
-                if self.config.verify:
-                    copy.wait()
-                    e.checksum = block.checksum()
+                e = self._new_entry(backend, src[off : off + n], block, t)
                 stats.add(bytes_offloaded_host=n)  # before the store may write it out
                 e.store = store
                 store.add(e)

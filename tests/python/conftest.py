@@ -1,4 +1,5 @@
 import copy
+import gc
 
 import pytest
 import torch
@@ -58,4 +59,19 @@ def clone_model(m):
     return copy.deepcopy(m)
 
 
-__all__ = ["assert_bitwise", "gpt_step", "grads", "clone_model", "spillover"]
+def drained(c):
+    """Pool and swap bytes in use once everything a finished NVMe context held has gone back.
+    A pack copy still queued on the copy worker holds its block until it has run (Note [source
+    lifetime]); under load a few can still be queued, so wait for the worker first."""
+    store = c._store
+    c.synchronize()
+    gc.collect()
+    store.tier.swap.wait_idle()
+    store.tier.reap_parked()
+    store._reap_writes()
+    store.tier.reap_parked()
+    gc.collect()
+    return c._pool.stats()["in_use"], store.tier.swap.stats()["swap_in_use"]
+
+
+__all__ = ["assert_bitwise", "drained", "gpt_step", "grads", "clone_model", "spillover"]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_bitwise, gpt_step
+from conftest import assert_bitwise, drained, gpt_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -394,19 +394,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.live.clear()
-        store = self.ctx._store
         self.ctx.__exit__(None, None, None)
-        # A pack copy still queued on the copy worker holds its block until it has run
-        # (Note [source lifetime]); under load a few can still be queued here.
-        self.ctx.synchronize()
-        gc.collect()
-        store.tier.swap.wait_idle()
-        store.tier.reap_parked()
-        store._reap_writes()
-        store.tier.reap_parked()
-        gc.collect()
-        assert self.ctx._pool.stats()["in_use"] == 0, self.ctx._pool.stats()
-        assert store.tier.swap.stats()["swap_in_use"] == 0
+        assert drained(self.ctx) == (0, 0), self.ctx._pool.stats()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

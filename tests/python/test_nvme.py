@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import assert_bitwise, gpt_step
+from conftest import assert_bitwise, drained, gpt_step
 
 import spillover
 from spillover import _native
@@ -198,19 +198,6 @@ def test_read_back_with_a_full_pool_uses_a_temporary_buffer(tmp_path):
     assert c.stats().overflow_reads >= 1, c.stats()
 
 
-def _drained(c):
-    """Everything a finished context holds has gone back: pool and swap in use 0."""
-    store = c._store
-    c.synchronize()
-    gc.collect()
-    store.tier.swap.wait_idle()
-    store.tier.reap_parked()
-    store._reap_writes()
-    store.tier.reap_parked()
-    gc.collect()
-    return c._pool.stats()["in_use"], store.tier.swap.stats()["swap_in_use"]
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_storage_larger_than_the_pool_goes_in_pieces(tmp_path, engine):
     c = nvme(tmp_path, engine, (1 << 20) + 61440)
@@ -228,7 +215,7 @@ def test_storage_larger_than_the_pool_goes_in_pieces(tmp_path, engine):
             assert torch.equal(out, v) and out.stride() == stride
             assert out.storage_offset() == offset
     del handles, h, out
-    assert _drained(c) == (0, 0)
+    assert drained(c) == (0, 0)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -252,4 +239,4 @@ def test_gpt_parity_with_tensors_larger_than_half_the_pool(tiny_gpt, tmp_path, e
     assert_bitwise(first, [p.grad for p in model.parameters()])
     assert_bitwise(ref, first)
     del loss
-    assert _drained(c) == (0, 0)
+    assert drained(c) == (0, 0)
