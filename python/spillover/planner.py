@@ -236,7 +236,8 @@ class OpRecord:
     #: ("effect"); None when the policy or planner decides.
     forced: Optional[str] = None
     needed: bool = False  # autograd saved (a view of) its output
-    after_stop: bool = False  # recomputation stops before it, so it is never asked for
+    #: never rerun: recomputation stops before it, or only saved ops read its output
+    after_stop: bool = False
     action: str = "recompute"  # keep | offload | recompute
     tier: str = ""  # host | nvme, for offloaded outputs (the planner's estimate)
     reason: str = ""

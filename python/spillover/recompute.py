@@ -45,6 +45,15 @@ Note [after the last save]
     (torch keeps them). The same notes say which outputs autograd saves: what the region would
     hold if run plainly, which the planner needs.
 
+Note [outputs only saved ops read]
+    When the op that reads an output is saved, recomputation need not rebuild that output —
+    unless autograd saved it too. E.g. with the softmax output saved, the scores matmul,
+    scaling and masking before it are dead weight: torch reruns them, we do not. The forward
+    notes which ops read each op's output (views see through to their base); an op that is
+    not random, not a view, not in place, not saved by autograd, and whose every reader is
+    saved or itself skipped, gets an empty tensor of its output's shape in recomputation
+    instead of running. Its bytes are never read: its readers return their saved outputs.
+
 Note [replay matching]
     Saved outputs are matched by (op, n-th call of that op in the region), as torch matches
     them. A region must therefore run the same ops in recompute as in forward — the usual
@@ -109,6 +118,20 @@ _is_effect = getattr(_tc, "_is_cacheable_effect", lambda op: False)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 _RECOMPUTE = object()
+
+
+class _Skip:
+    """Note [outputs only saved ops read]: in recomputation, an empty tensor shaped like the
+    op's output stands in for running it."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor):
+        self.size, self.stride = t.size(), t.stride()
+        self.dtype, self.device = t.dtype, t.device
+
+    def make(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 _TC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_tc.checkpoint).parameters
 
 _MISMATCH = (
@@ -294,6 +317,16 @@ def _no_dropout(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> boo
     return False
 
 
+def _tensor_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
 def _aliases_input(args: Tuple[Any, ...], out: Any) -> bool:
     outs = output_tensors(out)
     if not outs:
@@ -402,6 +435,11 @@ class _SaveMode(TorchDispatchMode):
         # its storage is freed, and a save or an in-place write refers to the live one.
         self.producer: Dict[Tuple[Any, int], int] = {}
         self.needed_ops: set = set()  # ops whose output (or a view of it) autograd saved
+        # Note [outputs only saved ops read]: which ops read each op's output (through views
+        # too: a view has its base's storage), and the recomputed ops that could be skipped.
+        self.consumers: Dict[int, set] = collections.defaultdict(set)
+        self.view_ops: set = set()
+        self.skippable: Dict[int, Tuple[Any, int, OpRecord, _Skip]] = {}
         self.cached: Dict[int, List[Tuple[Any, int, OpRecord]]] = {}  # op index -> entries
         self._hooks: Any = None
         self._target: Optional[_HookTarget] = None
@@ -461,7 +499,14 @@ class _SaveMode(TorchDispatchMode):
             forced = "view"  # e.g. _unsafe_view: no alias annotation, same storage
         if forced == "mutates an input":
             self._invalidate(_written_tensors(func, args, kwargs))
+        for a in _tensor_args(args, kwargs):
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                p = self.producer.get(_skey(a))
+                if p is not None:
+                    self.consumers[p].add(n)
         rec = self._record(n, func, args, kwargs, out, forced)
+        if forced == "view":
+            self.view_ops.add(n)
         if forced in ("view", "mutates an input", "random"):
             action = "recompute"
         elif forced == "effect":
@@ -471,6 +516,8 @@ class _SaveMode(TorchDispatchMode):
         rec.action = action
         if action == "recompute":
             self.storage[key][idx] = _RECOMPUTE
+            if forced is None and isinstance(out, torch.Tensor) and out.device.type != "meta":
+                self.skippable[n] = (key, idx, rec, _Skip(out))
             return out
         ctx = self.run.ctx if action == "offload" else None
         self.storage[key][idx] = tree_map(lambda x: _Saved(x, ctx), out)
@@ -516,6 +563,24 @@ class _SaveMode(TorchDispatchMode):
                     rec.action = "recompute"
                     rec.reason = "modified in place later in the region"
 
+    def _skip_dead(self, stop: int) -> None:
+        """Note [outputs only saved ops read]: a recomputed op whose output autograd does not
+        save, and which only saved ops (or other such ops) read, is not rerun."""
+        saved = {n for n, entries in self.cached.items()
+                 if any(self.storage[key].get(idx) is not _RECOMPUTE for key, idx, _ in entries)}
+        dead: set = set()
+        for n in sorted(self.skippable, reverse=True):  # readers come after what they read
+            if n >= stop or n in self.needed_ops:
+                continue
+            readers = self.consumers.get(n, set()) - self.view_ops
+            if readers and all(c in saved or c in dead for c in readers):
+                dead.add(n)
+        for n in dead:
+            key, idx, op, skip = self.skippable[n]
+            self.storage[key][idx] = skip
+            op.after_stop = True
+            op.reason = "only saved outputs read it: never rerun"
+
     def _finish(self) -> None:
         rec = self.run.record
         stop = self.last_save if self.last_save >= 0 else self.n
@@ -525,6 +590,7 @@ class _SaveMode(TorchDispatchMode):
             for key, idx, op in entries:
                 if op.index >= stop and self.storage[key].get(idx) is not _RECOMPUTE:
                     self.storage[key][idx] = _RECOMPUTE
+        self._skip_dead(stop)
         needed = 0
         for op in rec.ops:
             if op.index >= stop:
@@ -536,6 +602,8 @@ class _SaveMode(TorchDispatchMode):
         rec.needed_bytes = needed
         self.cached.clear()
         self.producer.clear()
+        self.consumers.clear()
+        self.skippable.clear()
         if self.run.sink is not None:
             self.run.sink(rec)
 
@@ -571,6 +639,8 @@ class _ReplayMode(TorchDispatchMode):
             )
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
+        if isinstance(entry, _Skip):
+            return entry.make()
         return tree_map(lambda s: s.get() if isinstance(s, _Saved) else s, entry)
 
 

@@ -453,3 +453,33 @@ def test_gpt_gradients_bitwise_on_cuda(policy, tier):
         torch.cuda.synchronize()
         assert_bitwise(ref, got)
 
+
+
+def _save_softmax(op, inputs, output):
+    return "save" if op is torch.ops.aten._softmax.default else "recompute"
+
+
+@pytest.mark.parametrize("tier", [None, "nvme"])
+def test_ops_only_saved_outputs_read_are_not_rerun(tiny_gpt, tier, tmp_path, monkeypatch):
+    # Note [outputs only saved ops read]: with the softmax output saved, the scores matmul,
+    # scaling and masking before it are not rerun; gradients stay bitwise.
+    base, batch = tiny_gpt
+    ref = gpt_step(base, batch)
+    model = spillover.wrap(copy.deepcopy(base), policy=_save_softmax)
+    skipped = []
+    make = recompute._Skip.make
+    monkeypatch.setattr(recompute._Skip, "make", lambda self: skipped.append(self.size) or
+                        make(self))
+    for _ in range(2):
+        ctx = (spillover.offload_context(tier, nvme_path=str(tmp_path), min_offload_bytes=0,
+                                         host_pool_bytes=(2 << 20) + 77824)
+               if tier else None)
+        assert_bitwise(ref, gpt_step(model, batch, ctx))
+    idx = batch[0]
+    scores = torch.Size([idx.shape[0], 4, idx.shape[1], idx.shape[1]])  # [b, heads, s, s]
+    n = len(base.blocks)
+    # per block and step: scaled and masked scores, and the scores matmul (as [b*h, s, s])
+    assert skipped.count(scores) == 2 * 2 * n, skipped
+    assert len(skipped) >= 3 * 2 * n
+    text = str(spillover.explain(model))
+    assert "only saved outputs read it: never rerun" in text
