@@ -238,6 +238,9 @@ class OpRecord:
     needed: bool = False  # autograd saved (a view of) its output
     #: never rerun: recomputation stops before it, or only saved ops read its output
     after_stop: bool = False
+    #: ops of the region that read its output, views seen through (for Note [outputs only
+    #: saved ops read] in recompute.py)
+    readers: Tuple[int, ...] = ()
     action: str = "recompute"  # keep | offload | recompute
     tier: str = ""  # host | nvme, for offloaded outputs (the planner's estimate)
     reason: str = ""
@@ -549,9 +552,58 @@ class _Greedy:
         for it in self.items:
             if id(it) not in taken:
                 self.ops[(it.region, it.op.index)] = ("keep", "", "fits the budget")
+        self._save_chain_ends()
         self._label_tiers()
         self._total_recompute()
         return self
+
+    def _dead(self, ri: int, ops: List[OpRecord]) -> set:
+        """Recomputed ops that only saved ops read (Note [outputs only saved ops read]): the
+        runtime skips them in recomputation."""
+        act = {o.index: self.ops[(ri, o.index)][0] for o in ops}
+        dead: set = set()
+        for o in sorted(ops, key=lambda o: -o.index):
+            if (act[o.index] == "recompute" and not o.after_stop and o.forced is None
+                    and not o.needed and o.readers
+                    and all(act.get(c) in ("keep", "offload") or c in dead for c in o.readers)):
+                dead.add(o.index)
+        return dead
+
+    def _save_chain_ends(self) -> None:
+        """Offload a recomputed output when that lets the runtime skip the ops feeding it and
+        costs less than rerunning them all (e.g. a softmax output: then the scores matmul,
+        scaling and masking before it are not rerun either), within the budget."""
+        # Chain ends first: a softmax output spares the matmul, scaling and masking before it.
+        for it in sorted(self.items, key=lambda it: (it.region, -it.op.index)):
+            k = (it.region, it.op.index)
+            if self.ops[k][0] != "recompute" or not self.use_offload or not self.can_offload(it):
+                continue
+            ops = self.regions[it.region].ops
+            before = self._dead(it.region, ops)
+            decided = self.ops[k]
+            self.ops[k] = ("offload", "", "")
+            gained = self._dead(it.region, ops) - before
+            self.ops[k] = decided
+            saved_s = it.seconds + sum(self.machine.op_seconds(o) for o in ops
+                                       if o.index in gained)
+            cost, hidden = self.offload_cost(it)
+            if not gained or cost >= saved_s:
+                continue
+            offloaded = self.offloaded + it.op.bytes
+            mem_after = self.mem
+            if self.charge == "resident":
+                mem_after += (min(self.resident, self.fixed_in + offloaded)
+                              - min(self.resident, self.fixed_in + self.offloaded))
+            if mem_after > self.budget:
+                continue
+            self.link_used += self.transfer_seconds(it.op.bytes)
+            self.offloaded = offloaded
+            if not self.chunked(it):
+                self.region_off[it.region] += it.op.bytes
+            self.transfer += cost
+            self.region_transfer[it.region] += cost
+            self.ops[k] = ("offload", "", f"saving it spares rerunning {len(gained)} ops "
+                           f"before it ({_ms(saved_s)} > {_ms(cost)})")
 
     def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int) -> None:
         """Append regions that run plainly and keep everything (after planning the rest)."""
@@ -586,8 +638,10 @@ class _Greedy:
         for ri, r in enumerate(self.regions):
             if self.modes[ri] != "checkpoint":
                 continue
+            dead = self._dead(ri, r.ops)
             for o in r.ops:
-                if not o.after_stop and self.ops[(ri, o.index)][0] == "recompute":
+                if (not o.after_stop and o.index not in dead
+                        and self.ops[(ri, o.index)][0] == "recompute"):
                     t += self.machine.op_seconds(o)
         self.recompute = t
 

@@ -593,6 +593,7 @@ class _SaveMode(TorchDispatchMode):
         self._skip_dead(stop)
         needed = 0
         for op in rec.ops:
+            op.readers = tuple(sorted(self.consumers.get(op.index, set()) - self.view_ops))
             if op.index >= stop:
                 op.after_stop = True
                 op.action = "recompute"

@@ -293,3 +293,32 @@ def test_op_flops_memo_follows_shapes():
     # a memory-bound op: one per output element
     x = torch.randn(4, 6)
     assert op_flops(torch.ops.aten.relu.default, (x,), {}, x.relu()) == 24
+
+
+def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
+    # Note [outputs only saved ops read]: saving the softmax output spares rerunning the
+    # scaling and masking before it; rerunning all three costs more than moving 128 MiB.
+    def chain(ri, offload):
+        ops = [
+            _op(0, "scale", 128),
+            _op(1, "mask", 128),
+            _op(2, "softmax", 128, needed=True),
+            _op(3, "attn_v", 8, flops_per_byte=512, needed=True),
+            _op(4, "out", 8, flops_per_byte=1024, after_stop=True),
+        ]
+        for o, readers in zip(ops, [(1,), (2,), (3,), (4,), ()]):
+            o.readers = readers
+        return RegionRecord(key=ri, name=f"b{ri}", signature=ri, device="cpu",
+                            mode="checkpoint", input_bytes=8 * MiB, ops=ops,
+                            needed_bytes=136 * MiB, stop=4, offload=offload)
+
+    nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
+    recs = [chain(i, nvme) for i in range(4)]
+    plan = make_plan(recs, CPU, budget=100 * MiB, outside_bytes=0)
+    # The last region's transfers cannot hide behind compute, so the greedy pass recomputes its
+    # chain; then offloading the softmax output pays for itself (161 ms of ops spared).
+    last = _actions(recs[-1])
+    assert last["softmax"] == "offload" and last["scale"] == last["mask"] == "recompute"
+    why = next(o.reason for o in recs[-1].ops if o.name == "softmax")
+    assert "spares rerunning 2 ops" in why, why
+    assert plan.fits and plan.recompute_seconds == 0  # the skipped ops cost nothing
