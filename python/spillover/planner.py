@@ -145,6 +145,19 @@ def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -
     return sum(t.numel() for t in output_tensors(out))
 
 
+def skipped_ops(candidates: Dict[int, Sequence[int]], saved: Iterable[int]) -> set:
+    """Note [outputs only saved ops read] in recompute.py: of ``candidates`` (op index ->
+    indices of the ops that read its output; ops that may be skipped at all), those whose
+    every reader is saved or itself skipped. The runtime applies it; the planner predicts it."""
+    saved = set(saved)
+    dead: set = set()
+    for n in sorted(candidates, reverse=True):  # readers come after what they read
+        readers = candidates[n]
+        if readers and all(c in saved or c in dead for c in readers):
+            dead.add(n)
+    return dead
+
+
 def is_compute_bound(func: Any) -> bool:
     return getattr(func, "overloadpacket", None) in _FLOP_REGISTRY
 
@@ -539,16 +552,9 @@ class _Greedy:
                     "recompute", "", f"cheapest to free ({_rate_text(cand)})")
             else:
                 taken.add(id(off))
-                self.link_used += self.transfer_seconds(off.op.bytes)
-                self.offloaded += off.op.bytes
-                if not self.chunked(off):
-                    self.region_off[off.region] += off.op.bytes
                 self.kept -= off.op.bytes
-                self.transfer += off_cost
-                self.region_transfer[off.region] += off_cost
-                why = ("the transfer hides behind compute" if hidden
-                       else "cheaper to move than to recompute")
-                self.ops[(off.region, off.op.index)] = ("offload", "", why)
+                self._take_offload(off, off_cost, "the transfer hides behind compute" if hidden
+                                   else "cheaper to move than to recompute")
         for it in self.items:
             if id(it) not in taken:
                 self.ops[(it.region, it.op.index)] = ("keep", "", "fits the budget")
@@ -557,17 +563,25 @@ class _Greedy:
         self._total_recompute()
         return self
 
+    def _take_offload(self, it: _Item, cost: float, why: str) -> None:
+        """Decide to offload ``it`` (its bytes already left out of ``kept``)."""
+        self.link_used += self.transfer_seconds(it.op.bytes)
+        self.offloaded += it.op.bytes
+        if not self.chunked(it):
+            self.region_off[it.region] += it.op.bytes
+        self.transfer += cost
+        self.region_transfer[it.region] += cost
+        self.ops[(it.region, it.op.index)] = ("offload", "", why)
+
     def _dead(self, ri: int, ops: List[OpRecord]) -> set:
         """Recomputed ops that only saved ops read (Note [outputs only saved ops read]): the
         runtime skips them in recomputation."""
         act = {o.index: self.ops[(ri, o.index)][0] for o in ops}
-        dead: set = set()
-        for o in sorted(ops, key=lambda o: -o.index):
-            if (act[o.index] == "recompute" and not o.after_stop and o.forced is None
-                    and not o.needed and o.readers
-                    and all(act.get(c) in ("keep", "offload") or c in dead for c in o.readers)):
-                dead.add(o.index)
-        return dead
+        return skipped_ops(
+            {o.index: o.readers for o in ops if act[o.index] == "recompute"
+             and not o.after_stop and o.forced is None and not o.needed},
+            (i for i, a in act.items() if a in ("keep", "offload")),
+        )
 
     def _save_chain_ends(self) -> None:
         """Offload a recomputed output when that lets the runtime skip the ops feeding it and
@@ -586,24 +600,16 @@ class _Greedy:
             self.ops[k] = decided
             saved_s = it.seconds + sum(self.machine.op_seconds(o) for o in ops
                                        if o.index in gained)
-            cost, hidden = self.offload_cost(it)
+            cost, _ = self.offload_cost(it)
             if not gained or cost >= saved_s:
                 continue
-            offloaded = self.offloaded + it.op.bytes
-            mem_after = self.mem
-            if self.charge == "resident":
-                mem_after += (min(self.resident, self.fixed_in + offloaded)
-                              - min(self.resident, self.fixed_in + self.offloaded))
-            if mem_after > self.budget:
+            self.offloaded += it.op.bytes  # what the pool would hold with it
+            fits = self.mem <= self.budget
+            self.offloaded -= it.op.bytes
+            if not fits:
                 continue
-            self.link_used += self.transfer_seconds(it.op.bytes)
-            self.offloaded = offloaded
-            if not self.chunked(it):
-                self.region_off[it.region] += it.op.bytes
-            self.transfer += cost
-            self.region_transfer[it.region] += cost
-            self.ops[k] = ("offload", "", f"saving it spares rerunning {len(gained)} ops "
-                           f"before it ({_ms(saved_s)} > {_ms(cost)})")
+            self._take_offload(it, cost, f"saving it spares rerunning {len(gained)} ops "
+                               f"before it ({_ms(saved_s)} > {_ms(cost)})")
 
     def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int) -> None:
         """Append regions that run plainly and keep everything (after planning the rest)."""

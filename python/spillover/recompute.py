@@ -566,15 +566,13 @@ class _SaveMode(TorchDispatchMode):
     def _skip_dead(self, stop: int) -> None:
         """Note [outputs only saved ops read]: a recomputed op whose output autograd does not
         save, and which only saved ops (or other such ops) read, is not rerun."""
-        saved = {n for n, entries in self.cached.items()
-                 if any(self.storage[key].get(idx) is not _RECOMPUTE for key, idx, _ in entries)}
-        dead: set = set()
-        for n in sorted(self.skippable, reverse=True):  # readers come after what they read
-            if n >= stop or n in self.needed_ops:
-                continue
-            readers = self.consumers.get(n, set()) - self.view_ops
-            if readers and all(c in saved or c in dead for c in readers):
-                dead.add(n)
+        saved = [n for n, entries in self.cached.items()
+                 if any(self.storage[key].get(idx) is not _RECOMPUTE for key, idx, _ in entries)]
+        dead = _planner.skipped_ops(
+            {n: tuple(self.consumers.get(n, set()) - self.view_ops) for n in self.skippable
+             if n < stop and n not in self.needed_ops},
+            saved,
+        )
         for n in dead:
             key, idx, op, skip = self.skippable[n]
             self.storage[key][idx] = skip
