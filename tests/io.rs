@@ -9,19 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use spillover_core::io::{EngineChoice, FaultKind, IoOptions, Swap};
-use spillover_core::pool::{Block, Pool, PoolOptions};
+use spillover_core::pool::{Block, Pool};
+
+mod common;
+use common::pool;
 use spillover_core::Error;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
-
-fn pool(capacity: u64) -> Pool {
-    let mut o = PoolOptions::new(capacity);
-    o.lock = false;
-    o.huge_pages = false;
-    o.prefault = false;
-    Pool::new(&o).unwrap()
-}
 
 fn tempdir() -> tempfile::TempDir {
     match std::env::var_os("SPILLOVER_TEST_DIR") {

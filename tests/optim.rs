@@ -10,16 +10,11 @@ use spillover_core::optim::{
     bf16_to_f32, f32_to_bf16, fma_available, AdamState, Bf16, Dtype, Hyper, Options, Ptr, Tier,
     UnitBuffers, UnitStep,
 };
-use spillover_core::pool::{Pool, PoolOptions};
-use spillover_core::Error;
+use spillover_core::pool::Pool;
 
-fn pool(capacity: u64) -> Pool {
-    let mut o = PoolOptions::new(capacity);
-    o.lock = false;
-    o.huge_pages = false;
-    o.prefault = false;
-    Pool::new(&o).unwrap()
-}
+mod common;
+use common::pool;
+use spillover_core::Error;
 
 /// A small deterministic generator (xorshift), values roughly N(0, 1)-sized.
 struct Rng(u64);
