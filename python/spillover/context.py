@@ -279,6 +279,8 @@ class OffloadContext:
             stack.remove(self)
         self._hooks.__exit__(*exc)
         self._dedup.clear()
+        for b in self._backends.values():
+            b.reap()  # Note [source lifetime]: sources of copies done by now go at once
         self._update_pool_peak()
 
     def _open_store(self) -> Any:

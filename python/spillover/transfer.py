@@ -6,8 +6,9 @@ brings a block back. Both return at once; ``Copy.wait()`` blocks (GIL released) 
 
 Note [source lifetime]
     A copy reads its source after ``to_host`` has returned. The source tensor is therefore
-    referenced by the Copy until the copy is known complete — on CPU until the worker finishes,
-    on CUDA until the event has fired (polled by ``reap()``), never by ``record_stream`` on the
+    referenced by the Copy until the copy is known complete — on CPU until the worker finishes
+    (a callback of the worker drops it), on CUDA until the event has fired (polled by
+    ``reap()`` at each pack and when the context exits), never by ``record_stream`` on the
     source, which would let the caching allocator hand the bytes out again only once the side
     stream reaches that point and so keep them longer than needed. The destination block is
     kept by the same Copy. Guarded by tests/python/test_context.py::test_abandoned_steps_free.
@@ -51,7 +52,8 @@ class Copy:
     """A copy in flight. ``wait()`` returns when the destination holds the bytes; it re-raises
     whatever the copy raised. ``done()`` never blocks."""
 
-    __slots__ = ("_future", "_event", "_keep", "_done", "_lock", "_watch", "_version", "modified")
+    __slots__ = ("_future", "_event", "_keep", "_done", "_lock", "_watch", "_version", "modified",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -120,7 +122,20 @@ class CpuBackend:
 
     def to_host(self, src: torch.Tensor, block: Any, watch: Optional[torch.Tensor] = None) -> Copy:
         fut = self._pool.submit(block.copy_from, src.data_ptr(), src.numel(), 0)
-        return Copy(future=fut, keep=(src, block), watch=watch)
+        c = Copy(future=fut, keep=(src, block), watch=watch)
+        # Note [source lifetime]: the source goes as soon as the worker is done with it, not
+        # when someone next polls the copy (the last tensors of a forward would otherwise stay
+        # alive beside their copies until backward unpacks them). Weakly: a strong reference
+        # would close a cycle future -> callback -> copy -> future.
+        ref = weakref.ref(c)
+
+        def finished(f: concurrent.futures.Future) -> None:
+            copy = ref()
+            if copy is not None and not f.cancelled() and f.exception() is None:
+                copy._finish()  # a failure is raised by wait()
+
+        fut.add_done_callback(finished)
+        return c
 
     def to_device(
         self, block: Any, device: torch.device, after: Optional[Copy], wait: bool = True
