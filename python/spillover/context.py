@@ -18,8 +18,10 @@ Note [chunked storages]
     On the NVMe tier a storage larger than half the pool is offloaded in pieces of at most an
     eighth of the pool, each an entry of the store of its own (written out, read back and
     prefetched like any other), so that one tensor larger than the whole pool still leaves the
-    device. Unpack assembles the pieces into a fresh tensor (a copy the whole-block path does
-    not make on CPU, where an unpacked tensor is a view of its block). The host tier keeps a
+    device. Unpack assembles the pieces into a fresh tensor; on CPU the pieces on disk are
+    read straight into it (Note [chunked read-ahead] in store.py), those still in the pool
+    copied (a copy the whole-block path does not make on CPU, where an unpacked tensor is a
+    view of its block). The host tier keeps a
     storage larger than half the pool where it is: every piece would have to stay in the pool
     at once.
 
@@ -43,7 +45,7 @@ from . import _runtime
 from .config import Config
 from .errors import ConfigError, IntegrityError, PoolExhaustedError
 from .stats import OffloadStats
-from .transfer import backend_for
+from .transfer import backend_for, block_tensor
 
 __all__ = ["offload_context", "OffloadContext", "keep", "current_context"]
 
@@ -134,6 +136,7 @@ class _Entry:
         "spill",
         "store",
         "verify",
+        "chunk",
         "__weakref__",
     )
 
@@ -152,6 +155,7 @@ class _Entry:
         self.spill: Any = None  # store.Spilled, on the NVMe tier
         self.store: Any = None
         self.verify = verify
+        self.chunk: Any = None  # weakref of the _Chunked this entry is a piece of
 
     def __del__(self) -> None:
         if self.store is not None:
@@ -200,13 +204,18 @@ class _Chunked:
     """One storage larger than half the NVMe tier's pool, offloaded as consecutive pieces
     (Note [chunked storages])."""
 
-    __slots__ = ("parts", "nbytes", "device", "handles", "__weakref__")
+    __slots__ = ("parts", "nbytes", "device", "handles", "ahead", "__weakref__")
 
     def __init__(self, parts: List[_Entry], nbytes: int, device: torch.device):
         self.parts = parts
         self.nbytes = nbytes
         self.device = device
         self.handles = 0
+        #: Note [chunked read-ahead] in store.py: the store.DirectRead under way, False where
+        #: the pieces cannot take that path, None before it starts.
+        self.ahead: Any = None
+        for p in parts:
+            p.chunk = weakref.ref(self)
 
     @property
     def copy(self) -> _PartsCopy:
@@ -485,17 +494,33 @@ class OffloadContext:
 
     def _materialize_chunked(self, c: _Chunked, packed: _Packed) -> torch.Tensor:
         """The pieces' bytes, assembled into one fresh uint8 tensor on the device. Last piece
-        first: on a first step the store expects reverse pack order and reads ahead so."""
-        out = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
+        first: on a first step the store expects reverse pack order and reads ahead so. On CPU
+        the pieces on disk are read straight into that tensor (Note [chunked read-ahead] in
+        store.py)."""
+        direct = self._store.read_direct(c) if c.device.type == "cpu" else None
+        if direct is not None:
+            out = block_tensor(direct)
+        else:
+            out = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
         offs = []
         off = 0
         for part in c.parts:
             offs.append(off)
             off += part.nbytes
-        for part, off in zip(reversed(c.parts), reversed(offs)):
-            raw = self._materialize(part, packed)
-            out[off : off + part.nbytes].copy_(raw)
-            del raw  # the piece's block is evictable again (Note [clean entries] in store.py)
+        try:
+            for i in range(len(c.parts) - 1, -1, -1):
+                part, off = c.parts[i], offs[i]
+                if direct is not None and direct.reads[i] is not None:
+                    self._store.finish_direct(direct, i, part)
+                    if self.config.verify:
+                        self._check(part, direct.blocks[i], packed, "nvme")
+                    continue
+                raw = self._materialize(part, packed)
+                out[off : off + part.nbytes].copy_(raw)
+                del raw  # the piece's block is evictable again (Note [clean entries])
+        finally:
+            if direct is not None:
+                self._store.direct_done(c)
         return out
 
     def _materialize(self, e: _Entry, packed: _Packed) -> torch.Tensor:
@@ -525,13 +550,7 @@ class OffloadContext:
                 block = e.block
             if self.config.verify:
                 e.copy.wait()
-                found = block.checksum()
-                if found != e.checksum:
-                    raise IntegrityError(
-                        f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} "
-                        f"read back from the {tier} tier does not match its checksum (crc32c "
-                        f"{e.checksum:#010x} at pack, {found:#010x} at unpack)"
-                    )
+                self._check(e, block, packed, tier)
             raw, _ = backend.to_device(block, e.device, e.copy)
             if e.spill is None:
                 self._stats.add(stall_seconds=time.perf_counter() - t0)
@@ -540,6 +559,17 @@ class OffloadContext:
         if e.device.type == "cuda":
             self._stage_ahead(e)
         return raw
+
+    @staticmethod
+    def _check(e: _Entry, block: Any, packed: _Packed, tier: str) -> None:
+        """SPILLOVER_VERIFY: the bytes read back are the bytes packed."""
+        found = block.checksum()
+        if found != e.checksum:
+            raise IntegrityError(
+                f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} "
+                f"read back from the {tier} tier does not match its checksum (crc32c "
+                f"{e.checksum:#010x} at pack, {found:#010x} at unpack)"
+            )
 
     def _stage_ahead(self, e: _Entry) -> None:
         """Start the H2D copies of the next entries backward will ask for (reverse pack

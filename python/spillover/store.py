@@ -19,6 +19,16 @@ Note [clean entries]
     backward) it is dropped without being written a second time, and a second backward
     (``retain_graph=True``) reads it again from the same place.
 
+Note [chunked read-ahead]
+    A chunked storage (Note [chunked storages] in context.py) on a CPU device is read back
+    straight from its pieces' slots into one buffer of its own, which becomes the unpacked
+    tensor: no pool block per piece and no copy to assemble them (pieces still in the pool are
+    copied). The reads start when the storage is the next thing backward is expected to need
+    (in the order learned from the last step; reverse pack order, the guess of a first step,
+    is wrong in recomputation) -- in recomputation, when its region starts rerunning, so the
+    ops before it overlap the reads -- and not earlier, which would hold its bytes through the
+    backward of the region before. One storage is read ahead at a time.
+
 Note [parked I/O]
     An entry freed while its write or read is in flight hands its ticket and slot to the tier,
     which keeps them until the request completes: the engine parks the block itself, and the
@@ -117,8 +127,9 @@ class NvmeTier:
         # Note [chunked storages] in context.py: larger storages go in pieces of chunk_bytes.
         self.chunk_above = self.capacity // 2
         self.chunk_bytes = max(4096, (self.capacity // 8) // 4096 * 4096)
-        self.learned: Optional[List[int]] = None
-        self.last_order: Optional[List[int]] = None
+        #: (unpack order, entry sizes in pack order) of the last step, and of the one before
+        self.learned: Optional[Tuple[List[int], List[int]]] = None
+        self.last_order: Optional[Tuple[List[int], List[int]]] = None
         self._parked: List[Tuple[Any, Any]] = []
         self._lock = threading.Lock()
 
@@ -181,6 +192,44 @@ class Spilled:
         self.went_to_disk = False
 
 
+class DirectRead:
+    """Note [chunked read-ahead]: the buffer a chunked storage is read into, piece by piece.
+    ``blocks[i]`` is piece i's part of the buffer (None while its read holds it), ``reads[i]``
+    its read in flight (ticket, slot) or None."""
+
+    __slots__ = ("tier", "pool", "blocks", "reads", "base", "nbytes", "__weakref__")
+
+    def __init__(self, tier: NvmeTier, sizes: List[int]):
+        self.tier = tier
+        cap = sum(-(-n // 4096) * 4096 for n in sizes)
+        # Faulted in by the reads themselves, as a fresh tensor would be by its first write.
+        self.pool = _native.Pool(cap, arena_bytes=cap, prefault=False, lock=False,
+                                 huge_pages=False)
+        self.blocks: List[Any] = [self.pool.lease(n) for n in sizes]
+        self.reads: List[Optional[Tuple[Any, Any]]] = [None] * len(sizes)
+        self.base = self.blocks[0].address
+        self.nbytes = sum(sizes)
+
+    def contiguous(self) -> bool:
+        off = 0
+        for b in self.blocks:
+            if b.address != self.base + off:
+                return False
+            off += b.capacity
+        return True
+
+    @property
+    def __array_interface__(self) -> Dict[str, Any]:
+        # The whole buffer as one array; numpy keeps this object (and so the blocks) alive.
+        return {"data": (self.base, False), "shape": (self.nbytes,), "typestr": "|u1",
+                "version": 3}
+
+    def __del__(self) -> None:
+        for r in self.reads:  # Note [parked I/O]: a read may still land in these bytes
+            if r is not None and not r[0].done():
+                self.tier.park(*r)
+
+
 class StepStore:
     """The NVMe side of one context: which entries are resident, written, being read."""
 
@@ -196,12 +245,15 @@ class StepStore:
         self.writing: Deque[Any] = collections.deque()  # weakrefs, oldest first
         self.reading: Dict[int, Any] = {}  # seq -> weakref
         self.by_seq: Dict[int, Any] = {}  # seq -> weakref of entry
+        self._ahead: Any = None  # weakref of the DirectRead started ahead of its use
         self.next_seq = 0
         self.order: List[int] = []  # this step's unpack order (taught to the next step)
-        if tier.last_order:
-            tier.learned = list(tier.last_order)
-        tier.last_order = self.order
-        self.learned = tier.learned
+        self.sizes: List[int] = []  # bytes of each entry, in pack order
+        if tier.last_order and tier.last_order[0]:
+            tier.learned = (list(tier.last_order[0]), tier.last_order[1])
+        tier.last_order = (self.order, self.sizes)
+        self.learned: Optional[List[int]] = tier.learned[0] if tier.learned else None
+        self._learned_sizes = tier.learned[1] if tier.learned else None
         self._learned_pos: Dict[int, int] = (
             {s: i for i, s in enumerate(self.learned)} if self.learned else {}
         )
@@ -238,6 +290,7 @@ class StepStore:
         with self.lock:
             entry.spill = Spilled(self.next_seq)
             self.next_seq += 1
+            self.sizes.append(entry.nbytes)
             self.resident[entry.spill.seq] = self.by_seq[entry.spill.seq] = weakref.ref(entry)
         self.tier.reap_parked()
         self._reap_writes()
@@ -350,6 +403,12 @@ class StepStore:
                 hit = False
             self._finish_read(e)
             self.stats.add(stall_seconds=time.perf_counter() - t0)
+        self._used(e, hit)
+        return e.block
+
+    def _used(self, e: Any, hit: bool) -> None:
+        """``e`` was unpacked (``hit``: its bytes were back in time): count it, read ahead."""
+        sp = e.spill
         if sp.went_to_disk:
             self.stats.add(prefetch_hits=int(hit), prefetch_misses=int(not hit))
         else:
@@ -359,7 +418,43 @@ class StepStore:
         self._reap_reads()
         self.tier.reap_parked()
         self._prefetch_after(sp.seq)
-        return e.block
+
+    def read_direct(self, c: Any) -> Optional[DirectRead]:
+        """Note [chunked read-ahead]: start reading the pieces of chunked storage ``c`` that
+        are on disk into a buffer of its own (once; None if the buffer cannot be one piece)."""
+        if c.ahead is not None:
+            return c.ahead or None
+        d = DirectRead(self.tier, [p.nbytes for p in c.parts])
+        if not d.contiguous():
+            c.ahead = False
+            return None
+        with self.lock:
+            for i, p in enumerate(c.parts):
+                sp = p.spill
+                if sp is not None and sp.state == "disk":
+                    d.reads[i] = (self.tier.swap.read(sp.slot, d.blocks[i]), sp.slot)
+                    d.blocks[i] = None
+        c.ahead = d
+        self._ahead = weakref.ref(d)
+        return d
+
+    def direct_done(self, c: Any) -> None:
+        """``c``'s buffer was handed to its unpack: another storage may be read ahead."""
+        if self._ahead is not None and self._ahead() is c.ahead:
+            self._ahead = None
+        c.ahead = None  # a second unpack (retain_graph) reads again
+
+    def finish_direct(self, d: DirectRead, i: int, e: Any) -> None:
+        """Wait for piece ``i`` (entry ``e``) of ``d`` to land, counting it as used."""
+        with self.lock:
+            self.order.append(e.spill.seq)
+        ticket, _slot = d.reads[i]
+        hit = ticket.done()
+        t0 = time.perf_counter()
+        d.blocks[i] = ticket.wait()  # raises SwapIOError
+        d.reads[i] = None
+        self.stats.add(stall_seconds=time.perf_counter() - t0)
+        self._used(e, hit)
 
     def _start_read(self, e: Any) -> None:
         try:
@@ -401,6 +496,12 @@ class StepStore:
                 self.resident[e.spill.seq] = weakref.ref(e)
 
     def _expected_after(self, seq: int) -> List[int]:
+        if self._learned_sizes is not None and self._learned_sizes != self.sizes:
+            # The step that taught the order packed other tensors (the model or its plan
+            # changed, e.g. auto after its learning step): its order would read the wrong
+            # entries ahead.
+            self.learned, self._learned_pos = None, {}
+        self._learned_sizes = None  # compared once, when backward starts
         pos = self._learned_pos.get(seq)
         if self.learned is not None and pos is not None:
             return self.learned[pos + 1 :]
@@ -409,13 +510,23 @@ class StepStore:
     def _prefetch_after(self, seq: int) -> None:
         window = self.tier.prefetch_bytes
         ahead = 0
-        for s in self._expected_after(seq):
+        expected = self._expected_after(seq)
+        learned = seq in self._learned_pos  # not a guess: read chunked storages ahead
+        for s in expected:
             if ahead >= window:
                 break
             ref = self.by_seq.get(s)
             e = ref() if ref is not None else None
             if e is None:
                 continue
+            c = e.chunk() if e.chunk is not None else None
+            if c is not None and c.device.type == "cpu":
+                # Note [chunked read-ahead]: never through the pool; started when it is next.
+                busy = self._ahead() if self._ahead is not None else None
+                if c.ahead is None and learned and ahead == 0 and busy is None:
+                    self.read_direct(c)
+                if c.ahead is not False:
+                    continue
             st = e.spill.state
             if st in ("reading", "writing"):
                 ahead += e.nbytes

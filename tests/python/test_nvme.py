@@ -218,6 +218,99 @@ def test_storage_larger_than_the_pool_goes_in_pieces(tmp_path, engine):
     assert drained(c) == (0, 0)
 
 
+def _all_to_disk(c):
+    store = c._store
+    c.synchronize()  # pack copies done: every entry is evictable
+    with store.lock:
+        while store._evict_one():
+            pass
+    while store._oldest_writing() is not None:
+        store._finish_write(store._oldest_writing(), wait=True)
+    assert not store._resident()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("verify", [False, True])
+def test_chunked_storage_is_read_straight_into_its_tensor(tmp_path, engine, verify,
+                                                          private_pool_bytes):
+    """Note [chunked read-ahead]: pieces on disk go from their slots into the unpacked
+    tensor's own buffer, through no pool block; the pieces still in the pool are copied."""
+    pool = (1 << 20) + private_pool_bytes % (1 << 16)
+    c = nvme(tmp_path, engine, pool, verify=verify)
+    big = torch.randn(3 << 18)  # 3 MiB: three times the pool
+    with c:
+        h = c.pack(big)
+        h2 = c.pack(big[5:])
+    _all_to_disk(c)
+    c._pool.reset_peak()
+    in_use = c._pool.stats()["in_use"]
+    out = c.unpack(h)
+    assert torch.equal(out, big)
+    assert c._pool.stats()["peak"] == in_use  # no piece went through the pool
+    assert not c._pool_ranges[0][0] <= out.data_ptr() < c._pool_ranges[-1][1]
+    s = c.stats()
+    assert s.tensors_chunked == 1, s
+    assert s.prefetch_hits + s.prefetch_misses == len(h.entry.parts), s
+    # A second unpack (a retained graph) reads again, with one piece back in the pool.
+    part = h.entry.parts[0]
+    blk = c._store.fetch(part)
+    del blk
+    assert torch.equal(c.unpack(h2), big[5:])
+    del h, h2, out, part
+    assert drained(c) == (0, 0)
+
+
+def test_chunked_storage_is_read_ahead_when_it_is_next(tmp_path, private_pool_bytes):
+    """Note [chunked read-ahead]: in the learned order, the reads of a chunked storage start
+    once what comes before it has been unpacked -- not before."""
+    pool = (1 << 20) + private_pool_bytes % (1 << 16)
+    first, small, big = torch.randn(1 << 16), torch.randn(1 << 16), torch.randn(3 << 18)
+    for step in range(2):  # the first teaches the unpack order: small, big, first
+        c = nvme(tmp_path, "threads", pool)
+        with c:
+            hf, hs, hb = c.pack(first), c.pack(small), c.pack(big)
+        _all_to_disk(c)
+        if step == 0:
+            for h in (hs, hb, hf):
+                c.unpack(h)
+            continue
+        assert hb.entry.ahead is None
+        assert torch.equal(c.unpack(hs), small)
+        d = hb.entry.ahead
+        assert d is not None and any(r is not None for r in d.reads)  # started, not waited
+        c._store.tier.swap.wait_idle()
+        assert torch.equal(c.unpack(hb), big)
+        s = c.stats()
+        assert s.prefetch_hits >= len(hb.entry.parts), s
+        assert hb.entry.ahead is None and c._store._ahead is None
+        assert torch.equal(c.unpack(hf), first)
+    del hf, hs, hb, h, d
+    assert drained(c) == (0, 0)
+
+
+def test_learned_order_is_dropped_when_the_step_packs_other_tensors(tmp_path,
+                                                                    private_pool_bytes):
+    """The unpack order taught by the last step is used only if this step packed tensors of the
+    same sizes in the same order; otherwise (a new plan, another model) reverse pack order."""
+    pool = (1 << 20) + private_pool_bytes % (1 << 16)
+    a, b, c3 = torch.randn(1 << 14), torch.randn(1 << 15), torch.randn(1 << 16)
+
+    def step(tensors, unpack_order):
+        c = nvme(tmp_path, "threads", pool)
+        with c:
+            hs = [c.pack(t) for t in tensors]
+        first = hs[unpack_order[0]].entry.spill.seq
+        expected = c._store._expected_after(first)
+        for i in unpack_order:
+            c.unpack(hs[i])
+        return expected
+
+    assert step([a, b, c3], [1, 0, 2]) == [0]  # no order learned yet: reverse pack order
+    assert step([a, b, c3], [1, 0, 2]) == [0, 2]  # taught by the step before
+    assert step([b, a, c3], [1, 0, 2]) == [0]  # other sizes packed: reverse pack order again
+    assert step([b, a, c3], [1, 0, 2]) == [0, 2]  # taught by the step before
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_gpt_parity_with_tensors_larger_than_half_the_pool(tiny_gpt, tmp_path, engine):
     model, batch = tiny_gpt
