@@ -4,8 +4,11 @@ per mode, same run, in two phases:
 - memory: a child process with glibc's mmap threshold pinned at 64 KiB, so that freed tensors
   leave RSS at once (the method of e2e_cpu.py); held = RSS after forward - RSS before it + the
   whole spillover pool under a context (pre-faulted RAM on a CPU host, used or not: the
-  planner charges it so too). Two rounds: every mode once (the auto modes learn, and their
-  budgets are set), then every mode again (auto planned); the second round is reported.
+  planner charges it so too). Under a context, held is read once the pack copies running when
+  forward returns have landed (a few ms: they hold the last tensors packed, e.g. the 32 MiB
+  log-softmax output); what they held at the return is reported apart (+flight). Two
+  rounds: every mode once (the auto modes learn, and their budgets are set), then every mode
+  again (auto planned); the second round is reported.
 - time: this process, glibc's allocator as users have it (the pinned threshold would make
   every large allocation page-fault and slow the modes that allocate most: with it, `none`
   ran slower than `full`). One warm-up round, then --steps rounds; medians. Under glibc's
@@ -159,19 +162,27 @@ def measure(args: argparse.Namespace) -> None:
         else:
             loss = model(idx, tgt)
         held = rss() - before
+        flight = 0
         if ctx is not None:
+            if measure_memory:
+                # The copies still running when forward returns (the last tensors packed) hold
+                # their sources for a few ms more: reported apart, once they have landed.
+                ctx.synchronize()
+                settled = rss() - before
+                flight, held = held - settled, settled
             held += ctx._pool.capacity  # pre-faulted RAM whether in use or not
         loss.backward()
-        return time.perf_counter() - t0, held
+        return time.perf_counter() - t0, held, flight
 
     if args.phase == "memory":
         # Round 0: every mode once (auto learns; the budgets come from it); round 1: what each
         # holds, auto now planned.
         least_held: dict = {}
         held_by = {}
+        flight_by = {}
         for step in range(2):
             for mode in modes:
-                dt, held = step_once(mode, True)
+                dt, held, flight_by[mode] = step_once(mode, True)
                 least_held[mode] = min(least_held.get(mode, held), held)
                 for planner, ref in planners.values():
                     if ref == mode:
@@ -180,7 +191,7 @@ def measure(args: argparse.Namespace) -> None:
                 print(f"  memory round {step} {mode:<13} {held / 2**20:8.0f} MiB", flush=True)
         budgets = {m: planners[m][0].budget_bytes for m in planners}
         with open(args.json, "w") as f:
-            json.dump({"held": held_by, "budgets": budgets}, f)
+            json.dump({"held": held_by, "flight": flight_by, "budgets": budgets}, f)
         if args.explain:
             for m in modes:
                 if m in ("selective", "auto", "auto-sel"):
@@ -194,7 +205,7 @@ def measure(args: argparse.Namespace) -> None:
         planners[mode][0].budget_bytes = args.budget
     for _ in range(2 if mode in planners else 1):  # auto: learn, then planned
         step_once(mode, False)
-    dt, _ = step_once(mode, False)
+    dt, _, _ = step_once(mode, False)
     with open(args.json, "w") as f:
         json.dump({"t": dt}, f)
 
@@ -218,16 +229,17 @@ def main() -> None:
              args.pool, "--auto-pool", args.auto_pool, "--allocator", args.allocator]
     # Memory first, in a child whose allocator is pinned (see the module docstring); then each
     # timed step in a child of its own that runs one mode only, round by round.
-    mem = child(["--phase", "memory", "--modes", args.modes, *shape]
-                + (["--explain"] if args.explain else []))
-    results = {m: {"t": [], "mem": [mem["held"][m]]} for m in modes}
+    mem_run = child(["--phase", "memory", "--modes", args.modes, *shape]
+                    + (["--explain"] if args.explain else []))
+    results = {m: {"t": [], "mem": [mem_run["held"][m]]} for m in modes}
     for step in range(args.steps):
         for mode in modes:
-            budget = ["--budget", str(mem["budgets"][mode])] if mode in mem["budgets"] else []
+            budget = (["--budget", str(mem_run["budgets"][mode])]
+                      if mode in mem_run["budgets"] else [])
             dt = child(["--phase", "time", "--modes", mode, *shape, *budget])["t"]
             results[mode]["t"].append(dt)
             print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
-    budgets = mem["budgets"]
+    budgets = mem_run["budgets"]
 
     med = {m: (statistics.median(r["t"]), statistics.median(r["mem"]))
            for m, r in results.items()}
@@ -236,12 +248,15 @@ def main() -> None:
     print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
           f"{args.batch}, fp32, CPU ({torch.get_num_threads()} threads); medians of "
           f"{args.steps} rounds, allocator {args.allocator}")
-    head = ("mode", "step s", "x none", "x full", "act MiB", "x none")
-    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>7} {head[3]:>7} {head[4]:>8} {head[5]:>7}")
+    head = ("mode", "step s", "x none", "x full", "act MiB", "x none", "+flight")
+    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>7} {head[3]:>7} {head[4]:>8} {head[5]:>7} "
+          f"{head[6]:>8}")
     for m in modes:
         t, mem = med[m]
         print(f"{m:<13} {t:7.2f} {t / base_t:7.2f} {t / full_t:7.2f} {mem / 2**20:8.0f} "
-              f"{mem / base_m:7.2f}")
+              f"{mem / base_m:7.2f} {mem_run['flight'][m] / 2**20:8.0f}")
+    print("act MiB: RSS held after forward (+ the whole pool of a context), once the copies "
+          "running at its return have landed; +flight: what those copies still held then")
     if "selective" in med and "none" in med:
         t, mem = med["selective"]
         print(f"goal selective: memory {mem / base_m:.0%} of none (<= 35%), time "
