@@ -168,6 +168,18 @@ def test_many_steps_do_not_grow(tiny_gpt, tmp_path, private_pool_bytes):
     assert max(swap_used) == 0 and max(pool_used) == 0, samples[-3:]
 
 
+def _all_to_disk(c):
+    """Write every entry of ``c``'s store out, and wait for the writes."""
+    store = c._store
+    c.synchronize()  # pack copies done: every entry is evictable
+    with store.lock:
+        while store._evict_one():
+            pass
+    while store._oldest_writing() is not None:
+        store._finish_write(store._oldest_writing(), wait=True)
+    assert not store._resident()
+
+
 def test_read_back_with_a_full_pool_uses_a_temporary_buffer(tmp_path):
     x = torch.randn(1 << 18, requires_grad=True)  # 1 MiB
     c = nvme(tmp_path, "threads", (2 << 20) + 40960)
@@ -181,14 +193,8 @@ def test_read_back_with_a_full_pool_uses_a_temporary_buffer(tmp_path):
     x.grad = None
     with c:
         loss = f()
-    tier, store = c._store.tier, c._store
-    c.synchronize()  # pack copies done: every entry is evictable
-    with store.lock:
-        while store._evict_one():
-            pass
-    while store._oldest_writing() is not None:
-        store._finish_write(store._oldest_writing(), wait=True)
-    assert not store._resident()  # everything is on disk now
+    tier = c._store.tier
+    _all_to_disk(c)
     hog = tier.pool.lease(tier.pool.stats()["largest_free"])  # nothing left for the read
     spillover._runtime._warned.discard("pool-overflow")  # warned once per process
     with pytest.warns(RuntimeWarning, match="SPILLOVER_HOST_POOL_BYTES"):
@@ -216,17 +222,6 @@ def test_storage_larger_than_the_pool_goes_in_pieces(tmp_path, engine):
             assert out.storage_offset() == offset
     del handles, h, out
     assert drained(c) == (0, 0)
-
-
-def _all_to_disk(c):
-    store = c._store
-    c.synchronize()  # pack copies done: every entry is evictable
-    with store.lock:
-        while store._evict_one():
-            pass
-    while store._oldest_writing() is not None:
-        store._finish_write(store._oldest_writing(), wait=True)
-    assert not store._resident()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
