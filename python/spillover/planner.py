@@ -52,7 +52,9 @@ __all__ = [
     "HIGH_WATER",
 ]
 
-#: The NVMe tier keeps this share of its host pool resident (store.HIGH_WATER).
+#: The share of the NVMe tier's pool the planner counts on finding resident after forward
+#: (written entries keep their blocks, Note [write early, drop late] in store.py; the rest is
+#: left to blocks still being copied or written).
 HIGH_WATER = 0.75
 #: Share of the NVMe tier's pool one region's offloaded outputs may take (they all come back
 #: when the region is recomputed).
