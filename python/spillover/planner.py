@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -158,6 +158,17 @@ def skipped_ops(candidates: Dict[int, Sequence[int]], saved: Iterable[int]) -> s
         if readers and all(c in saved or c in dead for c in readers):
             dead.add(n)
     return dead
+
+
+def region_skipped(ops: Sequence[OpRecord], action: Callable[[OpRecord], str]) -> set:
+    """The recomputed ops of one region that the runtime will not rerun under the decisions
+    ``action(op)`` (Note [outputs only saved ops read] in recompute.py)."""
+    act = {o.index: action(o) for o in ops}
+    return skipped_ops(
+        {o.index: o.readers for o in ops if act[o.index] == "recompute"
+         and not o.after_stop and o.forced is None and not o.needed},
+        (i for i, a in act.items() if a in ("keep", "offload")),
+    )
 
 
 def is_compute_bound(func: Any) -> bool:
@@ -576,14 +587,8 @@ class _Greedy:
         self.ops[(it.region, it.op.index)] = ("offload", "", why)
 
     def _dead(self, ri: int, ops: List[OpRecord]) -> set:
-        """Recomputed ops that only saved ops read (Note [outputs only saved ops read]): the
-        runtime skips them in recomputation."""
-        act = {o.index: self.ops[(ri, o.index)][0] for o in ops}
-        return skipped_ops(
-            {o.index: o.readers for o in ops if act[o.index] == "recompute"
-             and not o.after_stop and o.forced is None and not o.needed},
-            (i for i, a in act.items() if a in ("keep", "offload")),
-        )
+        """Recomputed ops that only saved ops read: the runtime skips them in recomputation."""
+        return region_skipped(ops, lambda o: self.ops[(ri, o.index)][0])
 
     def _save_chain_ends(self) -> None:
         """Offload a recomputed output when that lets the runtime skip the ops feeding it and
@@ -824,12 +829,14 @@ def explain_records(
     """Group a step's op records by (op, output shape, decision), with bytes and costs."""
     groups: Dict[Tuple[str, Tuple[int, ...], str, str], Dict[str, Any]] = {}
     for ri, r in enumerate(records):
+        # A plan's records carry its decisions, not what the runtime then skips.
+        dead = region_skipped(r.ops, lambda o: o.action) if r.mode == "checkpoint" else set()
         for o in r.ops:
             if o.bytes == 0 and o.forced == "view":
                 continue  # views hold nothing and cost nothing
             if r.mode == "plain-keep":
                 decision = "keep" if o.needed else "not held"
-            elif o.after_stop:
+            elif o.after_stop or o.index in dead:
                 decision = "not rerun"
             elif o.action == "offload" and o.tier:
                 decision = f"offload-{o.tier}"
@@ -837,6 +844,8 @@ def explain_records(
                 decision = o.action
             if decision == "not held":
                 why = "runs plainly; autograd does not save it"
+            elif o.index in dead:
+                why = "only saved outputs read it: never rerun"
             else:
                 why = o.reason or (
                     "after the last saved tensor: never rerun" if o.after_stop else o.forced or "")

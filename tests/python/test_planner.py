@@ -12,7 +12,14 @@ from conftest import assert_bitwise, gpt_step
 import spillover
 from spillover import calibrate
 from spillover.models import GPT, GPTConfig, synthetic_batch
-from spillover.planner import Machine, OpRecord, Planner, RegionRecord, make_plan
+from spillover.planner import (
+    Machine,
+    OpRecord,
+    Planner,
+    RegionRecord,
+    explain_records,
+    make_plan,
+)
 
 MiB = 1 << 20
 # CPU-like and GPU-like rates: 100 GFLOP/s matmul, 5 GB/s elementwise, 10 GB/s link, 2 GB/s NVMe.
@@ -322,3 +329,8 @@ def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
     why = next(o.reason for o in recs[-1].ops if o.name == "softmax")
     assert "spares rerunning 2 ops" in why, why
     assert plan.fits and plan.recompute_seconds == 0  # the skipped ops cost nothing
+    # explain says what the runtime will do with them: not rerun, at no recompute cost.
+    rows = {(r["op"], r["decision"]): r for r in explain_records(recs, "auto", CPU, plan).rows}
+    assert ("scale", "recompute") not in rows and ("mask", "recompute") not in rows
+    assert rows[("scale", "not rerun")]["why"] == "only saved outputs read it: never rerun"
+    assert rows[("scale", "not rerun")]["recompute_s"] is None
