@@ -258,6 +258,10 @@ class StepStore:
         self.reading: Dict[int, Any] = {}  # seq -> weakref
         self.by_seq: Dict[int, Any] = {}  # seq -> weakref of entry
         self._ahead: Any = None  # weakref of the DirectRead started ahead of its use
+        # Entries not yet written, in pack order, with their bytes (some may have died or been
+        # written by a lease since: skipped when reached).
+        self.dirty: Deque[Tuple[Any, int]] = collections.deque()
+        self.dirty_bytes = 0
         self.next_seq = 0
         self.order: List[int] = []  # this step's unpack order (taught to the next step)
         self.sizes: List[int] = []  # bytes of each entry, in pack order
@@ -306,6 +310,8 @@ class StepStore:
             self.next_seq += 1
             self.sizes.append(entry.nbytes)
             self.resident[entry.spill.seq] = self.by_seq[entry.spill.seq] = weakref.ref(entry)
+            self.dirty.append((self.by_seq[entry.spill.seq], entry.nbytes))
+            self.dirty_bytes += entry.nbytes
         self.tier.reap_parked()
         self._reap_writes()
         self._reap_reads()
@@ -313,21 +319,18 @@ class StepStore:
 
     def _write_behind(self) -> None:
         """Note [write early, drop late]: start writes, earliest packed first, until no more
-        than DIRTY_SHARE of the pool holds bytes that are not on disk."""
+        than DIRTY_SHARE of the pool holds bytes that are not on disk. O(1) per pack but for
+        the writes it starts: the unwritten entries wait in pack order."""
         with self.lock:
-            dirty = []
-            nbytes = 0
-            for seq in sorted(self.resident):
-                e = self.resident[seq]()
-                if e is not None and e.spill.slot is None:
-                    dirty.append((seq, e))
-                    nbytes += e.nbytes
-            for seq, e in dirty:
-                if nbytes <= self.tier.dirty_max:
-                    break
-                if self._movable(e):
-                    self._start_write(seq, e)
-                    nbytes -= e.nbytes
+            while self.dirty_bytes > self.tier.dirty_max and self.dirty:
+                ref, nbytes = self.dirty[0]
+                e = ref()
+                if e is not None and e.spill.slot is None:  # not dead, not written by a lease
+                    if not self._movable(e):
+                        break  # its pack copy is still running: the next pack looks again
+                    self._start_write(e.spill.seq, e)
+                self.dirty.popleft()
+                self.dirty_bytes -= nbytes
 
     @staticmethod
     def _movable(e: Any) -> bool:
