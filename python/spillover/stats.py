@@ -21,6 +21,9 @@ class OffloadStats:
     tensors_offloaded: int = 0
     #: NVMe tier: storages larger than half the pool, offloaded in pieces.
     tensors_chunked: int = 0
+    #: Bytes offloaded and never written to disk, and bytes written to disk (NVMe tier: written
+    #: early, such an entry may still be read back from the pool, store.py Note [write early,
+    #: drop late]).
     bytes_offloaded_host: int = 0
     bytes_offloaded_nvme: int = 0
     storages_deduplicated: int = 0
