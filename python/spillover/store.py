@@ -288,7 +288,7 @@ class StepStore:
                     if self._drop_clean():  # Note [write early, drop late]: no waiting
                         continue
                     writing = self._oldest_writing()
-                    evicted = writing is None and self._evict_one()
+                    evicted = writing is None and self._start_oldest_write()
                     reading = next((e for e in self._live(self.reading.values())), None)
                     copying = next((e for e in self._resident() if not e.copy.done()), None)
                 if writing is not None:
@@ -355,8 +355,10 @@ class StepStore:
     def _evict_one(self) -> bool:
         """Free a block: drop a clean entry, else start writing the movable resident entry
         packed earliest. Caller holds the lock."""
-        if self._drop_clean():
-            return True
+        return self._drop_clean() or self._start_oldest_write()
+
+    def _start_oldest_write(self) -> bool:
+        """Start writing the movable resident entry packed earliest. Caller holds the lock."""
         for seq in sorted(self.resident):  # earliest packed = next use farthest away
             e = self.resident[seq]()
             if e is None:
