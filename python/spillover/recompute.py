@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import abc
 import collections
-import contextlib
 import functools
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -331,17 +330,21 @@ def _aliases_input(args: Tuple[Any, ...], out: Any) -> bool:
     outs = output_tensors(out)
     if not outs:
         return False
-    ins = set()
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            ins.add(_skey(a))
-        elif isinstance(a, (list, tuple)):
-            ins.update(_skey(t) for t in a if isinstance(t, torch.Tensor))
+    ins = {_skey(a) for a in _tensor_args(args, {})}
     return any(_skey(t) in ins for t in outs)
 
 
 def _skey(t: torch.Tensor) -> Tuple[Any, int]:
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def _producer(producer: Dict[Tuple[Any, int], int], t: torch.Tensor) -> Optional[int]:
+    """The op that produced ``t``'s storage, or None (also for a tensor without a storage
+    torch lets us see, e.g. a functional or sparse one)."""
+    try:
+        return producer.get(_skey(t))
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _detach(x: Any) -> Any:
@@ -455,10 +458,9 @@ class _SaveMode(TorchDispatchMode):
                 mode = target.mode
                 if mode is not None:
                     mode.last_save = mode.n
-                    with contextlib.suppress(RuntimeError, NotImplementedError):
-                        p = mode.producer.get(_skey(x))
-                        if p is not None:
-                            mode.needed_ops.add(p)
+                    p = _producer(mode.producer, x)
+                    if p is not None:
+                        mode.needed_ops.add(p)
                 return inner_pack(x)
 
             # Nested checkpoints look through checkpoint-internal hooks for the user's.
@@ -500,10 +502,9 @@ class _SaveMode(TorchDispatchMode):
         if forced == "mutates an input":
             self._invalidate(_written_tensors(func, args, kwargs))
         for a in _tensor_args(args, kwargs):
-            with contextlib.suppress(RuntimeError, NotImplementedError):
-                p = self.producer.get(_skey(a))
-                if p is not None:
-                    self.consumers[p].add(n)
+            p = _producer(self.producer, a)
+            if p is not None:
+                self.consumers[p].add(n)
         rec = self._record(n, func, args, kwargs, out, forced)
         if forced == "view":
             self.view_ops.add(n)
