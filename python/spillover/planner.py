@@ -160,6 +160,10 @@ def skipped_ops(candidates: Dict[int, Sequence[int]], saved: Iterable[int]) -> s
     return dead
 
 
+#: Why an op is not rerun under Note [outputs only saved ops read] (runtime and explain).
+SKIPPED_REASON = "only saved outputs read it: never rerun"
+
+
 def region_skipped(ops: Sequence[OpRecord], action: Callable[[OpRecord], str]) -> set:
     """The recomputed ops of one region that the runtime will not rerun under the decisions
     ``action(op)`` (Note [outputs only saved ops read] in recompute.py)."""
@@ -533,7 +537,8 @@ class _Greedy:
         t = self.transfer_seconds(it.op.bytes)
         hidden = it.region != self.last and self.link_used + t <= self.hide_seconds
         # On a CPU host the copies cost compute: one into the pool, and for a chunked storage
-        # a second one, assembling the pieces on unpack.
+        # a second one on unpack (for the pieces still in the pool; those on disk are read
+        # straight into the tensor, Note [chunked read-ahead] in store.py: an upper bound).
         copies = 2 if self.chunked(it) else 1
         return (0.0 if hidden else t) + copies * it.op.bytes * self.per_byte_cpu, hidden
 
@@ -845,7 +850,7 @@ def explain_records(
             if decision == "not held":
                 why = "runs plainly; autograd does not save it"
             elif o.index in dead:
-                why = "only saved outputs read it: never rerun"
+                why = SKIPPED_REASON
             else:
                 why = o.reason or (
                     "after the last saved tensor: never rerun" if o.after_stop else o.forced or "")

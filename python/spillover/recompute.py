@@ -578,7 +578,7 @@ class _SaveMode(TorchDispatchMode):
             key, idx, op, skip = self.skippable[n]
             self.storage[key][idx] = skip
             op.after_stop = True
-            op.reason = "only saved outputs read it: never rerun"
+            op.reason = _planner.SKIPPED_REASON
 
     def _finish(self) -> None:
         rec = self.run.record
