@@ -296,16 +296,12 @@ def _forced(func: Any) -> Optional[str]:
 
 
 def _written_tensors(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(t for t in v if isinstance(t, torch.Tensor))
-    return out
+    written = tuple(
+        args[i] if i < len(args) else kwargs.get(a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    return _tensor_args(written, {})
 
 
 def _no_dropout(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
