@@ -1,5 +1,5 @@
 //! spillover's engine: the pinned host pool, the extent allocator under it, and (in `io`,
-//! `store`, `prefetch`, `optim`) the swap tier and CPU optimizer. No torch, no CUDA; Python
+//! `tier`, `optim`) the swap engine, the tiered tensor store and the CPU optimizer. No torch, no CUDA; Python
 //! reaches it through `py` (feature "python").
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -10,6 +10,7 @@ pub mod extent;
 pub mod io;
 pub mod optim;
 pub mod pool;
+pub mod tier;
 
 #[cfg(feature = "python")]
 mod py;

@@ -37,7 +37,7 @@ use crate::pool::{Block, Pool};
 
 pub use fault::FaultKind;
 pub use slot::{Piece, Slot};
-pub use ticket::Ticket;
+pub use ticket::{Ticket, Watch};
 
 use fault::Faults;
 use file::SwapFile;

@@ -83,6 +83,12 @@ impl Ticket {
         true
     }
 
+    /// A handle that can wait for this request without owning it: lets a caller wait for a
+    /// ticket that another structure holds, outside that structure's lock.
+    pub fn watch(&self) -> Watch {
+        Watch { c: self.c.clone() }
+    }
+
     /// Block until the I/O has finished; the block comes back whatever the result. On error
     /// the block's contents are unspecified (a read may have filled part of it).
     pub fn wait(self) -> (Block, Result<()>) {
@@ -101,5 +107,25 @@ impl std::fmt::Debug for Ticket {
         f.debug_struct("Ticket")
             .field("done", &self.is_done())
             .finish()
+    }
+}
+
+/// Waits for a request without taking its outcome (see [`Ticket::watch`]).
+#[derive(Clone)]
+pub struct Watch {
+    c: Arc<Completion>,
+}
+
+impl Watch {
+    pub fn is_done(&self) -> bool {
+        self.c.done.load(Ordering::Acquire)
+    }
+
+    /// Block until the request has completed; its ticket's `wait` then returns at once.
+    pub fn wait_done(&self) {
+        let mut g = self.c.lock();
+        while g.is_none() && !self.is_done() {
+            g = self.c.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }

@@ -8,6 +8,7 @@ mod errors;
 mod optim;
 mod pool;
 mod swap;
+mod tier;
 
 use pyo3::prelude::*;
 
@@ -19,6 +20,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<swap::PySwap>()?;
     m.add_class::<swap::PySlot>()?;
     m.add_class::<swap::PyTicket>()?;
+    m.add_class::<tier::PyTier>()?;
+    m.add_class::<tier::PyStep>()?;
+    m.add_class::<tier::PyHandle>()?;
+    m.add_class::<tier::PyView>()?;
+    m.add_class::<tier::PyGathered>()?;
     m.add_class::<optim::PyAdamState>()?;
     m.add_function(wrap_pyfunction!(pool::memlock_limit, m)?)?;
     m.add_function(wrap_pyfunction!(pool::crc32c, m)?)?;

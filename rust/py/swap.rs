@@ -6,7 +6,7 @@
 //! until the completion arrives.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -18,7 +18,7 @@ use crate::io::{EngineChoice, FaultKind, IoOptions, Slot, Swap, Ticket};
 
 #[pyclass(name = "Swap", module = "spillover._native", frozen)]
 pub struct PySwap {
-    swap: Swap,
+    pub(crate) swap: Arc<Swap>,
 }
 
 #[pymethods]
@@ -49,7 +49,9 @@ impl PySwap {
         };
         let pool = pool.pool.clone();
         let swap = py.detach(|| Swap::open(&opts, &pool)).map_err(to_py)?;
-        Ok(PySwap { swap })
+        Ok(PySwap {
+            swap: Arc::new(swap),
+        })
     }
 
     /// "io_uring" or "threads".

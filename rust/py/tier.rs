@@ -1,0 +1,295 @@
+//! `Tier`, `Step`, `Handle`, `View` and `Gathered` for Python: the activation tier
+//! (`crate::tier`). Everything that may wait (a lease that makes room, a read back, a seal that
+//! starts writes) runs with the GIL released.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::errors::to_py;
+use super::pool::PyPool;
+use super::swap::PySwap;
+use crate::tier::{Gathered, Handle, Step, StepStats, Tier, TierOptions, View};
+
+#[pyclass(name = "Tier", module = "spillover._native", frozen)]
+pub struct PyTier {
+    tier: Tier,
+}
+
+#[pymethods]
+impl PyTier {
+    /// A tier over `pool`, spilling to `swap` (host-only when None). `dirty_bytes`: write
+    /// behind past this many unwritten bytes (default a quarter of the pool);
+    /// `prefetch_bytes`: read-ahead window (default a quarter of the pool, at most 256 MiB);
+    /// `verify`: crc32c at seal, checked at every get (IntegrityError).
+    #[new]
+    #[pyo3(signature = (pool, swap=None, *, dirty_bytes=None, prefetch_bytes=None, verify=false))]
+    fn new(
+        pool: &PyPool,
+        swap: Option<&PySwap>,
+        dirty_bytes: Option<u64>,
+        prefetch_bytes: Option<u64>,
+        verify: bool,
+    ) -> Self {
+        let mut o = TierOptions::for_pool(pool.pool.capacity());
+        if let Some(d) = dirty_bytes {
+            o.dirty_bytes = d;
+        }
+        if let Some(p) = prefetch_bytes {
+            o.prefetch_bytes = p;
+        }
+        o.verify = verify;
+        let swap = swap.map(|s| s.swap.clone());
+        PyTier {
+            tier: Tier::new(pool.pool.clone(), swap, o),
+        }
+    }
+
+    /// Start a step; the order the previous step unpacked becomes its forecast.
+    fn begin_step(&self) -> PyStep {
+        PyStep {
+            step: self.tier.begin_step(),
+        }
+    }
+
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.tier.pool().capacity()
+    }
+
+    #[getter]
+    fn prefetch_bytes(&self) -> u64 {
+        self.tier.options().prefetch_bytes
+    }
+
+    #[getter]
+    fn dirty_bytes(&self) -> u64 {
+        self.tier.options().dirty_bytes
+    }
+
+    #[getter]
+    fn has_swap(&self) -> bool {
+        self.tier.swap().is_some()
+    }
+
+    /// Finish every write and read in flight (GIL released); raises the first error.
+    fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.tier.wait_idle()).map_err(to_py)
+    }
+
+    /// Write out every entry nothing views and drop its block; returns the bytes freed.
+    fn spill_all(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| self.tier.spill_all()).map_err(to_py)
+    }
+
+    /// Counters: entries, pool_capacity, pool_in_use, pool_peak, entries by residency
+    /// (staging, dirty, writing, clean, disk, reading), bytes_in_pool, bytes_on_disk_only,
+    /// swap_in_use, io_in_flight.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.tier.stats());
+        let d = PyDict::new(py);
+        d.set_item("entries", s.entries)?;
+        d.set_item("pool_capacity", s.pool_capacity)?;
+        d.set_item("pool_in_use", s.pool_in_use)?;
+        d.set_item("pool_peak", s.pool_peak)?;
+        d.set_item("staging", s.staging)?;
+        d.set_item("dirty", s.dirty)?;
+        d.set_item("writing", s.writing)?;
+        d.set_item("clean", s.clean)?;
+        d.set_item("disk", s.disk)?;
+        d.set_item("reading", s.reading)?;
+        d.set_item("bytes_in_pool", s.bytes_in_pool)?;
+        d.set_item("bytes_on_disk_only", s.bytes_on_disk_only)?;
+        d.set_item("swap_in_use", s.swap_in_use)?;
+        d.set_item("io_in_flight", s.io_in_flight)?;
+        Ok(d)
+    }
+}
+
+#[pyclass(name = "Step", module = "spillover._native", frozen)]
+pub struct PyStep {
+    step: Step,
+}
+
+fn step_stats<'py>(py: Python<'py>, s: StepStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes_put", s.bytes_put)?;
+    d.set_item("bytes_written", s.bytes_written)?;
+    d.set_item("prefetch_hits", s.prefetch_hits)?;
+    d.set_item("prefetch_misses", s.prefetch_misses)?;
+    d.set_item("host_cache_hits", s.host_cache_hits)?;
+    d.set_item("overflow_reads", s.overflow_reads)?;
+    d.set_item("stall_seconds", s.stall_seconds)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyStep {
+    /// Lease a block for `nbytes` (making room on an NVMe tier; GIL released) and return
+    /// `(handle, staging view)`: copy into the view, then `handle.seal()`. Raises
+    /// PoolExhaustedError when nothing can be freed now.
+    fn put(&self, py: Python<'_>, nbytes: u64) -> PyResult<(PyHandle, PyView)> {
+        let (h, v) = py.detach(|| self.step.put(nbytes)).map_err(to_py)?;
+        Ok((PyHandle { h }, PyView { v }))
+    }
+
+    /// One storage made of `parts` (this step's handles, in order), returned whole by `get`.
+    fn gather(&self, parts: Vec<PyRef<'_, PyHandle>>) -> PyResult<PyGathered> {
+        let parts: Vec<Handle> = parts.iter().map(|p| p.h.clone()).collect();
+        let g = self.step.gather(parts).map_err(to_py)?;
+        Ok(PyGathered { g })
+    }
+
+    /// Sequence numbers backward is expected to unpack after `seq`, next first, at most `n`.
+    fn expected_after(&self, py: Python<'_>, seq: u32, n: usize) -> Vec<u32> {
+        py.detach(|| self.step.expected_after(seq, n))
+    }
+
+    #[getter]
+    fn id(&self) -> u64 {
+        self.step.id()
+    }
+
+    /// Counters: bytes_put, bytes_written, prefetch_hits, prefetch_misses, host_cache_hits,
+    /// overflow_reads, stall_seconds.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.step.stats());
+        step_stats(py, s)
+    }
+}
+
+#[pyclass(name = "Handle", module = "spillover._native", frozen)]
+pub struct PyHandle {
+    h: Handle,
+}
+
+#[pymethods]
+impl PyHandle {
+    /// The copy into the staging view has landed (GIL released: may start writes).
+    fn seal(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.h.seal()).map_err(to_py)
+    }
+
+    /// A view of the bytes, read back if needed (GIL released); counted as an unpack.
+    fn get(&self, py: Python<'_>) -> PyResult<PyView> {
+        let v = py.detach(|| self.h.get()).map_err(to_py)?;
+        Ok(PyView { v })
+    }
+
+    /// A view if the bytes are sealed and in the pool now, else None; not counted.
+    fn try_get(&self, py: Python<'_>) -> Option<PyView> {
+        py.detach(|| self.h.try_get()).map(|v| PyView { v })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.h.nbytes()
+    }
+
+    #[getter]
+    fn seq(&self) -> u32 {
+        self.h.seq()
+    }
+
+    /// "staging", "dirty", "writing", "clean", "disk", "reading" (or "freed").
+    #[getter]
+    fn residency(&self, py: Python<'_>) -> &'static str {
+        py.detach(|| self.h.residency())
+    }
+
+    #[getter]
+    fn went_to_disk(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.h.went_to_disk())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let r = py.detach(|| self.h.residency());
+        format!(
+            "Handle(seq={}, nbytes={}, {r})",
+            self.h.seq(),
+            self.h.nbytes()
+        )
+    }
+}
+
+/// Bytes of an entry (or a gathered storage). While a view lives its bytes stay where they
+/// are: never written out, dropped or read into (Note [views hold blocks] in rust/tier).
+/// `numpy.asarray(view)` makes an array whose `.base` is the view.
+#[pyclass(name = "View", module = "spillover._native", frozen)]
+pub struct PyView {
+    v: View,
+}
+
+#[pymethods]
+impl PyView {
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.v.len()
+    }
+
+    #[getter]
+    fn address(&self) -> usize {
+        self.v.as_ptr() as usize
+    }
+
+    /// numpy's array interface: a writable 1-D uint8 array over the bytes.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("shape", (self.v.len(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.v.as_ptr() as usize, false))?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+
+    /// crc32c of the bytes (GIL released).
+    fn checksum(&self, py: Python<'_>) -> u32 {
+        py.detach(|| ::crc32c::crc32c(self.v.as_slice()))
+    }
+
+    fn __len__(&self) -> usize {
+        self.v.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "View(nbytes={}, address={:#x})",
+            self.v.len(),
+            self.v.as_ptr() as usize
+        )
+    }
+}
+
+#[pyclass(name = "Gathered", module = "spillover._native", frozen)]
+pub struct PyGathered {
+    g: Gathered,
+}
+
+#[pymethods]
+impl PyGathered {
+    /// The whole storage as one buffer of its own (GIL released).
+    fn get(&self, py: Python<'_>) -> PyResult<PyView> {
+        let v = py.detach(|| self.g.get()).map_err(to_py)?;
+        Ok(PyView { v })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.g.nbytes()
+    }
+
+    #[getter]
+    fn parts(&self) -> Vec<PyHandle> {
+        self.g
+            .parts()
+            .iter()
+            .map(|h| PyHandle { h: h.clone() })
+            .collect()
+    }
+
+    /// Whether its reads were started ahead of `get` (and not yet consumed).
+    #[getter]
+    fn started(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.g.started())
+    }
+}
