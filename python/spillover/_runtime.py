@@ -74,30 +74,87 @@ def pool_ranges() -> List[Tuple[int, int]]:
 
 
 def register_with_cuda(pool: _native.Pool) -> bool:
-    """Page-lock the pool's arenas for CUDA (cudaHostRegister) once, so copies from and to them
-    are truly asynchronous. Returns False (after one warning) when CUDA refuses."""
+    """Page-lock the pool's arenas for CUDA (``cudaHostRegister``, portable to every device)
+    once, so copies from and to them are truly asynchronous. True once every arena is
+    registered.
+
+    On a refusal it unregisters the arenas it did register, clears CUDA's last error (otherwise
+    the next kernel launch would raise it), warns once and returns False: copies from the pool
+    are then synchronous. A refused pool is not tried again. A pool counts as registered only
+    once every arena is; registration runs under ``_lock``, so two threads cannot register one
+    arena twice."""
+    import ctypes
+
     import torch
 
     if not torch.cuda.is_available():
         return False
-    with _lock:
-        if id(pool) in _cuda_registered:
+    arenas = list(pool.arenas())
+    key = (id(pool), tuple(arenas))  # the arenas too: an id can be reused once a pool is gone
+    refused = ("refused", key)
+    cudart = torch.cuda.cudart()  # initialises CUDA, outside the lock
+    host_register_portable = 1  # cudaHostRegisterPortable: pinned for every device's context
+
+    def code_of(err: object) -> int:
+        return int(getattr(err, "value", err))
+
+    def clear_last_error() -> bool:
+        """cudaGetLastError in the runtime torch uses: torch's binding when it has one, else
+        ctypes on the libcudart this process loaded (never a second copy of the runtime)."""
+        fn = getattr(cudart, "cudaGetLastError", None)
+        if fn is not None:
+            fn()
             return True
-        _cuda_registered.add(id(pool))
-    cudart = torch.cuda.cudart()
-    for addr, length in pool.arenas():
-        # flags 0 = cudaHostRegisterDefault: portable to the current context's device.
-        err = cudart.cudaHostRegister(addr, length, 0)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            warn_once(
-                "cuda-register",
-                f"spillover: cudaHostRegister of a {format_size(length)} host arena failed "
-                f"(cudaError {code}); device copies from the pool will be synchronous. Check "
-                "RLIMIT_MEMLOCK (`ulimit -l`) and lower SPILLOVER_HOST_POOL_BYTES.",
-            )
+        try:
+            with open("/proc/self/maps") as f:
+                libs = {line.split()[-1] for line in f if "libcudart" in line}
+        except OSError:
+            libs = set()
+        for path in sorted(libs):
+            try:
+                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                lib.cudaGetLastError()
+                return True
+            except (OSError, AttributeError):
+                continue
+        try:  # a runtime linked statically into torch and exported
+            ctypes.CDLL(None).cudaGetLastError()
+            return True
+        except (OSError, AttributeError):
             return False
-    return True
+
+    failure = None
+    with _lock:
+        if key in _cuda_registered:
+            return True
+        if refused in _cuda_registered:
+            return False
+        done: List[int] = []
+        with torch.cuda.device(torch.cuda.current_device()):
+            for addr, length in arenas:
+                code = code_of(cudart.cudaHostRegister(addr, length, host_register_portable))
+                if code != 0:
+                    for a in done:
+                        cudart.cudaHostUnregister(a)
+                    cleared = clear_last_error()
+                    failure = (length, code, cleared)
+                    _cuda_registered.add(refused)
+                    break
+                done.append(addr)
+            else:
+                _cuda_registered.add(key)
+    if failure is None:
+        return True
+    length, code, cleared = failure
+    warn_once(
+        "cuda-register",
+        f"spillover: cudaHostRegister of a {format_size(length)} host arena failed "
+        f"(cudaError {code}); the pool is not registered and device copies from it will be "
+        "synchronous. Check RLIMIT_MEMLOCK (`ulimit -l`) and lower SPILLOVER_HOST_POOL_BYTES."
+        + ("" if cleared else " CUDA's last error could not be cleared (no cudaGetLastError "
+           "found): the next CUDA call may report it."),
+    )
+    return False
 
 
 def _after_fork_in_child() -> None:
