@@ -1,22 +1,40 @@
-"""GPU benchmark: a Llama-style ~1B model in bf16 at long sequence, peak memory and tokens/s
-per mode, all in one run (ratios against `none` from the same run).
+"""GPU benchmark: a Llama-style ~1B model in bf16 at long sequence, one mode per process.
 
-    python benches/gpu/bench.py --out DIR [--seq 4096] [--layers 16] [--steps 4]
-    python benches/gpu/bench.py --tiny --device cpu     # smoke test of the script itself
+    python benches/gpu/bench.py --mode host --out DIR [--summary FILE] [--steps 3]
+    python benches/gpu/bench.py --mode none --tiny --device cpu --out DIR   # the CPU dry run
+    python benches/gpu/bench.py --header                 # the summary table's header
+    python benches/gpu/bench.py --failed-row MODE REASON # its row for a mode that never reported
 
 Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
-(torch.autograd.graph.save_on_cpu(pin_memory=True)); spillover host / nvme / auto
-(offload_context with that tier). Peak memory is torch.cuda.max_memory_allocated over a step.
+(torch.autograd.graph.save_on_cpu(pin_memory=True)); host / nvme / auto (spillover's
+offload_context with that tier). benches/gpu/run.sh runs each mode in a process of its own, so a
+mode's peak cannot include what another left on the device and one mode's crash or timeout loses
+only that mode.
+
+Per step (one warm-up, then --steps measured): seconds for forward + backward, the peak of
+torch.cuda.max_memory_allocated (reset before the step) and the same above the memory held
+before the step (parameters and gradients: the activations' peak), and a fingerprint of the
+gradients. DIR/bench-MODE.json is rewritten after every step, so a mode that runs out of time
+still leaves what it measured.
+
+Gradients: the fingerprints of a mode's steps must agree with each other, and with `none`'s.
+`none` is the control: when its own steps differ, the model's kernels are not deterministic on
+this GPU (flash attention's backward, for one) and no mode's gradients can be compared bitwise;
+the column then says so instead of showing ✗. The bitwise check under deterministic algorithms
+is tests/python/test_gpu.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
+import sys
 import time
-from typing import Any, Dict, List
+import traceback
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -24,6 +42,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import spillover
+
+MODES = ("none", "full", "save_on_cpu", "host", "nvme", "auto")
+GiB = 1 << 30
 
 
 class RMSNorm(nn.Module):
@@ -93,7 +114,7 @@ class Llama(nn.Module):
 
 def mode_context(mode: str, args: Any):
     if mode == "save_on_cpu":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda")
     if mode in ("host", "nvme", "auto"):
         kw: Dict[str, Any] = {"host_pool_bytes": args.pool}
         if args.nvme_path:
@@ -102,67 +123,155 @@ def mode_context(mode: str, args: Any):
     return None
 
 
-def run(args: Any) -> Dict[str, Any]:
+def fingerprint(tensors: List[torch.Tensor]) -> str:
+    """A digest of the tensors' bits, computed where they are (a 1B-parameter model's gradients
+    are 2 GB: no copy to the host). Equal tensors give equal digests; a differing bit changes
+    the plain or the position-weighted integer sum of its tensor."""
+    parts = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        ints = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
+                          8: torch.int64}[flat.element_size()]).to(torch.int64)
+        w = torch.arange(1, ints.numel() + 1, device=ints.device, dtype=torch.int64) % 1000003
+        parts.append(torch.stack([ints.sum(), (ints * w).sum()]))
+    return hashlib.sha256(torch.stack(parts).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def out_path(out: str, mode: str) -> str:
+    return os.path.join(out, f"bench-{mode}.json")
+
+
+def write_json(path: str, res: Dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=2)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
-    model = Llama(args.vocab, args.d_model, args.layers, args.heads, args.ffn, args.seq)
-    model = model.to(dev, dtype)
-    nparams = sum(p.numel() for p in model.parameters())
+    with dev:  # parameters made where they live: fast, and the same in every process
+        model = Llama(args.vocab, args.d_model, args.layers, args.heads, args.ffn, args.seq)
+    model = model.to(dtype)
+    model.ckpt = args.mode == "full"
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(dev)
     inp, tgt = idx[:, :-1], idx[:, 1:]
-    print(f"Llama-style {nparams / 1e9:.2f}B params, {args.layers} layers, d {args.d_model}, "
-          f"seq {args.seq}, batch {args.batch}, {dtype}, {dev}", flush=True)
-    rows: Dict[str, Dict[str, List[float]]] = {m: {"t": [], "peak": []} for m in args.modes}
-    grads: Dict[str, List[torch.Tensor]] = {}
+    res.update(params=sum(p.numel() for p in model.parameters()), seq=args.seq,
+               batch=args.batch, layers=args.layers, d_model=args.d_model, dtype=str(dtype),
+               device=str(dev), gpu=torch.cuda.get_device_name() if cuda else "cpu",
+               torch=torch.__version__, pool=args.pool)
+    print(f"{args.mode}: Llama-style {res['params'] / 1e9:.2f}B params, {args.layers} layers, "
+          f"d {args.d_model}, seq {args.seq}, batch {args.batch}, {dtype}, {dev}", flush=True)
     for step in range(args.steps + 1):
-        for mode in args.modes:  # interleaved, so drift hits every mode alike
-            model.ckpt = mode == "full"
-            model.zero_grad(set_to_none=True)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
-            t0 = time.perf_counter()
-            ctx = mode_context(mode, args)
-            if ctx is None:
+        model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        t0 = time.perf_counter()
+        ctx = mode_context(args.mode, args)
+        if ctx is None:
+            loss = model(inp, tgt)
+        else:
+            with ctx:
                 loss = model(inp, tgt)
-            else:
-                with ctx:
-                    loss = model(inp, tgt)
-            loss.backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            peak = (torch.cuda.max_memory_allocated() - base) if dev.type == "cuda" else 0
-            if step == 1:
-                grads[mode] = [p.grad.detach().clone() for p in model.parameters()]
-            if step > 0:
-                rows[mode]["t"].append(dt)
-                rows[mode]["peak"].append(peak)
-            print(f"  step {step} {mode:<12} {dt:7.3f} s  peak {peak / 2**30:6.2f} GiB", flush=True)
-            del loss, ctx
-    ref = grads.get("none")
-    tokens = args.batch * args.seq
-    out = {"params": nparams, "seq": args.seq, "batch": args.batch, "device": str(dev),
-           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "modes": {}}
-    base_t = statistics.median(rows["none"]["t"]) if "none" in rows else float("nan")
-    base_p = statistics.median(rows["none"]["peak"]) if "none" in rows else float("nan")
-    print(f"\n{'mode':<12} {'tok/s':>9} {'x none':>7} {'peak GiB':>9} {'x none':>7} {'grads':>6}")
-    for m in args.modes:
-        t = statistics.median(rows[m]["t"])
-        p = statistics.median(rows[m]["peak"])
-        same = ref is not None and all(torch.equal(a, b) for a, b in zip(ref, grads[m]))
-        out["modes"][m] = {"step_s": t, "tokens_per_s": tokens / t, "peak_bytes": p,
-                           "grads_identical": same}
-        print(f"{m:<12} {tokens / t:9.0f} {base_t / t:7.2f} {p / 2**30:9.2f} "
-              f"{(p / base_p) if base_p else float('nan'):7.2f} {'✓' if same else '✗':>6}")
-    return out
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if cuda else None  # no counter on the CPU
+        del loss
+        row = {"step": step, "seconds": dt, "peak_bytes": peak, "base_bytes": base,
+               "act_peak_bytes": peak - base if peak is not None else None,
+               "grads": fingerprint([p.grad for p in model.parameters()])}
+        if isinstance(ctx, spillover.OffloadContext):
+            row["stats"] = ctx.stats().as_dict()
+        mem = (f"peak {peak / GiB:.2f} GiB ({(peak - base) / GiB:.2f} above the step's start)"
+               if peak is not None else "peak: needs CUDA")
+        print(f"  step {step}{' (warm-up)' if step == 0 else ''}: {dt:.3f} s, {mem}, "
+              f"grads {row['grads']}", flush=True)
+        if step > 0:
+            res["steps"].append(row)
+        else:
+            res["warmup"] = row
+        if path:
+            write_json(path, res)
+        del ctx
+
+
+def median(res: Dict[str, Any], key: str) -> float:
+    vals = [s[key] for s in res.get("steps", []) if s.get(key) is not None]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def grads_cell(res: Dict[str, Any], ref: Optional[Dict[str, Any]]) -> str:
+    own = {s["grads"] for s in res.get("steps", [])}
+    if not own:
+        return "–"
+    if len(own) > 1:
+        return ("✗ control: none's own steps differ (kernels not deterministic)"
+                if res["mode"] == "none" else "✗ its own steps differ")
+    if res["mode"] == "none":
+        return f"control ✓ ({len(res['steps'])} steps identical)"
+    ref_fp = {s["grads"] for s in (ref or {}).get("steps", [])}
+    if len(ref_fp) != 1:
+        return "– (no deterministic reference: see none's control)"
+    return "✓ = none" if own == ref_fp else "✗ ≠ none"
+
+
+HEADER = ("| mode | | step s | tok/s | × none | peak GiB | act. peak GiB | × none | offloaded GiB "
+          "| stalls s | grads | wall s |\n"
+          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+
+
+def summary_row(res: Dict[str, Any], ref: Optional[Dict[str, Any]]) -> str:
+    t, peak, act = median(res, "seconds"), median(res, "peak_bytes"), median(res, "act_peak_bytes")
+    tokens = res.get("batch", 0) * res.get("seq", 0)
+    rt = median(ref, "seconds") if ref else float("nan")
+    ract = median(ref, "act_peak_bytes") if ref else float("nan")
+    stats = res["steps"][-1].get("stats") if res.get("steps") else None
+    off = (stats["bytes_offloaded_host"] + stats["bytes_offloaded_nvme"]) / GiB if stats else 0.0
+    stalls = f"{stats['stall_seconds']:.2f}" if stats else ""
+    mark = "✗" if res.get("error") else "✓"
+    if res.get("error"):
+        mark += f" {res['error'][:200]}"
+    if not res.get("complete"):
+        mark += f" ({len(res.get('steps', []))} of {res.get('steps_planned')} steps)"
+
+    def num(x: float, f: str) -> str:
+        return format(x, f) if x == x else "–"  # NaN: not measured
+
+    return (f"| {res['mode']} | {mark} | {num(t, '.3f')} | {num(tokens / t, '.0f')} "
+            f"| {num(rt / t, '.2f')} | {num(peak / GiB, '.2f')} | {num(act / GiB, '.2f')} "
+            f"| {num(act / ract if ract else float('nan'), '.2f')} | {off:.2f} | {stalls} "
+            f"| {grads_cell(res, ref)} | {res.get('wall_s', 0):.1f} |")
+
+
+def failed_row(mode: str, reason: str, out: Optional[str]) -> str:
+    """The row of a mode whose process never reported (killed by its timeout, crashed): from the
+    steps its JSON kept, if any."""
+    res: Dict[str, Any] = {"mode": mode, "steps": []}
+    if out and os.path.exists(out_path(out, mode)):
+        with open(out_path(out, mode)) as f:
+            res = json.load(f)
+    res["error"], res["complete"] = reason, False
+    return summary_row(res, load_ref(out) if mode != "none" else None)
+
+
+def load_ref(out: Optional[str]) -> Optional[Dict[str, Any]]:
+    if not out or not os.path.exists(out_path(out, "none")):
+        return None
+    with open(out_path(out, "none")) as f:
+        return json.load(f)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
@@ -173,24 +282,50 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=3, help="measured steps (+1 warm-up)")
     ap.add_argument("--pool", default="8GiB")
-    ap.add_argument("--nvme-path", default=None)
-    ap.add_argument("--modes", default="none,full,save_on_cpu,host,nvme,auto")
+    ap.add_argument("--nvme-path", default=None, help="default: SPILLOVER_NVME_PATH")
     ap.add_argument("--tiny", action="store_true", help="a small model, to test the script")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="folder of bench-MODE.json")
+    ap.add_argument("--summary", default=None, help="append this mode's row to this file")
+    ap.add_argument("--header", action="store_true", help="print the summary table's header")
+    ap.add_argument("--failed-row", nargs=2, metavar=("MODE", "REASON"))
     args = ap.parse_args()
+    if args.header:
+        print(HEADER)
+        return
+    if args.failed_row:
+        print(failed_row(args.failed_row[0], args.failed_row[1], args.out))
+        return
+    if not args.mode:
+        ap.error("--mode is required")
     if args.tiny:
-        args.seq, args.layers, args.d_model, args.heads = 128, 2, 64, 4
-        args.ffn, args.vocab = 128, 256
-        args.pool, args.steps = "64MiB", 1
-    args.modes = args.modes.split(",")
-    if "none" in args.modes:
-        args.modes.remove("none")
-    args.modes.insert(0, "none")
-    res = run(args)
+        # Small, but its MLP activations (2 MiB) are above the 1 MiB offload threshold.
+        args.seq, args.batch, args.layers, args.d_model, args.heads = 512, 2, 2, 128, 4
+        args.ffn, args.vocab, args.pool = 512, 256, "64MiB"
+    t0 = time.perf_counter()
+    res: Dict[str, Any] = {"mode": args.mode, "complete": False, "steps": [],
+                           "steps_planned": args.steps}
+    path = None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-            json.dump(res, f, indent=2)
+        path = out_path(args.out, args.mode)
+    code = 0
+    try:
+        run(args, res, path)
+        res["complete"] = True
+    except Exception as e:  # the row says what broke; the other modes run in their own processes
+        traceback.print_exc()
+        res["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        res["traceback"] = traceback.format_exc()
+        code = 3
+    res["wall_s"] = time.perf_counter() - t0
+    if path:
+        write_json(path, res)
+    row = summary_row(res, load_ref(args.out) if args.mode != "none" else None)
+    print(HEADER, row, sep="\n", flush=True)
+    if args.summary:
+        with open(args.summary, "a", encoding="utf-8") as f:
+            f.write(row + "\n")
+    sys.exit(code)
 
 
 if __name__ == "__main__":
