@@ -2,8 +2,6 @@
 
     python benches/gpu/bench.py --mode host --out DIR [--summary FILE] [--steps 3]
     python benches/gpu/bench.py --mode none --tiny --device cpu --out DIR   # the CPU dry run
-    python benches/gpu/bench.py --header                 # the summary table's header
-    python benches/gpu/bench.py --failed-row MODE REASON # its row for a mode that never reported
 
 Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
 (torch.autograd.graph.save_on_cpu(pin_memory=True)); host / nvme / auto (spillover's
@@ -30,13 +28,13 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 from typing import Any, Dict, List, Optional
 
 import torch
+from table import HEADER, load_ref, out_path, summary_row
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -137,10 +135,6 @@ def fingerprint(tensors: List[torch.Tensor]) -> str:
     return hashlib.sha256(torch.stack(parts).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def out_path(out: str, mode: str) -> str:
-    return os.path.join(out, f"bench-{mode}.json")
-
-
 def write_json(path: str, res: Dict[str, Any]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -203,75 +197,9 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
         del ctx
 
 
-def median(res: Dict[str, Any], key: str) -> float:
-    vals = [s[key] for s in res.get("steps", []) if s.get(key) is not None]
-    return statistics.median(vals) if vals else float("nan")
-
-
-def grads_cell(res: Dict[str, Any], ref: Optional[Dict[str, Any]]) -> str:
-    own = {s["grads"] for s in res.get("steps", [])}
-    if not own:
-        return "–"
-    if len(own) > 1:
-        return ("✗ control: none's own steps differ (kernels not deterministic)"
-                if res["mode"] == "none" else "✗ its own steps differ")
-    if res["mode"] == "none":
-        return f"control ✓ ({len(res['steps'])} steps identical)"
-    ref_fp = {s["grads"] for s in (ref or {}).get("steps", [])}
-    if len(ref_fp) != 1:
-        return "– (no deterministic reference: see none's control)"
-    return "✓ = none" if own == ref_fp else "✗ ≠ none"
-
-
-HEADER = ("| mode | | step s | tok/s | × none | peak GiB | act. peak GiB | × none | offloaded GiB "
-          "| stalls s | grads | wall s |\n"
-          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
-
-
-def summary_row(res: Dict[str, Any], ref: Optional[Dict[str, Any]]) -> str:
-    t, peak, act = median(res, "seconds"), median(res, "peak_bytes"), median(res, "act_peak_bytes")
-    tokens = res.get("batch", 0) * res.get("seq", 0)
-    rt = median(ref, "seconds") if ref else float("nan")
-    ract = median(ref, "act_peak_bytes") if ref else float("nan")
-    stats = res["steps"][-1].get("stats") if res.get("steps") else None
-    off = (stats["bytes_offloaded_host"] + stats["bytes_offloaded_nvme"]) / GiB if stats else 0.0
-    stalls = f"{stats['stall_seconds']:.2f}" if stats else ""
-    mark = "✗" if res.get("error") else "✓"
-    if res.get("error"):
-        mark += f" {res['error'][:200]}"
-    if not res.get("complete"):
-        mark += f" ({len(res.get('steps', []))} of {res.get('steps_planned')} steps)"
-
-    def num(x: float, f: str) -> str:
-        return format(x, f) if x == x else "–"  # NaN: not measured
-
-    return (f"| {res['mode']} | {mark} | {num(t, '.3f')} | {num(tokens / t, '.0f')} "
-            f"| {num(rt / t, '.2f')} | {num(peak / GiB, '.2f')} | {num(act / GiB, '.2f')} "
-            f"| {num(act / ract if ract else float('nan'), '.2f')} | {off:.2f} | {stalls} "
-            f"| {grads_cell(res, ref)} | {res.get('wall_s', 0):.1f} |")
-
-
-def failed_row(mode: str, reason: str, out: Optional[str]) -> str:
-    """The row of a mode whose process never reported (killed by its timeout, crashed): from the
-    steps its JSON kept, if any."""
-    res: Dict[str, Any] = {"mode": mode, "steps": []}
-    if out and os.path.exists(out_path(out, mode)):
-        with open(out_path(out, mode)) as f:
-            res = json.load(f)
-    res["error"], res["complete"] = reason, False
-    return summary_row(res, load_ref(out) if mode != "none" else None)
-
-
-def load_ref(out: Optional[str]) -> Optional[Dict[str, Any]]:
-    if not out or not os.path.exists(out_path(out, "none")):
-        return None
-    with open(out_path(out, "none")) as f:
-        return json.load(f)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=MODES)
+    ap.add_argument("--mode", choices=MODES, required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
@@ -286,17 +214,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small model, to test the script")
     ap.add_argument("--out", default=None, help="folder of bench-MODE.json")
     ap.add_argument("--summary", default=None, help="append this mode's row to this file")
-    ap.add_argument("--header", action="store_true", help="print the summary table's header")
-    ap.add_argument("--failed-row", nargs=2, metavar=("MODE", "REASON"))
     args = ap.parse_args()
-    if args.header:
-        print(HEADER)
-        return
-    if args.failed_row:
-        print(failed_row(args.failed_row[0], args.failed_row[1], args.out))
-        return
-    if not args.mode:
-        ap.error("--mode is required")
     if args.tiny:
         # Small, but its MLP activations (2 MiB) are above the 1 MiB offload threshold.
         args.seq, args.batch, args.layers, args.d_model, args.heads = 512, 2, 2, 128, 4

@@ -1,30 +1,283 @@
 #!/usr/bin/env bash
-# One command on a GPU host (PyTorch present, no Rust, no network), after
-# benches/gpu/prepare.sh filled dist/gpu on a CPU machine:
-#     OUT=/some/folder bash benches/gpu/run.sh
-# Installs the wheel (--no-deps), runs the gpu-marked tests, the Llama-style
-# benchmark, the optimizer's GPU step and the GPU demo, and writes every
-# log and result under $OUT (default ./gpu-out). Budget: under 8 minutes on one H200.
-set -uo pipefail
+# The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
+# the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
+#
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, one benchmark
+#                                                          # pair: under 3 minutes
+#     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
+#
+# Steps, each under a budget (seconds, printed) and all under one deadline:
+#   install   the wheel and what is missing of numpy, psutil, pytest, pytest-timeout, from
+#             dist/gpu into a private target (the environment is never written); stops the run at
+#             once if the wheel does not install or `import spillover._native` fails
+#   tests     tests/python/test_gpu.py, each test under a timeout (parity, pinned pool and link
+#             speed, memory back at baseline, peaks, NVMe through a 64 MiB pool, refused register)
+#   sanitizer its stream-ordering tests again under TORCH_CUDA_SANITIZER=1
+#   bench     benches/gpu/bench.py, each mode in a process of its own; bench/bench-MODE.json is
+#             written as the mode runs
+#   others    the gpu-marked tests of test_recompute.py and test_optim.py
+# Everything lands under $OUT (default ./gpu-out): summary.md (each check ✓/✗ with its figure,
+# appended the moment it is known), run.log, tests-*.xml, bench/*.json. Exit status 0 when every
+# step passed, 1 when one failed, 2 when the run could not start.
+set -uo pipefail  # not -e: one failed check must not stop the others (install stops the run itself)
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/run.log") 2>&1
-echo "== $(date -u +%FT%TZ) on $(hostname)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.csv"
-python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
-python3 -m pip install --no-index --find-links dist/gpu --no-deps --force-reinstall dist/gpu/spillover-*.whl
-python3 -m pip install --no-index --find-links dist/gpu pytest 2>/dev/null || true
+ROOT=$PWD
+quick=0
+dry=0
+for a in "$@"; do
+    case $a in
+        --quick) quick=1 ;;
+        --dry-run) dry=1 ;;
+        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+        *) echo "run.sh: unknown argument $a (expected --quick, --dry-run)" >&2; exit 2 ;;
+    esac
+done
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT/bench" || exit 2
+OUT=$(cd "$OUT" && pwd)
+if [ -z "${GPU_RUN_LOGGING:-}" ]; then  # everything also into run.log; exit once tee has it all
+    GPU_RUN_LOGGING=1 OUT=$OUT bash "$ROOT/benches/gpu/run.sh" "$@" 2>&1 | tee "$OUT/run.log"
+    exit "${PIPESTATUS[0]}"
+fi
+SUMMARY=$OUT/summary.md
+: >"$SUMMARY"
+rm -f "$OUT"/bench/*.json "$OUT"/tests-*.xml "$SUMMARY.current"
+
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, read once when cuBLAS starts
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/spillover-gpu.XXXXXX") || exit 2
+SITE=$WORK/site
+mkdir -p "$SITE"
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
+# `timeout -k 10` adds at most 10 s to the last): full 400 s, quick 165 s.
+TEST_K=()
+if [ "$quick" = 1 ]; then
+    run_kind="quick"
+    B_INSTALL=25 B_TESTS=85 B_SANITIZER=0 B_OTHERS=0 DEADLINE=165 TEST_TIMEOUT=45
+    BENCH_ARGS=(--steps 2)
+    BENCH_MODES=(none host)
+    declare -A B_BENCH=([none]=25 [host]=30)
+    TEST_K=(-k "not stream")  # the stream tests run under the sanitizer in the full run
+else
+    run_kind="full"
+    B_INSTALL=25 B_TESTS=100 B_SANITIZER=40 B_OTHERS=40 DEADLINE=400 TEST_TIMEOUT=60
+    BENCH_ARGS=(--steps 3)
+    BENCH_MODES=(none full save_on_cpu host nvme auto)
+    declare -A B_BENCH=([none]=30 [full]=30 [save_on_cpu]=30 [host]=35 [nvme]=35 [auto]=35)
+fi
+if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
+    export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
+    run_kind="DRY RUN ($run_kind) on the CPU: tiny sizes, the figures are not GPU results"
+    B_INSTALL=60 B_TESTS=150 DEADLINE=$((DEADLINE < 300 ? 240 : 330)) TEST_TIMEOUT=60
+    ((B_SANITIZER > 0)) && B_SANITIZER=60
+    ((B_OTHERS > 0)) && B_OTHERS=90
+    BENCH_ARGS=(--tiny --device cpu --steps 2)
+    for m in "${BENCH_MODES[@]}"; do B_BENCH[$m]=40; done
+fi
+DEADLINE=${GPU_RUN_DEADLINE:-$DEADLINE}  # to try the out-of-time paths
 status=0
-echo "== gpu tests"
-timeout 120 python3 -m pytest tests/python -m gpu -q -p no:cacheprovider \
-    --junitxml="$OUT/gpu-tests.xml" || status=1
-echo "== Llama-style 1B benchmark (bf16, seq 4096)"
-timeout 210 python3 benches/gpu/bench.py --out "$OUT" --nvme-path "${SPILLOVER_NVME_PATH:-/tmp}" || status=1
-echo "== OffloadAdamW train step vs torch AdamW on the GPU (and torchao if installed)"
-timeout 60 python3 benches/python/optim_bench.py --parts gpu --rounds 6 | tee "$OUT/optim-gpu.md" \
-    || status=1
-echo "== demo on the GPU"
-timeout 90 python3 -m spillover demo --size medium --steps 4 --out "$OUT/demo" || status=1
-echo "== exit $status"
+
+say() { printf '%s\n' "$@" | tee -a "$SUMMARY"; }
+fail_now() {  # the run cannot go on: say why, plainly, and stop
+    say "- ✗ $*" "" "**run stopped** after $SECONDS s: nothing else can run without this."
+    exit 2
+}
+budget_left() {  # the step's budget, cut to what the deadline leaves
+    local b=$1 left=$((DEADLINE - SECONDS))
+    ((b > left)) && b=$left
+    echo "$b"
+}
+section() {  # title budget -> 0 when the step may run
+    if (($2 < 10)); then
+        say "" "## $1 — – not run: out of time (deadline ${DEADLINE} s)"
+        status=1
+        return 1
+    fi
+    say "" "## $1 (budget $2 s, at ${SECONDS} s of ${DEADLINE})"
+}
+verdict() {  # rc seconds budget
+    local rc=$1 dt=$2 budget=$3 where=""
+    if [ "$rc" = 0 ]; then
+        say "- step ✓ in ${dt} s"
+        return
+    fi
+    status=1
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        [ -f "$SUMMARY.current" ] && where=" in \`$(cat "$SUMMARY.current")\`"
+        say "- step ✗ timed out after ${dt} s (budget ${budget} s)${where}"
+    else
+        say "- step ✗ exit status $rc after ${dt} s"
+    fi
+    rm -f "$SUMMARY.current"
+}
+
+# ---- header ------------------------------------------------------------------------------------
+say "# spillover GPU run: $run_kind" "" \
+    "- started $(date -u +%FT%TZ) on $(hostname), deadline ${DEADLINE} s"
+if [ "$dry" = 0 ]; then
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+            --format=csv,noheader >"$OUT/gpu.csv" 2>&1
+        say "- GPU: $(head -1 "$OUT/gpu.csv") (name, memory, driver, PCIe gen, width)"
+    else
+        say "- GPU: nvidia-smi not found"
+    fi
+fi
+say "- python: $(timeout 60 "$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1), torch: $(timeout 60 "$PY" -c \
+    'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "available:", torch.cuda.is_available())' 2>&1 | tail -1)"
+if [ -f dist/gpu/BUILD_INFO ]; then
+    built=$(awk '/^commit/ {print $2}' dist/gpu/BUILD_INFO)
+    dirty=$(awk '/^dirty/ {print $2}' dist/gpu/BUILD_INFO)
+    here=$(git rev-parse HEAD 2>/dev/null || echo "unknown (no git here)")
+    match="the same"
+    [ "$built" != "$here" ] && match="NOT the same: the tests here may not match the wheel"
+    say "- wheel built from $built (${dirty} uncommitted changes to rust/ and python/); this tree: $here ($match)"
+fi
+say "- memlock limit: $(ulimit -l); cores: $(nproc)"
+
+# Scratch for the NVMe tier: SPILLOVER_NVME_PATH if set, else a private dir under $TMPDIR.
+if [ -z "${SPILLOVER_NVME_PATH:-}" ]; then
+    mkdir -p "$WORK/swap"
+    export SPILLOVER_NVME_PATH=$WORK/swap
+fi
+scratch=${SPILLOVER_NVME_PATH%%,*}
+fs=$(df -PT "$scratch" 2>/dev/null | awk 'NR==2 {print $2 " on " $1 ", " int($5/1048576) " GiB free"}')
+odirect=$("$PY" - "$scratch" <<'EOF' 2>&1
+import mmap, os, sys
+p = os.path.join(sys.argv[1], ".spillover-odirect-probe")
+try:
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    try:
+        os.write(fd, mmap.mmap(-1, 4096))  # page-aligned, as O_DIRECT wants
+    finally:
+        os.close(fd)
+        os.unlink(p)
+    print("ok")
+except OSError as e:
+    print(f"refused ({e.strerror})")
+EOF
+)
+if [ "$odirect" = ok ]; then
+    say "- NVMe scratch: $SPILLOVER_NVME_PATH ($fs); O_DIRECT ✓"
+else
+    export SPILLOVER_ALLOW_BUFFERED_IO=1
+    say "- NVMe scratch: $SPILLOVER_NVME_PATH ($fs); O_DIRECT $odirect: SPILLOVER_ALLOW_BUFFERED_IO=1"
+fi
+
+# ---- install -----------------------------------------------------------------------------------
+budget=$(budget_left $B_INSTALL)
+section "install" "$budget"
+t0=$SECONDS
+pipi() { timeout -k 5 "$budget" "$PY" -m pip install -q --no-index --find-links "$ROOT/dist/gpu" --target "$SITE" "$@"; }
+wheel=$(ls dist/gpu/spillover-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ]; then
+    pipi --no-deps "$wheel" || fail_now "the wheel $wheel did not install (pip's message is in run.log)"
+    say "- ✓ $(basename "$wheel") into a private target"
+elif [ "$dry" = 1 ]; then
+    say "- – no wheel in dist/gpu: the dry run uses the spillover installed here"
+else
+    fail_now "no wheel in dist/gpu: run \`bash benches/gpu/prepare.sh\` on a machine with Rust and carry dist/gpu"
+fi
+for dep in numpy psutil; do
+    if ! "$PY" -c "import $dep" 2>/dev/null; then
+        pipi --no-deps "$dep" || fail_now "$dep is missing and dist/gpu's wheel of it did not install (built for another Python?)"
+        say "- ✓ $dep from dist/gpu (it was missing)"
+    fi
+done
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+    pipi pytest || fail_now "pytest is missing and did not install from dist/gpu"
+    say "- ✓ pytest from dist/gpu (it was missing)"
+fi
+TIMEOUT_ARGS=()
+if ! "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    if [ -f "$(ls dist/gpu/pytest_timeout-*.whl 2>/dev/null | head -1)" ]; then
+        pipi --no-deps pytest-timeout || fail_now "pytest-timeout did not install from dist/gpu"
+    fi
+fi
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    TIMEOUT_ARGS=(--timeout="$TEST_TIMEOUT")
+elif [ "$dry" = 1 ]; then
+    say "- – pytest-timeout not available: no per-test timeout in this dry run (only the step's)"
+else
+    fail_now "pytest-timeout is neither installed nor in dist/gpu: rerun prepare.sh"
+fi
+native=$("$PY" -c 'import spillover._native, spillover; print(spillover.__version__, "from", spillover.__file__.rsplit("/", 2)[0])' 2>&1) ||
+    fail_now "\`import spillover._native\` failed: $(echo "$native" | tail -1)"
+say "- ✓ import spillover._native: spillover $native"
+if [ "$dry" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    fail_now "torch sees no CUDA device (run with --dry-run on a machine without one)"
+fi
+say "- step ✓ in $((SECONDS - t0)) s"
+
+# ---- tests -------------------------------------------------------------------------------------
+pytest_step() {  # title budget name pytest-args...
+    local title=$1 budget name=$3 t0 rc
+    budget=$(budget_left "$2")
+    shift 3
+    section "$title" "$budget" || return 0
+    t0=$SECONDS
+    SUMMARY=$SUMMARY PYTHONPATH="$ROOT/benches/gpu:$PYTHONPATH" timeout -k 10 "$budget" \
+        "$PY" -m pytest -q -p no:cacheprovider -p summary_plugin --continue-on-collection-errors \
+        -o junit_family=xunit1 \
+        "${TIMEOUT_ARGS[@]}" --junitxml="$OUT/tests-$name.xml" "$@"
+    rc=$?
+    verdict "$rc" $((SECONDS - t0)) "$budget"
+}
+
+# test_gpu.py is self-contained (--noconftest): a change to conftest.py cannot stop it.
+pytest_step "tests: test_gpu.py${TEST_K[1]:+ -k \"${TEST_K[1]}\"}" $B_TESTS gpu \
+    tests/python/test_gpu.py --noconftest "${TEST_K[@]}"
+
+if [ "$B_SANITIZER" -gt 0 ]; then
+    if [ "$dry" = 1 ]; then
+        # The sanitizer needs a CUDA device; the dry run checks the step without it.
+        pytest_step "sanitizer: test_gpu.py -k stream (dry run: TORCH_CUDA_SANITIZER needs CUDA, off)" \
+            $B_SANITIZER sanitizer tests/python/test_gpu.py --noconftest -k stream
+    else
+        TORCH_CUDA_SANITIZER=1 pytest_step "sanitizer: test_gpu.py -k stream under TORCH_CUDA_SANITIZER=1" \
+            $B_SANITIZER sanitizer tests/python/test_gpu.py --noconftest -k stream
+    fi
+fi
+
+# ---- benchmark ---------------------------------------------------------------------------------
+budgets=""
+for m in "${BENCH_MODES[@]}"; do budgets+="${budgets:+, }$m ${B_BENCH[$m]} s"; done
+say "" "## benchmark: Llama-style model, one process per mode, \`${BENCH_ARGS[*]}\` (budgets: $budgets)" ""
+"$PY" benches/gpu/table.py header >>"$SUMMARY"
+for m in "${BENCH_MODES[@]}"; do
+    budget=$(budget_left "${B_BENCH[$m]}")
+    if ((budget < 10)); then
+        "$PY" benches/gpu/table.py failed-row "$m" "not run: out of time" --out "$OUT/bench" >>"$SUMMARY"
+        status=1
+        continue
+    fi
+    t0=$SECONDS
+    timeout -k 10 "$budget" "$PY" benches/gpu/bench.py --mode "$m" --out "$OUT/bench" \
+        --summary "$SUMMARY" "${BENCH_ARGS[@]}"
+    rc=$?
+    case $rc in
+        0) ;;
+        3) status=1 ;;  # the mode failed and wrote its own row
+        124 | 137)
+            status=1
+            "$PY" benches/gpu/table.py failed-row "$m" "timed out after $((SECONDS - t0)) s (budget $budget s)" \
+                --out "$OUT/bench" >>"$SUMMARY" ;;
+        *)
+            status=1
+            "$PY" benches/gpu/table.py failed-row "$m" "exit status $rc" --out "$OUT/bench" >>"$SUMMARY" ;;
+    esac
+done
+
+# ---- the other gpu-marked tests ----------------------------------------------------------------
+if [ "$B_OTHERS" -gt 0 ]; then
+    pytest_step "tests: the gpu-marked tests of test_recompute.py and test_optim.py" $B_OTHERS others \
+        tests/python/test_recompute.py tests/python/test_optim.py -m gpu
+fi
+
+say "" "## total: $([ $status = 0 ] && echo "✓ every step passed" || echo "✗ a step failed") in ${SECONDS} s (deadline ${DEADLINE} s)"
 exit $status
