@@ -28,8 +28,8 @@ python3 -m pip download -q --only-binary=:all: --dest "$dest" \
 
 # Which tree the wheel was built from, so run.sh can say whether the tests match it.
 {
-    echo "commit $(git rev-parse HEAD)"
-    echo "dirty $(git status --porcelain --untracked-files=no -- rust python Cargo.toml pyproject.toml | wc -l)"
+    echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "dirty $( (git status --porcelain --untracked-files=no -- rust python Cargo.toml pyproject.toml 2>/dev/null || echo '?') | wc -l)"
     echo "built $(date -u +%FT%TZ) on $(hostname) with $(python3 --version 2>&1)"
 } > "$dest/BUILD_INFO"
 ls -la "$dest"
