@@ -65,10 +65,10 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream tests run under the sanitizer in the full run
 else
     run_kind="full"
-    B_INSTALL=25 B_TESTS=100 B_SANITIZER=40 B_OTHERS=40 DEADLINE=400 TEST_TIMEOUT=60
+    B_INSTALL=25 B_TESTS=95 B_SANITIZER=35 B_OTHERS=40 DEADLINE=400 TEST_TIMEOUT=60
     BENCH_ARGS=(--steps 3)
     BENCH_MODES=(none full save_on_cpu host nvme auto)
-    declare -A B_BENCH=([none]=30 [full]=30 [save_on_cpu]=30 [host]=35 [nvme]=35 [auto]=35)
+    declare -A B_BENCH=([none]=30 [full]=30 [save_on_cpu]=30 [host]=35 [nvme]=40 [auto]=40)
 fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
