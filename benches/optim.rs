@@ -15,6 +15,7 @@ use spillover_core::io::{IoOptions, Swap};
 use spillover_core::optim::{AdamState, Dtype, Hyper, Options, Ptr, Tier, UnitStep};
 use spillover_core::pool::{Pool, PoolOptions};
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::Duration;
 
 fn pool(capacity: u64) -> Pool {
@@ -145,8 +146,11 @@ fn nvme(c: &mut Criterion) {
     g.sample_size(10);
     g.measurement_time(Duration::from_secs(8));
     g.throughput(Throughput::Bytes(2 * 8 * N as u64)); // state bytes read + written
+
+    // One engine for both benches, as in a process (the optimizer shares the tier's swap).
+    let swap = Arc::new(Swap::open(&io, &p).unwrap());
     let tier = Tier::Nvme {
-        io: io.clone(),
+        swap: swap.clone(),
         buffers: 16,
     };
     let mut s = Setup::new(&p, 8, N / 8, Dtype::F32, tier, chunk);
@@ -154,7 +158,6 @@ fn nvme(c: &mut Criterion) {
     g.bench_function("step", |b| b.iter(|| s.step()));
     drop(s);
     // The engine alone: write then read the same 32 MiB in 8 MiB requests, 4 in flight.
-    let swap = Swap::open(&io, &p).unwrap();
     let slots: Vec<_> = (0..4).map(|_| swap.alloc(8 << 20).unwrap()).collect();
     g.bench_function("swap_write_read", |b| {
         b.iter(|| {

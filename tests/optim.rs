@@ -1,10 +1,12 @@
 //! The CPU AdamW through its public API: the kernel against a scalar reference (every run
 //! shape, both dtypes, tails), host and NVMe tiers bit-identical whatever the chunk size,
-//! export/import round trips across tiers, the NVMe pipeline's pool use and I/O errors, and
-//! the checks that refuse bad work lists.
+//! export/import round trips across tiers, the NVMe pipeline's pool use and I/O errors, states
+//! sharing one swap, and the checks that refuse bad work lists.
+
+use std::sync::Arc;
 
 use proptest::prelude::*;
-use spillover_core::io::{EngineChoice, FaultKind, IoOptions};
+use spillover_core::io::{EngineChoice, FaultKind, IoOptions, Swap};
 use spillover_core::optim::kernel::{self, Run};
 use spillover_core::optim::{
     bf16_to_f32, f32_to_bf16, fma_available, AdamState, Bf16, Dtype, Hyper, Options, Ptr, Tier,
@@ -263,20 +265,31 @@ fn host(pool: &Pool, lens: &[usize], chunk_elems: usize) -> AdamState {
     AdamState::new(pool, lens, &opts).unwrap()
 }
 
-fn nvme(pool: &Pool, lens: &[usize], chunk_elems: usize, engine: EngineChoice) -> AdamState {
+fn open_swap(pool: &Pool, engine: EngineChoice) -> Arc<Swap> {
     let dir = tempfile::tempdir().unwrap();
     let mut io = IoOptions::new([dir.path()]);
     io.engine = engine;
     io.allow_buffered = true;
     io.block_bytes = 64 << 10;
+    // The swap file is unlinked at open, so the directory may go now.
+    Arc::new(Swap::open(&io, pool).unwrap())
+}
+
+fn nvme_in(pool: &Pool, swap: &Arc<Swap>, lens: &[usize], chunk_elems: usize) -> AdamState {
     let opts = Options {
         master: false,
         chunk_elems,
         task_elems: 512,
-        tier: Tier::Nvme { io, buffers: 3 },
+        tier: Tier::Nvme {
+            swap: swap.clone(),
+            buffers: 3,
+        },
     };
-    // The swap file is unlinked at open, so the directory may go now.
     AdamState::new(pool, lens, &opts).unwrap()
+}
+
+fn nvme(pool: &Pool, lens: &[usize], chunk_elems: usize, engine: EngineChoice) -> AdamState {
+    nvme_in(pool, &open_swap(pool, engine), lens, chunk_elems)
 }
 
 #[test]
@@ -522,6 +535,38 @@ fn nvme_errors_surface_and_a_small_pool_is_named() {
     let mut st = nvme(&tiny, &lens, 8192, EngineChoice::Threads);
     let e = one_step(&mut st, &work(1.0)).unwrap_err();
     assert!(e.to_string().contains("SPILLOVER_HOST_POOL_BYTES"), "{e}");
+}
+
+#[test]
+fn states_share_one_swap_and_give_their_slots_back_when_dropped() {
+    let p = pool(16 << 20);
+    let swap = open_swap(&p, EngineChoice::Threads);
+    let mut a = Model::new();
+    let lens = a.lens.clone();
+    let mut b = Model {
+        lens: lens.clone(),
+        params: a.params.clone(),
+    };
+    let mut sa = nvme_in(&p, &swap, &lens, 1024);
+    let one = swap.stats().swap_in_use;
+    assert!(one > 0);
+    let mut sb = nvme_in(&p, &swap, &lens, 1024);
+    assert_eq!(swap.stats().swap_in_use, 2 * one);
+    // Interleaved steps on one engine: each state reads back only what it wrote.
+    let (mut ca, mut cb) = (vec![0; lens.len()], vec![0; lens.len()]);
+    for s in 0..4 {
+        a.train(&mut sa, s..s + 1, &mut ca);
+        b.train(&mut sb, s..s + 1, &mut cb);
+    }
+    assert_eq!(a.params, b.params);
+    assert_eq!(a.export(&mut sa), b.export(&mut sb));
+    assert_eq!(sa.swap_info(), sb.swap_info());
+    drop(sa);
+    assert_eq!(swap.stats().swap_in_use, one);
+    drop(sb);
+    assert_eq!(swap.stats().swap_in_use, 0);
+    assert_eq!(p.stats().in_use, 0);
+    assert_eq!(Arc::strong_count(&swap), 1);
 }
 
 fn libc_eio() -> i32 {

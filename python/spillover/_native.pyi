@@ -107,11 +107,7 @@ class AdamState:
         task_elems: int = 8388608,
         tier: str = "host",
         allow_heap: bool = True,
-        dirs: Optional[List[Union[str, os.PathLike[str]]]] = None,
-        engine: str = "auto",
-        queue_depth: int = 32,
-        block_bytes: int = 1048576,
-        allow_buffered: bool = False,
+        swap: Optional[Swap] = None,
         buffers: int = 16,
     ) -> AdamState: ...
     def step(self, records: bytes) -> None: ...

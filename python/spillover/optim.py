@@ -14,9 +14,12 @@ What it promises
 
 Where the state lives
     ``tier="host"``: in blocks of spillover's host pool (on the heap, with one warning, when
-    the pool is full). ``tier="nvme"``: in swap files of the optimizer's own, streamed through
+    the pool is full). ``tier="nvme"``: in slots of the process's swap files, streamed through
     a few pool blocks per step (read chunk i+1, update chunk i, write chunk i-1; Note
     [three-stage pipeline] in ``rust/optim/nvme.rs``); between steps it holds no pool memory.
+    The swap engine is the process's one for these settings (``spillover._tiers.swap_for``):
+    an ``offload_context(tier="nvme")`` with the same swap directories and I/O settings uses
+    the same engine thread and the same files.
     A step that raises (``SwapIOError``, ``OutOfSpaceError``) leaves the state of the chunks it
     was streaming unspecified and counts no step: reload the last checkpoint.
 
@@ -65,17 +68,13 @@ Note [sharding]
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from . import _native, _runtime
+from . import _native, _runtime, _tiers
 from .config import Config
 from .errors import PoolExhaustedError
 from .transfer import block_tensor
@@ -118,22 +117,6 @@ _UNIT_MAX = 16 << 20  # staged path: larger parameters are split into units of t
 _HYPER = np.dtype(
     [(n, "<f8") for n in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
 )
-
-_tmpdirs: List[str] = []
-
-
-@atexit.register
-def _cleanup() -> None:
-    for d in _tmpdirs:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _private_dir() -> str:
-    d = tempfile.mkdtemp(prefix="spillover-optim-")
-    os.chmod(d, 0o700)
-    _tmpdirs.append(d)
-    return d
-
 
 def _bf16_flag(dtype: torch.dtype, bit: int) -> int:
     return bit if dtype == torch.bfloat16 else 0
@@ -346,20 +329,11 @@ class _Space:
             _NVME_CHUNK_BYTES if opt._tier == "nvme" else _HOST_CHUNK_BYTES
         )
         chunk_elems = max(1024, chunk_bytes // (4 * cols) // 1024 * 1024)
-        cfg = opt._cfg
         kw: Dict[str, Any] = dict(master=self.master, chunk_elems=chunk_elems, tier=opt._tier)
         if opt._tier == "nvme":
-            kw.update(
-                dirs=list(opt._nvme_dirs),
-                engine=cfg.io_engine,
-                queue_depth=cfg.io_queue_depth,
-                block_bytes=cfg.io_block_bytes,
-                allow_buffered=cfg.allow_buffered_io,
-                buffers=opt._nvme_buffers,
-            )
+            # swap_for has already warned (once) with the engine's warning.
+            kw.update(swap=opt._swap, buffers=opt._nvme_buffers)
         st = _native.AdamState(opt._pool, lens, **kw)
-        if st.swap_warning:
-            _runtime.warn_once("optim-swap:" + st.swap_warning, st.swap_warning)
         heap = st.stats()["heap_chunks"]
         if heap:
             _runtime.warn_once(
@@ -698,7 +672,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         amsgrad: must be False (not implemented; refused with a clear error).
         tier: ``"host"`` or ``"nvme"``.
         nvme_path: swap directories for ``tier="nvme"`` (default: ``SPILLOVER_NVME_PATH``, else
-            a private temporary directory).
+            the process's private temporary directory). The swap engine and its files are the
+            process's one for these directories and I/O settings, shared with the activation
+            tier.
         shard: ZeRO sharding across ranks; default: when ``torch.distributed`` is initialised
             with more than one rank and no parameter is a DTensor.
         process_group: the group to shard over (default: the world).
@@ -755,12 +731,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._building = False
         self._pool = _runtime.host_pool(self._cfg)
+        self._swap: Any = None
         if tier == "nvme":
-            dirs = self._cfg.nvme_path or (_private_dir(),)
-            from .store import check_dirs
-
-            check_dirs(dirs)
-            self._nvme_dirs = dirs
+            # Checks the directories (ConfigError) and warns once with the engine's warning.
+            self._swap = _tiers.swap_for(self._cfg, self._pool)
         self._setup_distributed(shard, process_group)
         self._build()
 

@@ -22,12 +22,13 @@ pub mod kernel;
 pub mod layout;
 mod nvme;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::io::{FaultKind, IoOptions};
+use crate::io::{FaultKind, Swap};
 use crate::pool::Pool;
 
 pub use kernel::{bf16_to_f32, f32_to_bf16, fma_available, Bf16, Coeffs, Hyper};
@@ -113,8 +114,9 @@ pub struct UnitBuffers {
 pub enum Tier {
     /// Pool blocks (heap when the pool is full, if `allow_heap`).
     Host { allow_heap: bool },
-    /// Swap slots in a swap of the optimizer's own, streamed through `buffers` pool blocks.
-    Nvme { io: IoOptions, buffers: usize },
+    /// Slots in `swap` (shared: the process's one engine and set of swap files), streamed
+    /// through `buffers` pool blocks.
+    Nvme { swap: Arc<Swap>, buffers: usize },
 }
 
 #[derive(Debug, Clone)]
@@ -153,7 +155,7 @@ enum Store {
 
 /// The optimizer state of a list of units, and the AdamW step over it.
 pub struct AdamState {
-    // Declared first so the swap (inside) stops before anything else is dropped.
+    // Host blocks, or slots in the shared swap; both go back to their owner when dropped.
     store: Store,
     layout: Layout,
     master: bool,
@@ -195,7 +197,7 @@ unsafe impl Sync for Task {}
 
 impl AdamState {
     /// State for units of `unit_lens` elements. The host tier leases its chunks now; the NVMe
-    /// tier opens its swap and reserves its slots now, so a full disk is reported here.
+    /// tier reserves its slots in the swap now, so a full disk is reported here.
     pub fn new(pool: &Pool, unit_lens: &[usize], opts: &Options) -> Result<AdamState> {
         let layout = Layout::new(unit_lens, opts.chunk_elems).map_err(Error::Invalid)?;
         if opts.task_elems == 0 {
@@ -208,9 +210,9 @@ impl AdamState {
             Tier::Host { allow_heap } => {
                 Store::Host(host::HostStore::new(pool, floats, *allow_heap)?)
             }
-            Tier::Nvme { io, buffers } => {
+            Tier::Nvme { swap, buffers } => {
                 let bytes = floats.map(|n| 4 * n as u64).collect();
-                Store::Nvme(nvme::NvmeStore::new(pool, io, bytes, *buffers)?)
+                Store::Nvme(nvme::NvmeStore::new(pool, swap.clone(), bytes, *buffers)?)
             }
         };
         let heap_chunks = match &store {
@@ -258,7 +260,8 @@ impl AdamState {
         }
     }
 
-    /// For tests: fail the NVMe tier's next I/O (see [`crate::io::Swap::inject_fault`]).
+    /// For tests: fail the NVMe tier's next I/O (see [`crate::io::Swap::inject_fault`]); the
+    /// swap is shared, so whoever uses it next sees the fault.
     pub fn inject_fault(&self, kind: FaultKind, errno: i32, count: u32) -> Result<()> {
         match &self.store {
             Store::Nvme(n) => {

@@ -18,12 +18,18 @@
 //! On an I/O error the pass returns at once; requests still in flight finish in the engine,
 //! which keeps their blocks until then (Note [parked blocks]). The state of the chunks that
 //! pass touched is then unspecified (the caller's step raised), the others are intact.
+//!
+//! The swap is shared (the process's one engine and set of files, also used by the activation
+//! tier). The store's slots go back to it when the store is dropped; a request still in flight
+//! holds a clone of its slot, so its extent is not reused before it completes (Note [slot
+//! lifetime] in rust/io/slot.rs), and its block keeps its pool alive.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::io::{IoOptions, Slot, Swap, Ticket};
+use crate::io::{Slot, Swap, Ticket};
 use crate::pool::{Block, Pool};
 
 enum Pending {
@@ -41,8 +47,7 @@ pub(crate) struct PassStats {
 }
 
 pub(crate) struct NvmeStore {
-    // Declared first: dropped (engine stopped, in-flight requests finished) before the pool.
-    swap: Swap,
+    swap: Arc<Swap>,
     slots: Vec<Slot>,
     bytes: Vec<u64>,
     written: Vec<bool>,
@@ -51,15 +56,14 @@ pub(crate) struct NvmeStore {
 }
 
 impl NvmeStore {
-    /// Open a swap of its own and reserve a slot of `bytes[c]` for every chunk.
-    pub fn new(pool: &Pool, io: &IoOptions, bytes: Vec<u64>, buffers: usize) -> Result<Self> {
+    /// Reserve a slot of `bytes[c]` in `swap` for every chunk.
+    pub fn new(pool: &Pool, swap: Arc<Swap>, bytes: Vec<u64>, buffers: usize) -> Result<Self> {
         if buffers < 3 {
             return Err(Error::Invalid(format!(
                 "the NVMe optimizer pipeline needs at least 3 buffers (read, update, write), \
                  got {buffers}"
             )));
         }
-        let swap = Swap::open(io, pool)?;
         let slots = bytes
             .iter()
             .map(|&b| swap.alloc(b.max(1)))

@@ -13,7 +13,8 @@ use pyo3::types::PyDict;
 
 use super::errors::to_py;
 use super::pool::PyPool;
-use crate::io::{EngineChoice, FaultKind, IoOptions};
+use super::swap::PySwap;
+use crate::io::FaultKind;
 use crate::optim::{AdamState, Dtype, Hyper, Options, Ptr, Tier, UnitBuffers, UnitStep};
 
 /// Bytes per step record: unit, grad, src, out, flags (u64); lr, beta1, beta2, eps,
@@ -103,13 +104,13 @@ fn parse_buffers(data: &[u8]) -> PyResult<Vec<UnitBuffers>> {
 impl PyAdamState {
     /// State for units of `unit_lens` elements, with an fp32 master column if `master`.
     /// `tier="host"` leases its chunks from `pool` now (heap when the pool is full and
-    /// `allow_heap`); `tier="nvme"` opens a swap of its own in `dirs` and reserves a slot per
-    /// chunk now, streaming through `buffers` pool blocks per step.
+    /// `allow_heap`); `tier="nvme"` reserves a slot per chunk now in `swap` (the process's
+    /// shared engine and swap files, `spillover._tiers.swap_for`), streaming through `buffers`
+    /// pool blocks per step.
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments Python sees
     #[pyo3(signature = (pool, unit_lens, *, master, chunk_elems=4194304, task_elems=8388608,
-                        tier="host", allow_heap=true, dirs=None, engine="auto", queue_depth=32,
-                        block_bytes=1048576, allow_buffered=false, buffers=16))]
+                        tier="host", allow_heap=true, swap=None, buffers=16))]
     fn new(
         py: Python<'_>,
         pool: &PyPool,
@@ -119,26 +120,22 @@ impl PyAdamState {
         task_elems: usize,
         tier: &str,
         allow_heap: bool,
-        dirs: Option<Vec<std::path::PathBuf>>,
-        engine: &str,
-        queue_depth: u32,
-        block_bytes: u64,
-        allow_buffered: bool,
+        swap: Option<PyRef<'_, PySwap>>,
         buffers: usize,
     ) -> PyResult<Self> {
         let tier = match tier {
             "host" => Tier::Host { allow_heap },
             "nvme" => Tier::Nvme {
-                io: IoOptions {
-                    dirs: dirs.ok_or_else(|| {
-                        PyValueError::new_err("tier='nvme' needs swap directories (dirs=...)")
-                    })?,
-                    engine: engine.parse::<EngineChoice>().map_err(to_py)?,
-                    queue_depth,
-                    block_bytes,
-                    allow_buffered,
-                    capacity_per_dir: None,
-                },
+                swap: swap
+                    .ok_or_else(|| {
+                        PyValueError::new_err(
+                            "tier='nvme' needs the swap engine to keep its state in: pass \
+                             swap=spillover._tiers.swap_for(config, pool) (a \
+                             spillover._native.Swap)",
+                        )
+                    })?
+                    .swap
+                    .clone(),
                 buffers,
             },
             other => {
@@ -267,8 +264,8 @@ impl PyAdamState {
         crate::optim::fma_available()
     }
 
-    /// For tests: fail the NVMe tier's next `count` chunk operations of `kind` ("read",
-    /// "write" or "short").
+    /// For tests: fail the next `count` chunk operations of `kind` ("read", "write" or
+    /// "short") of the NVMe tier's swap (shared: whoever uses it next sees the fault).
     #[pyo3(signature = (kind, errno=5, count=1))]
     fn inject_fault(&self, py: Python<'_>, kind: &str, errno: i32, count: u32) -> PyResult<()> {
         let k = match kind {

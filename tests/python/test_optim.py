@@ -301,6 +301,60 @@ def test_nvme_io_error_raises_swap_error(tmp_path):
         train(model, opt, torch.float32, steps=1)
 
 
+def _swap_fds(dirs):
+    """This process's open swap files in `dirs` (O_TMPFILE or unlinked: no name on disk)."""
+    roots = tuple(os.path.realpath(d) + os.sep for d in dirs)
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(roots) and (target.endswith(" (deleted)") or "/#" in target):
+            fds.add(target)
+    return fds
+
+
+def _engine_threads():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    return sum(n.startswith(("spillover-io", "spillover-uring")) for n in names)
+
+
+@pytest.mark.parametrize("where", ["private", "given"])
+def test_nvme_optimizer_and_activations_share_one_engine(tmp_path, where):
+    """OffloadAdamW(tier="nvme") and offload_context(tier="nvme") with the same settings use
+    the process's one swap engine: the same object, no second set of files or threads."""
+    settings = dict(host_pool_bytes=POOL, min_offload_bytes=0)
+    if where == "given":
+        settings["nvme_path"] = str(tmp_path)
+    model = make_model()
+    opt = offload(model.parameters(), tier="nvme", **settings)
+    swap = spillover._tiers.opened_swap(opt._cfg)
+    assert swap is not None and swap is opt._swap
+    assert opt._spaces[0].state.swap_engine == swap.engine
+    files, threads = _swap_fds(swap.dirs), _engine_threads()
+    assert len(files) == len(swap.dirs)
+    x, y = torch.randn(16, 33), torch.randn(16, 5)
+    for _ in range(2):
+        opt.zero_grad()
+        with spillover.offload_context(tier="nvme", **settings) as ctx:
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        assert spillover._tiers.opened_swap(ctx.config) is swap
+        assert _swap_fds(swap.dirs) == files
+        assert _engine_threads() == threads
+    assert opt.stats()["bytes_written"] > 0
+    if where == "given":
+        assert [os.path.realpath(d) for d in swap.dirs] == [os.path.realpath(tmp_path)]
+
+
 def test_full_pool_falls_back_to_heap_with_a_warning():
     _native_pool = spillover._runtime.host_pool(spillover.Config.load(host_pool_bytes=1 << 20))
     hog = [_native_pool.lease(256 << 10) for _ in range(4)]
