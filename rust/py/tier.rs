@@ -175,6 +175,12 @@ impl PyHandle {
         Ok(PyView { v })
     }
 
+    /// Count an unpack served without the tier's bytes (the source still on the device, or
+    /// staged ahead): the order is learned and read-ahead runs all the same.
+    fn note_used(&self, py: Python<'_>) {
+        py.detach(|| self.h.note_used())
+    }
+
     /// A view if the bytes are sealed and in the pool now, else None; not counted.
     fn try_get(&self, py: Python<'_>) -> Option<PyView> {
         py.detach(|| self.h.try_get()).map(|v| PyView { v })
@@ -285,6 +291,11 @@ impl PyGathered {
             .iter()
             .map(|h| PyHandle { h: h.clone() })
             .collect()
+    }
+
+    /// Count an unpack of every piece served without the tier's bytes.
+    fn note_used(&self, py: Python<'_>) {
+        py.detach(|| self.g.note_used())
     }
 
     /// Whether its reads were started ahead of `get` (and not yet consumed).

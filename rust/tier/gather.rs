@@ -166,6 +166,14 @@ impl Gathered {
         &self.parts
     }
 
+    /// Count an unpack of every piece that did not need the bytes from the tier (see
+    /// [`Handle::note_used`]).
+    pub fn note_used(&self) {
+        for h in self.parts.iter().rev() {
+            h.note_used();
+        }
+    }
+
     /// Whether its reads were started ahead of `get` and not yet consumed.
     pub fn started(&self) -> bool {
         let st = self.tier.state();

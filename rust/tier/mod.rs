@@ -1077,6 +1077,21 @@ impl Handle {
         self.tier().get(self.inner.id, true)
     }
 
+    /// Count an unpack that did not need the bytes from the tier (the device still had them,
+    /// or they were staged ahead), so that the order backward unpacks in is learned all the
+    /// same, and read ahead from here.
+    pub fn note_used(&self) {
+        let t = self.tier();
+        let mut st = t.lock();
+        let id = self.inner.id;
+        let Some(e) = st.entries.get(&id) else {
+            return;
+        };
+        let (s, q) = (e.step, e.seq);
+        Tier::used(&mut st, id, true);
+        t.read_ahead(&mut st, s, q);
+    }
+
     /// A view when the bytes are sealed and in the pool now; no waiting, not counted.
     pub fn try_get(&self) -> Option<View> {
         let st = self.tier().lock();
