@@ -28,17 +28,16 @@ from spillover.models import GPT, GPTConfig, synthetic_batch
 
 def sample(ctx) -> dict:
     gc.collect()
-    tier = ctx._store.tier
-    tier.swap.wait_idle()
-    tier.reap_parked()
+    ctx.synchronize()
+    st = ctx.stats()
     p = psutil.Process()
     return {
         "rss": p.memory_info().rss,
         "fds": len(os.listdir(f"/proc/{os.getpid()}/fd")),
         "threads": threading.active_count(),
         "os_threads": p.num_threads(),
-        "swap": tier.swap.stats()["swap_in_use"],
-        "pool": ctx._pool.stats()["in_use"],
+        "swap": st.swap_in_use,
+        "pool": st.pool_in_use,
     }
 
 
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
     print(f"\nstart (step {args.every}): rss {first['rss'] >> 20} MiB, fds {first['fds']}, "
           f"threads {first['os_threads']}; end (step {samples[-1][0]}): rss {last['rss'] >> 20} "
           f"MiB, fds {last['fds']}, threads {last['os_threads']}; swap peak "
-          f"{ctx._store.tier.swap.stats()['swap_peak'] >> 10} KiB")
+          f"{spillover._tiers.opened_swap(ctx.config).stats()['swap_peak'] >> 10} KiB")
     for name, ok in checks.items():
         print(f"  {'✓' if ok else '✗'} {name}")
     return 0 if all(checks.values()) else 1

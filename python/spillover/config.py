@@ -140,6 +140,11 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "io_block_bytes": (_size, 1 << 20, "I/O request size"),
     "allow_buffered_io": (_bool, False, "fall back to buffered I/O where O_DIRECT is refused"),
     "device_budget_bytes": (_opt_size, None, "activation memory the planner may keep on device"),
+    "copy_inflight_bytes": (_opt_size, None,
+                            "device->host copies in flight before pack waits (default: the "
+                            "link's bandwidth x 20 ms)"),
+    "sim_link_bandwidth": (_opt_size, None,
+                           "bytes/s of a simulated device link for CPU tensors (tests; off)"),
     "verify": (_bool, False, "checksum every offloaded tensor and check it on reload"),
     "log": (_level, "WARNING", "log level of the 'spillover' logger"),
 }
@@ -161,6 +166,8 @@ class Config:
     io_block_bytes: int = 1 << 20
     allow_buffered_io: bool = False
     device_budget_bytes: Optional[int] = None
+    copy_inflight_bytes: Optional[int] = None
+    sim_link_bandwidth: Optional[int] = None
     verify: bool = False
     log: str = "WARNING"
     #: field -> "keyword", "env" or "default": where each value came from (for `doctor`).

@@ -1,6 +1,14 @@
 """``offload_context``: saved activations leave device memory during forward and come back for
 backward, through ``torch.autograd.graph.saved_tensors_hooks``.
 
+Who owns what
+    The Rust tier (``spillover._native.Tier``, rust/tier) owns every offloaded block: where its
+    bytes are (pool, disk, in flight), write-behind, eviction and read-ahead. The transfer layer
+    (transfer.py) owns the device<->host copies: which stream copies what, how many bytes of
+    copies may be in flight, when a copy's source is released. This module owns the torch
+    semantics between them: which saved tensors are offloaded, one storage however many views
+    of it are saved, version checks, and rebuilding the exact view on unpack.
+
 What pack and unpack promise
     pack(t) returns either ``t`` itself (kept: small, a parameter or buffer, marked with
     :func:`keep`, an unsupported layout, or the pool is full) or a handle to the bytes of
@@ -10,20 +18,19 @@ What pack and unpack promise
     times (``retain_graph=True``), on any thread, after the ``with`` block has ended.
 
 What is freed when
-    A host block belongs to the handles that refer to it; when autograd frees the last of them
-    (after the backward that used it, or when an abandoned graph is collected), the block goes
-    back to the pool. A block also stays while a tensor returned by unpack still views it.
+    A tier entry belongs to the handles autograd holds; when autograd frees the last of them
+    (after the backward that used it, or when an abandoned graph is collected) the entry is
+    freed wherever it is (pool, disk, or a request in flight, which finishes first). A tensor
+    returned by unpack on a CPU host views its block, and the block stays where it is while
+    that tensor lives (Note [views hold blocks] in rust/tier/mod.rs). The device copies'
+    sources are released when the copy is done, when the bytes in flight pass the cap, at every
+    unpack and at the end of backward (Note [back-pressure] in transfer.py): nothing the step
+    offloaded stays on the device after ``backward()``.
 
-Note [chunked storages]
-    On the NVMe tier a storage larger than half the pool is offloaded in pieces of at most an
-    eighth of the pool, each an entry of the store of its own (written out, read back and
-    prefetched like any other), so that one tensor larger than the whole pool still leaves the
-    device. Unpack assembles the pieces into a fresh tensor; on CPU the pieces on disk are
-    read straight into it (Note [chunked read-ahead] in store.py), those still in the pool
-    copied (a copy the whole-block path does not make on CPU, where an unpacked tensor is a
-    view of its block). The host tier keeps a
-    storage larger than half the pool where it is: every piece would have to stay in the pool
-    at once.
+Note [source returned]
+    An unpack whose entry's device→host copy still holds its source (the last tensors of a
+    forward, unpacked first by backward) returns that source: the bytes are on the device
+    already, and copying them back would spend the link on bytes that never left.
 
 Note [storage identity]
     Views are deduplicated by (device, storage address), but an address can be reused once the
@@ -41,11 +48,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _runtime
+from . import _runtime, _tiers
 from .config import Config
 from .errors import ConfigError, IntegrityError, PoolExhaustedError
 from .stats import OffloadStats
-from .transfer import backend_for, block_tensor
+from .transfer import block_tensor, transfers_for
 
 __all__ = ["offload_context", "OffloadContext", "keep", "current_context"]
 
@@ -56,8 +63,8 @@ except ImportError:  # pragma: no cover
 
 _tls = threading.local()
 
-#: H2D staging distance on CUDA: this many entries, at most this many bytes, ahead of unpack.
-STAGE_AHEAD_ENTRIES = 2
+#: H2D staging distance (CUDA and the simulated device): entries and bytes ahead of unpack.
+STAGE_AHEAD_ENTRIES = 4
 STAGE_AHEAD_BYTES = 512 << 20
 
 
@@ -90,6 +97,7 @@ _hook_users = 0
 _hook_handle: Any = None
 
 
+@torch._dynamo.disable  # type: ignore[misc]
 def _module_pre_hook(module: torch.nn.Module, args: Any) -> None:
     stack = getattr(_tls, "stack", None)
     if stack:
@@ -115,69 +123,68 @@ def _hook_release() -> None:
             _hook_handle = None
 
 
+def _capturing() -> bool:
+    """Under CUDA graph capture nothing may be queried or copied out: pack passes through."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # ---- what pack returns ------------------------------------------------------------------------
 
 
-class _Entry:
-    """One offloaded storage: its host block and the copy that fills it."""
+class _Stored:
+    """One offloaded storage: its tier entry (a ``Handle``, or a ``Gathered`` of pieces) and the
+    device->host copies that fill it."""
 
-    __slots__ = (
-        "block",
-        "nbytes",
-        "device",
-        "copy",
-        "checksum",
-        "handles",
-        "_dev",
-        "_dev_uses",
-        "_dev_event",
-        "seq",
-        "_lock",
-        "spill",
-        "store",
-        "verify",
-        "chunk",
-        "__weakref__",
-    )
+    __slots__ = ("entry", "nbytes", "device", "copies", "seq", "views", "staged", "_lock",
+                 "_cached", "_cached_uses", "__weakref__")
 
-    def __init__(self, block: Any, nbytes: int, device: torch.device, copy: Any, verify: bool):
-        self.block = block
+    def __init__(self, entry: Any, nbytes: int, device: torch.device, copies: List[Any],
+                 seq: int):
+        self.entry = entry
         self.nbytes = nbytes
         self.device = device
-        self.copy = copy
-        self.checksum: Optional[int] = None
-        self.handles = 0
-        self._dev: Optional[torch.Tensor] = None
-        self._dev_uses = 0
-        self._dev_event: Any = None
-        self.seq = -1
+        self.copies = copies
+        self.seq = seq  # the tier's pack order (the last piece's, for a gathered storage)
+        self.views = 0
+        self.staged: Any = None  # (device tensor, event) staged ahead of its unpack
         self._lock = threading.Lock()
-        self.spill: Any = None  # store.Spilled, on the NVMe tier
-        self.store: Any = None
-        self.verify = verify
-        self.chunk: Any = None  # weakref of the _Chunked this entry is a piece of
+        self._cached: Optional[torch.Tensor] = None  # device bytes shared by several views
+        self._cached_uses = 0
 
-    def __del__(self) -> None:
-        if self.store is not None:
-            self.store.release(self)
+    @property
+    def modified(self) -> bool:
+        return any(c.modified for c in self.copies)
+
+    def source(self) -> Optional[torch.Tensor]:
+        """The whole storage still on the device (Note [source returned]), or None."""
+        if len(self.copies) != 1:
+            srcs = [c.source() for c in self.copies]
+            if any(s is None for s in srcs):
+                return None
+            base = srcs[0]
+            if base is None or base.untyped_storage().nbytes() != self.nbytes:
+                return None
+            return torch.empty(0, dtype=torch.uint8, device=base.device).set_(
+                base.untyped_storage())
+        return self.copies[0].source()
 
 
 class _Packed:
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "version", "tref", "__weakref__")
+    __slots__ = ("stored", "dtype", "size", "stride", "offset", "version", "tref", "__weakref__")
 
-    def __init__(self, entry: _Entry, t: torch.Tensor):
-        self.entry = entry
+    def __init__(self, stored: _Stored, t: torch.Tensor):
+        self.stored = stored
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.version = t._version
         self.tref = weakref.ref(t)  # Note [in-place after pack] in transfer.py
-        entry.handles += 1
+        stored.views += 1
 
     def check_version(self) -> None:
         t = self.tref()
-        if self.entry.copy.modified or (t is not None and t._version != self.version):
+        if self.stored.modified or (t is not None and t._version != self.version):
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: a saved tensor of shape {list(self.size)} and dtype "
@@ -185,41 +192,6 @@ class _Packed:
                 "without spillover autograd raises the same error). Use an out-of-place op, or "
                 "clone the tensor before modifying it."
             )
-
-
-class _PartsCopy:
-    """The pack copies of a chunked storage, seen as one (``modified`` when any part was)."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: List[_Entry]):
-        self.parts = parts
-
-    @property
-    def modified(self) -> bool:
-        return any(p.copy.modified for p in self.parts)
-
-
-class _Chunked:
-    """One storage larger than half the NVMe tier's pool, offloaded as consecutive pieces
-    (Note [chunked storages])."""
-
-    __slots__ = ("parts", "nbytes", "device", "handles", "ahead", "__weakref__")
-
-    def __init__(self, parts: List[_Entry], nbytes: int, device: torch.device):
-        self.parts = parts
-        self.nbytes = nbytes
-        self.device = device
-        self.handles = 0
-        #: Note [chunked read-ahead] in store.py: the store.DirectRead under way, False where
-        #: the pieces cannot take that path, None before it starts.
-        self.ahead: Any = None
-        for p in parts:
-            p.chunk = weakref.ref(self)
-
-    @property
-    def copy(self) -> _PartsCopy:
-        return _PartsCopy(self.parts)
 
 
 # ---- the context ------------------------------------------------------------------------------
@@ -238,19 +210,23 @@ class OffloadContext:
         self.tier = self._resolve_tier(self.config.tier)
         self._stats = OffloadStats()
         self._pool: Any = None
+        self._tier: Any = None
+        self._step: Any = None
         self._hooks: Any = None
         self._entered = False
-        self._thread: Optional[int] = None
         self._dedup: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
         self._param_ptrs: set = set()
         self._marked_ptrs: set = set()
         self._seen_modules: set = set()
         self._pool_ranges: List[Tuple[int, int]] = []
         self._pool_starts: List[int] = []
-        self._backends: Dict[Any, Any] = {}
-        self._store: Any = None
-        self._by_seq: Dict[int, Any] = {}  # pack order -> weakref(entry), for H2D staging
-        self._next_seq = 0
+        self._transfers: Dict[Any, Any] = {}
+        self._transfer_base: Dict[Any, Dict[str, float]] = {}
+        self._by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
+        self._chunk_above = 0
+        self._chunk_bytes = 0
+        self._in_backward = False
+        self._lock = threading.Lock()
 
     @staticmethod
     def _resolve_tier(tier: str) -> str:
@@ -258,21 +234,27 @@ class OffloadContext:
             raise ConfigError(f"tier={tier!r}: expected host, nvme or auto")
         return tier
 
+    @property
+    def nvme(self) -> bool:
+        """Whether this context spills to swap files (tier nvme, or auto with a swap open)."""
+        return self._tier is not None and self._tier.has_swap
+
     # -- context manager --
 
     def __enter__(self) -> OffloadContext:
         if self._entered:
             raise RuntimeError("an offload_context can be entered once; make a new one per step")
         self._entered = True
-        self._thread = threading.get_ident()
         self._pool = _runtime.host_pool(self.config)
         if torch.cuda.is_available():
             _runtime.register_with_cuda(self._pool)
         self._pool_ranges = sorted(_runtime.pool_ranges())
         self._pool_starts = [a for a, _ in self._pool_ranges]
         self._stats.pool_capacity = self._pool.capacity
-        if self.tier in ("nvme", "auto"):
-            self._store = self._open_store()
+        self._tier = self._open_tier()
+        self._step = self._tier.begin_step()
+        if self.nvme:
+            self._chunk_above, self._chunk_bytes = _tiers.chunk_sizes(self._pool.capacity)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         _active().append(self)
@@ -288,15 +270,14 @@ class OffloadContext:
             stack.remove(self)
         self._hooks.__exit__(*exc)
         self._dedup.clear()
-        for b in self._backends.values():
-            b.reap()  # Note [source lifetime]: sources of copies done by now go at once
-        self._update_pool_peak()
+        for tr in self._transfers.values():
+            tr.reap()  # copies done by now release their sources at once
 
-    def _open_store(self) -> Any:
-        from . import store
-
+    def _open_tier(self) -> Any:
+        if self.tier == "host":
+            return _tiers.tier_for(self.config, self._pool, nvme=False)
         try:
-            return store.StepStore(store.tier_for(self.config, self._pool), self._stats)
+            return _tiers.tier_for(self.config, self._pool, nvme=True)
         except Exception as e:
             if self.tier == "nvme":
                 raise
@@ -305,7 +286,7 @@ class OffloadContext:
                 f"spillover: tier='auto' runs host-only: the NVMe tier could not open ({e})",
             )
             self.tier = "host"
-            return None
+            return _tiers.tier_for(self.config, self._pool, nvme=False)
 
     # -- user API --
 
@@ -316,11 +297,29 @@ class OffloadContext:
 
     def stats(self) -> OffloadStats:
         """A snapshot of the counters (a copy; later steps do not change it)."""
-        self._update_pool_peak()
         s = self._stats
         with s._lock:
-            return OffloadStats(**{k: v for k, v in s.as_dict().items() if hasattr(s, k)
-                                   and k not in ("bytes_kept", "bytes_offloaded")})
+            out = OffloadStats(**{k: v for k, v in s.as_dict().items() if hasattr(s, k)
+                                  and k not in ("bytes_kept", "bytes_offloaded")})
+        if self._step is not None:
+            st = self._step.stats()
+            out.bytes_offloaded_nvme = st["bytes_written"]
+            out.bytes_offloaded_host = st["bytes_put"] - st["bytes_written"]
+            out.prefetch_hits = st["prefetch_hits"]
+            out.prefetch_misses = st["prefetch_misses"]
+            out.host_cache_hits = st["host_cache_hits"]
+            out.overflow_reads = st["overflow_reads"]
+            out.stall_seconds += st["stall_seconds"]
+            ts = self._tier.stats()
+            out.pool_in_use = ts["pool_in_use"]
+            out.swap_in_use = ts["swap_in_use"]
+            out.pool_peak = ts["pool_peak"]
+        for dev, tr in self._transfers.items():
+            base = self._transfer_base.get(dev, {})
+            out.stall_seconds += tr.stall_seconds - base.get("stall_seconds", 0.0)
+            out.copy_waits_forced += tr.forced_waits - int(base.get("forced_waits", 0))
+            out.bytes_in_flight_peak = max(out.bytes_in_flight_peak, tr.peak_bytes_in_flight)
+        return out
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Offload ``tensor`` as this context's saved-tensor hook would; returns a handle for
@@ -333,17 +332,14 @@ class OffloadContext:
         return self._unpack(handle)
 
     def synchronize(self) -> None:
-        """Wait for every copy this process has in flight (for tests and measurements)."""
-        for dev in list(self._backends):
-            backend_for(dev).synchronize()
+        """Wait for every copy this context's devices have in flight and every write or read
+        of the tier (tests, measurements). Raises the first I/O error one of them hit."""
+        for tr in self._transfers.values():
+            tr.synchronize()
+        if self._tier is not None:
+            self._tier.wait_idle()
 
     # -- internals --
-
-    def _update_pool_peak(self) -> None:
-        if self._pool is not None:
-            peak = self._pool.stats()["peak"]
-            with self._stats._lock:
-                self._stats.pool_peak = max(self._stats.pool_peak, peak)
 
     @staticmethod
     def _storage_key(t: torch.Tensor) -> Tuple[str, int, int]:
@@ -373,6 +369,17 @@ class OffloadContext:
             return True
         return key in self._param_ptrs
 
+    def _transfer(self, device: torch.device) -> Any:
+        tr = self._transfers.get(device)
+        if tr is None:
+            tr = transfers_for(device, sim_bandwidth=self.config.sim_link_bandwidth,
+                               cap_bytes=self.config.copy_inflight_bytes)
+            self._transfers[device] = tr
+            self._transfer_base[device] = {"stall_seconds": tr.stall_seconds,
+                                           "forced_waits": tr.forced_waits}
+        return tr
+
+    @torch._dynamo.disable  # type: ignore[misc]
     def _pack(self, t: torch.Tensor) -> Any:
         stats = self._stats
         if (
@@ -389,6 +396,9 @@ class OffloadContext:
         if nbytes < self.config.min_offload_bytes or nbytes == 0:
             stats.add(bytes_kept_small=nbytes)
             return t
+        if t.device.type == "cuda" and _capturing():
+            stats.add(bytes_kept_unsupported=nbytes)
+            return t
         key = (t.device.type, t.device.index or 0, storage.data_ptr())
         if self._is_param(t, key):
             stats.add(bytes_kept_parameter=nbytes)
@@ -402,198 +412,172 @@ class OffloadContext:
             return t
         hit = self._dedup.get(key)
         if hit is not None:
-            entry = hit[0]()
-            if entry is not None and (hit[1] is None or not hit[1].expired()):
+            stored = hit[0]()
+            if stored is not None and (hit[1] is None or not hit[1].expired()):
                 stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
-                return _Packed(entry, t)
-        if self._store is not None and nbytes > self._store.tier.chunk_above:
-            return self._pack_chunked(t, storage, nbytes, key)
-        try:
-            block = self._store.lease(nbytes) if self._store else self._pool.lease(nbytes)
-        except PoolExhaustedError:
+                return _Packed(stored, t)
+        tr = self._transfer(t.device)
+        tr.reap()
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        if self._chunk_above and nbytes > self._chunk_above:
+            stored = self._pack_pieces(tr, src, t, nbytes)
+        else:
+            stored = self._pack_whole(tr, src, t, nbytes)
+        if stored is None:
             stats.add(bytes_kept_pool_full=nbytes)
             return t
-        backend = self._backend(t.device)
-        backend.reap()
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        entry = self._new_entry(backend, src, block, t)
         wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
-        self._dedup[key] = (weakref.ref(entry), wref)
-        stats.add(tensors_offloaded=1, bytes_offloaded_host=nbytes)
-        packed = _Packed(entry, t)
-        if self._store is not None:
-            entry.store = self._store
-            self._store.add(entry)  # may start writing older entries out
-        return packed
+        self._dedup[key] = (weakref.ref(stored), wref)
+        stats.add(tensors_offloaded=1)
+        if t.device.type != "cpu" or not tr.host_is_device:
+            self._by_seq[stored.seq] = weakref.ref(stored)
+        return _Packed(stored, t)
 
-    def _new_entry(self, backend: Any, src: torch.Tensor, block: Any, t: torch.Tensor) -> _Entry:
-        """Start copying ``src`` (bytes of ``t``'s storage) into ``block``; the entry for it."""
-        copy = backend.to_host(src, block, watch=t)
-        entry = _Entry(block, src.numel(), t.device, copy, self.config.verify)
-        entry.seq = self._next_seq
-        self._next_seq += 1
-        if t.device.type == "cuda":
-            self._by_seq[entry.seq] = weakref.ref(entry)
-        if self.config.verify:
-            copy.wait()
-            entry.checksum = block.checksum()
-        return entry
-
-    def _pack_chunked(self, t: torch.Tensor, storage: Any, nbytes: int,
-                      key: Tuple[str, int, int]) -> Any:
-        """Note [chunked storages]: each piece is an entry of its own in the NVMe store."""
-        stats = self._stats
-        store = self._store
-        backend = self._backend(t.device)
-        backend.reap()
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        step = store.tier.chunk_bytes
-        parts: List[_Entry] = []
+    def _put(self, tr: Any, nbytes: int) -> Tuple[Any, Any]:
+        """A staged tier entry of ``nbytes``. When every block is staged or viewed, the copies
+        in flight are waited for (their entries become evictable) and the lease tried again;
+        PoolExhaustedError when that frees nothing."""
         try:
-            for off in range(0, nbytes, step):
-                n = min(step, nbytes - off)
-                block = store.lease(n)
-                e = self._new_entry(backend, src[off : off + n], block, t)
-                stats.add(bytes_offloaded_host=n)  # before the store may write it out
-                e.store = store
-                store.add(e)
-                parts.append(e)
+            return self._step.put(nbytes)
         except PoolExhaustedError:
-            for e in parts:  # undo their counts; the pieces go back as they die
-                if e.spill is not None and e.spill.went_to_disk:
-                    stats.add(bytes_offloaded_nvme=-e.nbytes)
-                else:
-                    stats.add(bytes_offloaded_host=-e.nbytes)
-            stats.add(bytes_kept_pool_full=nbytes)
-            return t
-        c = _Chunked(parts, nbytes, t.device)
-        wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
-        self._dedup[key] = (weakref.ref(c), wref)
-        stats.add(tensors_offloaded=1, tensors_chunked=1)
-        return _Packed(c, t)
+            if not tr.bytes_in_flight:
+                raise
+        t0 = time.perf_counter()
+        tr.synchronize()
+        self._stats.add(stall_seconds=time.perf_counter() - t0)
+        return self._step.put(nbytes)
 
-    def _backend(self, device: torch.device) -> Any:
-        b = self._backends.get(device)
-        if b is None:
-            b = self._backends[device] = backend_for(device)
-        return b
+    def _pack_whole(self, tr: Any, src: torch.Tensor, t: torch.Tensor,
+                    nbytes: int) -> Optional[_Stored]:
+        try:
+            handle, view = self._put(tr, nbytes)
+        except PoolExhaustedError:
+            return None
+        copy = tr.to_host(src, block_tensor(view), watch=t, on_landed=handle.seal)
+        return _Stored(handle, nbytes, t.device, [copy], handle.seq)
 
+    def _pack_pieces(self, tr: Any, src: torch.Tensor, t: torch.Tensor,
+                     nbytes: int) -> Optional[_Stored]:
+        """Note [gathered storages] (rust/tier/gather.rs): a storage larger than half the pool
+        goes in pieces, each an entry of its own, written out as the pool fills."""
+        handles, copies = [], []
+        try:
+            for off in range(0, nbytes, self._chunk_bytes):
+                n = min(self._chunk_bytes, nbytes - off)
+                handle, view = self._put(tr, n)
+                copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
+                                         on_landed=handle.seal))
+                handles.append(handle)
+        except PoolExhaustedError:
+            # The pieces go as their copies land (a staging view keeps its block until then).
+            return None
+        self._stats.add(tensors_chunked=1)
+        return _Stored(self._step.gather(handles), nbytes, t.device, copies, handles[-1].seq)
+
+    @torch._dynamo.disable  # type: ignore[misc]
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        e = packed.entry
-        if isinstance(e, _Chunked):
-            raw = self._materialize_chunked(e, packed)
-        else:
-            raw = self._materialize(e, packed)
+        s = packed.stored
+        self._note_backward()
+        raw = self._materialize(s, packed)
         packed.check_version()
-        out = torch.empty(0, dtype=packed.dtype, device=e.device)
+        out = torch.empty(0, dtype=packed.dtype, device=s.device)
         out.set_(raw.untyped_storage(), packed.offset, packed.size, packed.stride)
-        self._stats.add(tensors_unpacked=1, bytes_unpacked=e.nbytes)
+        self._stats.add(tensors_unpacked=1, bytes_unpacked=s.nbytes)
         return out
 
-    def _materialize_chunked(self, c: _Chunked, packed: _Packed) -> torch.Tensor:
-        """The pieces' bytes, assembled into one fresh uint8 tensor on the device. Last piece
-        first: on a first step the store expects reverse pack order and reads ahead so. On CPU
-        the pieces on disk are read straight into that tensor (Note [chunked read-ahead] in
-        store.py)."""
-        direct = self._store.read_direct(c) if c.device.type == "cpu" else None
-        if direct is not None:
-            out = block_tensor(direct)
-        else:
-            out = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
-        offs = []
-        off = 0
-        for part in c.parts:
-            offs.append(off)
-            off += part.nbytes
+    def _note_backward(self) -> None:
+        """At the first unpack of a backward: run :meth:`_end_of_backward` when it ends."""
+        with self._lock:
+            if self._in_backward:
+                return
+            self._in_backward = True
         try:
-            for i in range(len(c.parts) - 1, -1, -1):
-                part, off = c.parts[i], offs[i]
-                if direct is not None and direct.reads[i] is not None:
-                    self._store.finish_direct(direct, i, part)
-                    if self.config.verify:
-                        self._check(part, direct.blocks[i], packed, "nvme")
-                    continue
-                raw = self._materialize(part, packed)
-                out[off : off + part.nbytes].copy_(raw)
-                del raw  # the piece's block is evictable again (Note [clean entries])
-        finally:
-            if direct is not None:
-                self._store.direct_done(c)
-        return out
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:  # unpacked outside a backward (e.g. a saved tensor read directly)
+            with self._lock:
+                self._in_backward = False
 
-    def _materialize(self, e: _Entry, packed: _Packed) -> torch.Tensor:
-        """The entry's bytes as a uint8 tensor on its device."""
-        with e._lock:
-            if e._dev is not None:
-                raw = e._dev
-                if e._dev_event is not None:  # staged ahead: Note [stream ordering]
-                    torch.cuda.current_stream(e.device).wait_event(e._dev_event)
-                e._dev_uses += 1
-                if e._dev_uses >= e.handles:  # every view has had its copy: stop caching
-                    e._dev, e._dev_uses, e._dev_event = None, 0, None
-                cached = True
+    def _end_of_backward(self) -> None:
+        with self._lock:
+            self._in_backward = False
+        for tr in self._transfers.values():
+            tr.end_of_backward()
+
+    def _materialize(self, s: _Stored, packed: _Packed) -> torch.Tensor:
+        """The storage's bytes as a uint8 tensor on its device."""
+        tr = self._transfer(s.device)
+        src = s.source()
+        if src is not None:  # Note [source returned]
+            self._stats.add(unpacks_from_source=1)
+            tr.release_sources()
+            s.entry.note_used()
+            return src
+        tr.release_sources()
+        with s._lock:
+            if s._cached is not None:  # another view of this storage already brought it back
+                raw = s._cached
+                s._cached_uses += 1
+                if s._cached_uses >= s.views:
+                    s._cached, s._cached_uses = None, 0
+                return raw
+            staged, s.staged = s.staged, None
+            if staged is not None:
+                s.entry.note_used()
+                raw = tr.use(staged)
             else:
-                cached = False
-        if cached:
-            self._stage_ahead(e)
-            return raw
-        with e._lock:
-            backend = self._backend(e.device)
-            t0 = time.perf_counter()
-            tier = "host"
-            if e.spill is not None:
-                tier = "nvme" if e.spill.went_to_disk else "host"
-                block = self._store.fetch(e)  # stalls are counted by the store
-            else:
-                block = e.block
-            if self.config.verify:
-                e.copy.wait()
-                self._check(e, block, packed, tier)
-            raw, _ = backend.to_device(block, e.device, e.copy)
-            if e.spill is None:
-                self._stats.add(stall_seconds=time.perf_counter() - t0)
-            if e.device.type != "cpu" and e.handles > 1:
-                e._dev, e._dev_uses, e._dev_event = raw, 1, None
-        if e.device.type == "cuda":
-            self._stage_ahead(e)
+                raw = self._bring_back(tr, s, packed)
+            if s.views > 1 and not tr.host_is_device:
+                s._cached, s._cached_uses = raw, 1
+        self._stage_ahead(tr, s)
         return raw
 
-    @staticmethod
-    def _check(e: _Entry, block: Any, packed: _Packed, tier: str) -> None:
-        """SPILLOVER_VERIFY: the bytes read back are the bytes packed."""
-        found = block.checksum()
-        if found != e.checksum:
+    def _bring_back(self, tr: Any, s: _Stored, packed: _Packed) -> torch.Tensor:
+        t0 = time.perf_counter()
+        for c in s.copies:  # the tier can give the bytes back only once they have landed
+            c.wait()
+        self._stats.add(stall_seconds=time.perf_counter() - t0)
+        try:
+            view = s.entry.get()
+        except IntegrityError as e:
+            where = "nvme" if self.nvme else "host"
             raise IntegrityError(
-                f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} "
-                f"read back from the {tier} tier does not match its checksum (crc32c "
-                f"{e.checksum:#010x} at pack, {found:#010x} at unpack)"
+                f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} read "
+                f"back from the {where} tier does not match its checksum ({e})"
+            ) from None
+        if len(s.copies) == 1 and not self._in_pool(view.address):
+            _runtime.warn_once(
+                "pool-overflow",
+                f"spillover: the {self._pool.capacity >> 20} MiB host pool had no room to read "
+                f"back a {s.nbytes >> 20} MiB tensor; used a temporary buffer (slower). Raise "
+                "SPILLOVER_HOST_POOL_BYTES to a few times the largest saved tensor.",
             )
+        raw, _ = tr.to_device(block_tensor(view))
+        return raw
 
-    def _stage_ahead(self, e: _Entry) -> None:
-        """Start the H2D copies of the next entries backward will ask for (reverse pack
-        order, or the NVMe tier's learned order), a bounded distance ahead, so unpack finds
-        them on the device (Note [stream ordering] in transfer.py)."""
-        if self._store is not None and e.spill is not None:
-            nxt = self._store._expected_after(e.spill.seq)
-            cands = (self._store.by_seq.get(s) for s in nxt)
-        else:
-            cands = (self._by_seq.get(s) for s in range(e.seq - 1, -1, -1))
+    def _stage_ahead(self, tr: Any, s: _Stored) -> None:
+        """Start the H2D copies of the next entries backward is expected to unpack, a bounded
+        distance ahead, from blocks already in the pool (the tier reads the rest ahead)."""
+        if tr.host_is_device:
+            return
         staged, nbytes = 0, 0
-        backend = self._backend(e.device)
-        for ref in cands:
+        for seq in self._step.expected_after(s.seq, 4 * STAGE_AHEAD_ENTRIES):
             if staged >= STAGE_AHEAD_ENTRIES or nbytes >= STAGE_AHEAD_BYTES:
                 break
+            ref = self._by_seq.get(seq)
             c = ref() if ref is not None else None
-            if c is None or c.device.type != "cuda":
+            if c is None or c.device != s.device or len(c.copies) != 1:
                 continue
             with c._lock:
-                if c._dev is None:
-                    if c.spill is not None and c.spill.state != "host":
-                        break  # still on disk or in flight: the store's prefetch owns it
-                    raw, ev = backend.to_device(c.block, c.device, c.copy, wait=False)
-                    c._dev, c._dev_uses, c._dev_event = raw, 0, ev
+                if c.staged is not None or c._cached is not None:
+                    continue
+                if c.copies[0].source() is not None or not c.copies[0].done():
+                    continue
+                view = c.entry.try_get()
+                if view is None:
+                    break  # still on disk or in flight: the tier's read-ahead owns it
+                c.staged = tr.to_device(block_tensor(view), wait=False)
             staged += 1
             nbytes += c.nbytes
 
@@ -604,7 +588,8 @@ def offload_context(tier: Optional[str] = None, **overrides: Any) -> OffloadCont
     Args:
         tier: ``"host"`` (pinned host pool), ``"nvme"`` or ``"auto"``; default SPILLOVER_TIER.
         **overrides: any knob of :class:`spillover.Config` (``host_pool_bytes``,
-            ``min_offload_bytes``, ``verify``, ...), overriding its SPILLOVER_* variable.
+            ``min_offload_bytes``, ``verify``, ``copy_inflight_bytes``, ...), overriding its
+            SPILLOVER_* variable.
 
     Raises:
         ConfigError: a bad value, or a SPILLOVER_* variable spillover does not know.

@@ -53,8 +53,8 @@ __all__ = [
 ]
 
 #: The share of the NVMe tier's pool the planner counts on finding resident after forward
-#: (written entries keep their blocks, Note [write early, drop late] in store.py; the rest is
-#: left to blocks still being copied or written).
+#: (written entries keep their blocks, Note [write early, drop late] in rust/tier/policy.rs;
+#: the rest is left to blocks still being copied or written).
 HIGH_WATER = 0.75
 #: Share of the NVMe tier's pool one region's offloaded outputs may take (they all come back
 #: when the region is recomputed).
@@ -330,7 +330,7 @@ def _ctx_signature(ctx: Any) -> Optional[Tuple[Any, ...]]:
     if ctx is None:
         return None
     cap = ctx.stats().pool_capacity
-    return (ctx.tier, cap, ctx._store is not None)
+    return (ctx.tier, cap, ctx.nvme)
 
 
 def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
@@ -339,7 +339,7 @@ def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
     return {
         "tier": ctx.tier,
         "pool_bytes": ctx.stats().pool_capacity,
-        "nvme": ctx._store is not None,
+        "nvme": ctx.nvme,
     }
 
 
@@ -538,7 +538,8 @@ class _Greedy:
         hidden = it.region != self.last and self.link_used + t <= self.hide_seconds
         # On a CPU host the copies cost compute: one into the pool, and for a chunked storage
         # a second one on unpack (for the pieces still in the pool; those on disk are read
-        # straight into the tensor, Note [chunked read-ahead] in store.py: an upper bound).
+        # straight into the tensor, Note [gathered storages] in rust/tier/gather.rs: an upper
+        # bound).
         copies = 2 if self.chunked(it) else 1
         return (0.0 if hidden else t) + copies * it.op.bytes * self.per_byte_cpu, hidden
 

@@ -22,8 +22,8 @@ class OffloadStats:
     #: NVMe tier: storages larger than half the pool, offloaded in pieces.
     tensors_chunked: int = 0
     #: Bytes offloaded and never written to disk, and bytes written to disk (NVMe tier: written
-    #: early, such an entry may still be read back from the pool, store.py Note [write early,
-    #: drop late]).
+    #: early, such an entry may still be read back from the pool, Note [write early, drop late]
+    #: in rust/tier/policy.rs).
     bytes_offloaded_host: int = 0
     bytes_offloaded_nvme: int = 0
     storages_deduplicated: int = 0
@@ -42,10 +42,23 @@ class OffloadStats:
     host_cache_hits: int = 0
     #: Reads back that found no room in the pool and used a temporary buffer.
     overflow_reads: int = 0
-    #: Seconds pack or unpack waited for a copy, write or read that was not finished yet.
+    #: Seconds pack or unpack waited for a copy, write or read that was not finished yet (on
+    #: CUDA the compute stream's waits on copies, measured with events).
     stall_seconds: float = 0.0
+    #: Unpacks served by the tensor itself, its device->host copy not done yet (Note [source
+    #: returned] in context.py): no bytes came back over the link.
+    unpacks_from_source: int = 0
+    #: Packs that made the compute stream wait for an older copy because the bytes of copies in
+    #: flight passed SPILLOVER_COPY_INFLIGHT_BYTES (Note [back-pressure] in transfer.py).
+    copy_waits_forced: int = 0
+    #: Most bytes of device->host copies in flight at once (this device's transfers).
+    bytes_in_flight_peak: int = 0
+    #: The host pool: its peak use (all steps of the process), its use when stats() was read.
     pool_peak: int = 0
+    pool_in_use: int = 0
     pool_capacity: int = 0
+    #: Swap space held by entries (all steps of the process) when stats() was read.
+    swap_in_use: int = 0
 
     _lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False

@@ -60,18 +60,13 @@ def clone_model(m):
 
 
 def drained(c):
-    """Pool and swap bytes in use once everything a finished NVMe context held has gone back.
-    A pack copy still queued on the copy worker holds its block until it has run (Note [source
-    lifetime]); under load a few can still be queued, so wait for the worker first."""
-    store = c._store
+    """Pool and swap bytes in use once everything a finished context held has gone back: its
+    copies landed, its entries freed (garbage collected), the tier's I/O finished."""
     c.synchronize()
     gc.collect()
-    store.tier.swap.wait_idle()
-    store.tier.reap_parked()
-    store._reap_writes()
-    store.tier.reap_parked()
-    gc.collect()
-    return c._pool.stats()["in_use"], store.tier.swap.stats()["swap_in_use"]
+    c.synchronize()
+    s = c.stats()
+    return s.pool_in_use, s.swap_in_use
 
 
 __all__ = ["assert_bitwise", "drained", "gpt_step", "grads", "clone_model", "spillover"]

@@ -264,9 +264,12 @@ def test_verify_detects_corruption():
     with c:
         h = x * 3.0
         loss = (h * h).sum()
-    entries = [p.entry for p in packed if not isinstance(p, torch.Tensor)]
+    entries = [p.stored.entry for p in packed if not isinstance(p, torch.Tensor)]
     assert entries
-    np.asarray(entries[0].block)[100] ^= 0xFF  # flip bits behind spillover's back
+    c.synchronize()
+    view = entries[0].try_get()
+    np.asarray(view)[100] ^= 0xFF  # flip bits behind spillover's back
+    del view
     with pytest.raises(spillover.IntegrityError, match="checksum"):
         loss.backward()
 

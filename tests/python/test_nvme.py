@@ -12,7 +12,7 @@ from conftest import assert_bitwise, drained, gpt_step
 
 import spillover
 from spillover import _native
-from spillover.store import tier_for
+from spillover._tiers import opened_swap
 
 ENGINES = ["io_uring", "threads"]
 
@@ -49,7 +49,7 @@ def test_gpt_parity_with_most_tensors_on_disk(tiny_gpt, tmp_path, engine, privat
         s = c.stats()
         assert s.bytes_offloaded_nvme > s.bytes_offloaded_host, s
         assert s.prefetch_hits + s.prefetch_misses > 0
-    assert c._store.tier.swap.engine == engine
+    assert opened_swap(c.config).engine == engine
 
 
 def test_views_retain_graph_and_bf16_on_disk(tiny_gpt, tmp_path):
@@ -80,7 +80,7 @@ def test_two_directories_are_striped(tiny_gpt, tmp_path):
         "nvme", host_pool_bytes=(2 << 20) + 8192, nvme_path=f"{a},{b}", min_offload_bytes=0
     )
     assert_bitwise(ref, gpt_step(model, batch, c))
-    swap = c._store.tier.swap
+    swap = opened_swap(c.config)
     assert len(swap.dirs) == 2
     assert swap.stats()["bytes_written"] > 0, (c.stats(), swap.stats())
 
@@ -108,7 +108,9 @@ def test_injected_read_error_is_an_exception(tiny_gpt, tmp_path):
     with c:
         loss = model(idx, tgt)
     assert c.stats().bytes_offloaded_nvme > 0
-    c._store.tier.swap.inject_fault("read", 5, 1)
+    c.synchronize()
+    c._tier.spill_all()  # every entry only on disk: backward must read
+    opened_swap(c.config).inject_fault("read", 5, 1)
     with pytest.raises(spillover.SwapIOError) as e:
         loss.backward()
     assert e.value.errno == 5 and "read" in str(e.value)
@@ -120,8 +122,10 @@ def test_injected_read_error_is_an_exception(tiny_gpt, tmp_path):
 def test_injected_write_error_is_an_exception(tiny_gpt, tmp_path):
     model, (idx, tgt) = tiny_gpt
     c = nvme(tmp_path, "threads", (2 << 20) + 5 * 4096)
-    tier = tier_for(c.config, spillover._runtime.host_pool(c.config))
-    tier.swap.inject_fault("write", 5, 1)
+    with c:  # opens the swap
+        pass
+    opened_swap(c.config).inject_fault("write", 5, 1)
+    c = nvme(tmp_path, "threads", (2 << 20) + 5 * 4096)
     with pytest.raises(spillover.SwapIOError), c:
         model(idx, tgt).backward()
 
@@ -159,9 +163,9 @@ def test_many_steps_do_not_grow(tiny_gpt, tmp_path, private_pool_bytes):
         gpt_step(model, batch, c)
         if i >= 10:
             gc.collect()
-            swap = c._store.tier.swap
-            samples.append((len(os.listdir(fd_dir)), swap.stats()["swap_in_use"],
-                            c._pool.stats()["in_use"]))
+            c.synchronize()
+            st = c.stats()
+            samples.append((len(os.listdir(fd_dir)), st.swap_in_use, st.pool_in_use))
     fds, swap_used, pool_used = zip(*samples)
     # Other threads of the test process may hold a file for a moment; growth is what matters.
     assert max(fds[len(fds) // 2 :]) <= fds[0] + 2, fds
@@ -169,16 +173,11 @@ def test_many_steps_do_not_grow(tiny_gpt, tmp_path, private_pool_bytes):
 
 
 def _all_to_disk(c):
-    """Write every entry of ``c``'s store out, and wait for the writes."""
-    store = c._store
-    c.synchronize()  # pack copies done: every entry is evictable
-    for _ in range(2):  # written entries keep their blocks (clean): the second pass drops them
-        with store.lock:
-            while store._evict_one():
-                pass
-        while store._oldest_writing() is not None:
-            store._finish_write(store._oldest_writing(), wait=True)
-    assert not store._resident()
+    """Write every entry out and drop its block (entries a live view sees stay)."""
+    c.synchronize()  # pack copies landed: every entry is sealed
+    c._tier.spill_all()
+    t = c._tier.stats()
+    assert t["dirty"] == t["clean"] == t["writing"] == t["reading"] == 0, t
 
 
 def test_read_back_with_a_full_pool_uses_a_temporary_buffer(tmp_path):
@@ -194,9 +193,8 @@ def test_read_back_with_a_full_pool_uses_a_temporary_buffer(tmp_path):
     x.grad = None
     with c:
         loss = f()
-    tier = c._store.tier
     _all_to_disk(c)
-    hog = tier.pool.lease(tier.pool.stats()["largest_free"])  # nothing left for the read
+    hog = c._pool.lease(c._pool.stats()["largest_free"])  # nothing left for the read
     spillover._runtime._warned.discard("pool-overflow")  # warned once per process
     with pytest.warns(RuntimeWarning, match="SPILLOVER_HOST_POOL_BYTES"):
         loss.backward()
@@ -229,7 +227,7 @@ def test_storage_larger_than_the_pool_goes_in_pieces(tmp_path, engine):
 @pytest.mark.parametrize("verify", [False, True])
 def test_chunked_storage_is_read_straight_into_its_tensor(tmp_path, engine, verify,
                                                           private_pool_bytes):
-    """Note [chunked read-ahead]: pieces on disk go from their slots into the unpacked
+    """Note [gathered storages]: pieces on disk go from their slots into the unpacked
     tensor's own buffer, through no pool block; the pieces still in the pool are copied."""
     pool = (1 << 20) + private_pool_bytes % (1 << 16)
     c = nvme(tmp_path, engine, pool, verify=verify)
@@ -246,10 +244,10 @@ def test_chunked_storage_is_read_straight_into_its_tensor(tmp_path, engine, veri
     assert not c._pool_ranges[0][0] <= out.data_ptr() < c._pool_ranges[-1][1]
     s = c.stats()
     assert s.tensors_chunked == 1, s
-    assert s.prefetch_hits + s.prefetch_misses == len(h.entry.parts), s
+    assert s.prefetch_hits + s.prefetch_misses == len(h.stored.entry.parts), s
     # A second unpack (a retained graph) reads again, with one piece back in the pool.
-    part = h.entry.parts[0]
-    blk = c._store.fetch(part)
+    part = h.stored.entry.parts[0]
+    blk = part.get()
     del blk
     assert torch.equal(c.unpack(h2), big[5:])
     del h, h2, out, part
@@ -257,7 +255,7 @@ def test_chunked_storage_is_read_straight_into_its_tensor(tmp_path, engine, veri
 
 
 def test_chunked_storage_is_read_ahead_when_it_is_next(tmp_path, private_pool_bytes):
-    """Note [chunked read-ahead]: in the learned order, the reads of a chunked storage start
+    """Note [gathered storages]: in the learned order, the reads of a chunked storage start
     once what comes before it has been unpacked -- not before."""
     pool = (1 << 20) + private_pool_bytes % (1 << 16)
     first, small, big = torch.randn(1 << 16), torch.randn(1 << 16), torch.randn(3 << 18)
@@ -270,17 +268,17 @@ def test_chunked_storage_is_read_ahead_when_it_is_next(tmp_path, private_pool_by
             for h in (hs, hb, hf):
                 c.unpack(h)
             continue
-        assert hb.entry.ahead is None
+        g = hb.stored.entry
+        assert not g.started
         assert torch.equal(c.unpack(hs), small)
-        d = hb.entry.ahead
-        assert d is not None and any(r is not None for r in d.reads)  # started, not waited
-        c._store.tier.swap.wait_idle()
+        assert g.started  # its reads started, not waited for
+        c.synchronize()
         assert torch.equal(c.unpack(hb), big)
         s = c.stats()
-        assert s.prefetch_hits >= len(hb.entry.parts), s
-        assert hb.entry.ahead is None and c._store._ahead is None
+        assert s.prefetch_hits >= len(g.parts), s
+        assert not g.started
         assert torch.equal(c.unpack(hf), first)
-    del hf, hs, hb, h, d
+    del hf, hs, hb, h, g
     assert drained(c) == (0, 0)
 
 
@@ -295,17 +293,15 @@ def test_entries_are_written_early_and_dropped_without_waiting(tmp_path, private
         for x in xs:
             hs.append(c.pack(x))
             c.synchronize()  # its copy done: the next pack may write it behind
-    store = c._store
-    while store._oldest_writing() is not None:
-        store._finish_write(store._oldest_writing(), wait=True)
-    entries = [h.entry for h in hs]
-    assert all(e.spill.state == "host" and e.block is not None for e in entries)
-    assert sum(e.spill.slot is not None for e in entries) >= 3  # written, still in the pool
-    assert sum(e.nbytes for e in entries if e.spill.slot is None) <= store.tier.dirty_max
+    c.synchronize()  # the writes started finish: their entries are clean, still in the pool
+    entries = [h.stored.entry for h in hs]
+    assert all(e.residency in ("dirty", "clean") for e in entries)
+    assert sum(e.residency == "clean" for e in entries) >= 3  # written, still in the pool
+    assert sum(e.nbytes for e in entries if e.residency == "dirty") <= c._tier.dirty_bytes
     stall = c.stats().stall_seconds
-    blk = store.lease(512 << 10)  # more than is free: two written entries make room
+    blk = c._step.put(512 << 10)  # more than is free: two written entries make room
     assert c.stats().stall_seconds == stall
-    assert [e.spill.state for e in entries[:2]] == ["disk", "disk"]
+    assert [e.residency for e in entries[:2]] == ["disk", "disk"]
     del blk
     for h, x in zip(hs, xs):
         assert torch.equal(c.unpack(h), x)
@@ -324,8 +320,8 @@ def test_learned_order_is_dropped_when_the_step_packs_other_tensors(tmp_path,
         c = nvme(tmp_path, "threads", pool)
         with c:
             hs = [c.pack(t) for t in tensors]
-        first = hs[unpack_order[0]].entry.spill.seq
-        expected = c._store._expected_after(first)
+        first = hs[unpack_order[0]].stored.entry.seq
+        expected = c._step.expected_after(first, 100)
         for i in unpack_order:
             c.unpack(hs[i])
         return expected
