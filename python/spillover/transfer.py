@@ -1,46 +1,80 @@
-"""Device <-> host copies behind one small interface, with a CUDA and a CPU backend.
+"""Device <-> host copies: one policy, :class:`Transfers`, over a small primitive interface
+(streams; ``copy`` on a stream; ``record`` / ``query`` / ``synchronize`` / ``wait`` an event;
+``empty`` on a stream; timed waits) with three implementations: :class:`CudaDevice`;
+:class:`SimDevice`, a simulated device for CPU tests whose copies finish only after
+bytes / bandwidth; and :class:`CpuDevice`, plain CPU tensors (the "device" is the host).
 
-``to_host(src, block)`` starts copying the bytes of ``src`` (a 1-D uint8 tensor over a whole
-storage) into a pool block and returns a :class:`Copy`; ``to_device(block, device, after)``
-brings a block back. Both return at once; ``Copy.wait()`` blocks (GIL released) until done.
+Note [stream ordering]
+    A D2H copy runs on the copy stream after the compute stream's current point (an event
+    recorded on compute and waited for by the copy stream, never a host sync). An H2D copy
+    allocates its output on the H2D stream, which first waits for the D2H event that filled the
+    block (``after``); the compute stream waits for the H2D event before using the tensor (at
+    once, or at ``use()`` for a tensor staged ahead). On the simulated device the compute stream
+    is the calling thread and every other stream a worker thread: a wait on the compute stream
+    blocks the caller. Nothing here calls torch.cuda.synchronize().
 
 Note [source lifetime]
-    A copy reads its source after ``to_host`` has returned. The source tensor is therefore
-    referenced by the Copy until the copy is known complete — on CPU until the worker finishes
-    (a callback of the worker drops it), on CUDA until the event has fired (polled by
-    ``reap()`` at each pack and when the context exits), never by ``record_stream`` on the
-    source, which would let the caching allocator hand the bytes out again only once the side
-    stream reaches that point and so keep them longer than needed. The destination block is
-    kept by the same Copy. Guarded by tests/python/test_context.py::test_abandoned_steps_free.
+    A copy reads its source after ``to_host`` has returned, so the policy holds the source until
+    either the copy is observed complete, or the compute stream the source was produced on (the
+    one current at ``to_host``) has been made to wait on the copy's event (Note [back-pressure]).
+    The second is safe without a host wait: the source was allocated on that stream, and the
+    caching allocator hands a freed block only to later work of the same stream, which is now
+    ordered after the copy. Never ``record_stream`` on the source: the allocator would then keep
+    the bytes until it notices the copy stream passed, invisible to any cap. (A tensor produced
+    on another stream breaks this, as it breaks the copy's own ordering.) The destination is
+    held until the copy is observed complete.
+
+Note [back-pressure]
+    Forward produces activations faster than the link drains them. Unbounded, every source
+    would stay alive until backward and offloading would save nothing. So the bytes of copies
+    whose source the policy still holds are capped (``cap_bytes``; the newest copy may pass it
+    alone): past the cap the compute stream waits on the oldest copies' events (one wait, on the
+    newest of them, as a copy stream runs in order) and their sources are dropped. Sources are
+    also all released at every unpack and at the end of backward (``release_sources``), so
+    nothing offloaded stays on the device after backward. The default cap is 20 ms of link
+    bandwidth, clamped to [64 MiB, 2 GiB]: enough to keep the link busy, small beside device
+    memory. What the cap costs shows as ``stall_seconds`` and ``forced_waits``.
 
 Note [in-place after pack]
     Under saved_tensors_hooks autograd no longer checks that a saved tensor was not modified in
     place before backward, and an asynchronous copy could read a half-modified tensor. So the
-    saved tensor is watched: its version counter is compared when the copy completes (Copy
-    .modified) and again at unpack while it is alive; either mismatch raises the error autograd
-    itself would raise. Guarded by test_context.py::test_inplace_after_save_is_an_error.
+    saved tensor is watched: its version counter is compared when the copy is observed complete
+    (``Copy.modified``), and again at unpack while it is alive; either mismatch raises the error
+    autograd itself would raise. The watch is a weak reference: a strong one would close a cycle
+    through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor) that gc
+    cannot see. Guarded by test_context.py::test_inplace_after_save_is_an_error.
 
-Note [stream ordering]
-    CUDA: the D2H copy runs on a side stream that first waits for the compute stream (the
-    producer of the tensor). The H2D copy runs on a second side stream that waits for the D2H
-    event of the same block, and the compute stream waits for the H2D event before using the
-    tensor. Nothing calls torch.cuda.synchronize() on this path.
+Note [freed by events]
+    A tensor ``to_device`` hands out was allocated on the H2D stream but is used by the compute
+    stream; freed as soon as its last reference goes, the allocator could give its bytes to the
+    next H2D copy while compute still reads them. So the policy keeps every handed-out storage
+    until a compute event recorded after everyone else let go of it has fired: at each
+    ``to_device``, ``use`` and ``end_of_backward`` a storage nobody else references gets the
+    event recorded then (every use of it was enqueued before), and is dropped once that event
+    has fired. Only a storage still referenced at ``end_of_backward`` (a tensor autograd or the
+    caller keeps), or one whose event has not fired by then, goes to ``record_stream(compute)``
+    and is dropped: after backward there is no later point of ours before the next step, and
+    the allocator's own deferral frees it as soon as compute passes.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
-import concurrent.futures
 import os
+import queue
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["Copy", "CpuBackend", "CudaBackend", "backend_for", "block_tensor"]
+__all__ = ["Copy", "CpuDevice", "CudaDevice", "SimDevice", "Transfers", "block_tensor",
+           "default_cap_bytes", "transfers_for"]
+
+_MiB = 1 << 20
 
 
 def block_tensor(block: Any) -> torch.Tensor:
@@ -48,189 +82,665 @@ def block_tensor(block: Any) -> torch.Tensor:
     return torch.from_numpy(np.asarray(block))
 
 
-class Copy:
-    """A copy in flight. ``wait()`` returns when the destination holds the bytes; it re-raises
-    whatever the copy raised. ``done()`` never blocks."""
-
-    __slots__ = ("_future", "_event", "_keep", "_done", "_lock", "_watch", "_version", "modified",
-                 "__weakref__")
-
-    def __init__(
-        self,
-        future: Optional[concurrent.futures.Future] = None,
-        event: Optional[Any] = None,
-        keep: Any = None,
-        watch: Optional[torch.Tensor] = None,
-    ):
-        self._future = future
-        self._event = event
-        self._keep = keep
-        self._done = future is None and event is None
-        self._lock = threading.Lock()
-        # Note [in-place after pack]: the saved tensor is watched until the copy completes.
-        # Weakly: a strong reference would close a cycle through the autograd graph
-        # (tensor -> grad_fn -> saved handle -> this copy -> tensor) that gc cannot see.
-        self._watch = weakref.ref(watch) if watch is not None else None
-        self._version = watch._version if watch is not None else 0
-        #: True when the saved tensor was modified in place before its copy completed.
-        self.modified = False
-
-    def done(self) -> bool:
-        if self._done:
-            return True
-        # A future (CPU worker) or a CUDA event: both are polled without blocking.
-        finished = self._future.done() if self._future is not None else self._event.query()
-        if finished:
-            self._finish()
-        return self._done
-
-    def wait(self) -> float:
-        """Block until complete; returns the seconds spent waiting (0 when already done)."""
-        if self._done:
-            return 0.0
-        t0 = time.perf_counter()
-        if self._future is not None:
-            self._future.result()
-        else:
-            self._event.synchronize()
-        self._finish()
-        return time.perf_counter() - t0
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            fut = self._future
-            self._done = True
-            watched = self._watch() if self._watch is not None else None
-            if watched is not None:
-                self.modified = watched._version != self._version
-            self._keep = self._watch = None  # Note [source lifetime]
-        if fut is not None:
-            fut.result()  # re-raise a failed copy
+def default_cap_bytes(bandwidth_bytes_per_s: Optional[float] = None) -> int:
+    """Note [back-pressure]: 20 ms of the link (16 GB/s when unknown), in [64 MiB, 2 GiB]."""
+    bw = bandwidth_bytes_per_s or 16e9
+    return int(min(max(bw * 0.020, 64 * _MiB), 2048 * _MiB))
 
 
-class CpuBackend:
-    """Copies on a worker thread, so pack returns before the bytes have moved, exactly as on a
-    GPU; the Rust copy releases the GIL, so forward runs on while it copies."""
+def _use_count(storage: Any) -> int:
+    """References to a storage's StorageImpl (ours included); large when unknown."""
+    f = getattr(torch._C, "_storage_Use_Count", None)
+    return f(storage._cdata) if f is not None else 1 << 30
 
-    def __init__(self) -> None:
-        self._pid = os.getpid()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="spillover-copy"
-        )
 
-    def to_host(self, src: torch.Tensor, block: Any, watch: Optional[torch.Tensor] = None) -> Copy:
-        fut = self._pool.submit(block.copy_from, src.data_ptr(), src.numel(), 0)
-        c = Copy(future=fut, keep=(src, block), watch=watch)
-        # Note [source lifetime]: the source goes as soon as the worker is done with it, not
-        # when someone next polls the copy (the last tensors of a forward would otherwise stay
-        # alive beside their copies until backward unpacks them). Weakly: a strong reference
-        # would close a cycle future -> callback -> copy -> future.
-        ref = weakref.ref(c)
+# ---- primitives -------------------------------------------------------------------------------
 
-        def finished(f: concurrent.futures.Future) -> None:
-            copy = ref()
-            if copy is not None and not f.cancelled() and f.exception() is None:
-                copy._finish()  # a failure is raised by wait()
 
-        fut.add_done_callback(finished)
-        return c
+class CudaDevice:
+    """torch.cuda streams and events (Note [stream ordering])."""
 
-    def to_device(
-        self, block: Any, device: torch.device, after: Optional[Copy], wait: bool = True
-    ) -> tuple:
-        # CPU "device": the block itself is the storage (no copy), once the pack copy is done.
-        if after is not None:
-            after.wait()
-        return block_tensor(block), None
+    host_is_device = False
+    has_callbacks = False
 
-    def reap(self) -> None:
+    def __init__(self, device: Any, bandwidth_bytes_per_s: Optional[float] = None):
+        self.device = torch.device(device)
+        self.default_cap = default_cap_bytes(bandwidth_bytes_per_s)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def query(self, ev: Any) -> bool:
+        return ev.query()
+
+    def synchronize(self, ev: Any) -> None:
+        ev.synchronize()
+
+    def wait(self, stream: Any, ev: Any) -> None:
+        stream.wait_event(ev)
+
+    def timed_wait(self, stream: Any, ev: Any) -> Any:
+        """``wait``, bracketed by timing events on ``stream``; resolved by :meth:`elapsed`."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(ev)
+        end.record(stream)
+        return start, end
+
+    def elapsed(self, token: Any) -> Optional[float]:
+        start, end = token
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
+    def empty(self, nbytes: int, stream: Any) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def record_stream(self, storage: Any, stream: Any) -> None:
+        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(stream)
+
+    def track(self, t: torch.Tensor) -> None:
         pass
 
-    def synchronize(self) -> None:
-        self._pool.submit(lambda: None).result()
+    def poll(self) -> None:
+        pass
 
 
-class CudaBackend:
-    """Side-stream copies ordered by events (Note [stream ordering])."""
+class _SimEvent:
+    __slots__ = ("fired", "error", "_lock", "_callbacks")
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
-        self._pending: Deque[Copy] = collections.deque()
+    def __init__(self, fired: bool = False):
+        self.fired = threading.Event()
+        self.error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._callbacks: List[Callable[[], None]] = []
+        if fired:
+            self.fired.set()
+
+    def fire(self, error: Optional[BaseException]) -> None:
+        with self._lock:
+            self.error = error
+            self.fired.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.fired.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+
+class _Worker:
+    """A simulated stream: a thread running its queue in order (started on first use, ended
+    when the stream is collected, joined at exit: a daemon thread stopped inside ``copy_`` at
+    interpreter shutdown aborts the process). A failed op's error goes to the next event."""
+
+    def __init__(self) -> None:
+        self.queue: Any = queue.SimpleQueue()
+        self.errors: List[BaseException] = []
+        self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
-    def to_host(self, src: torch.Tensor, block: Any, watch: Optional[torch.Tensor] = None) -> Copy:
-        dst = block_tensor(block)
-        compute = torch.cuda.current_stream(self.device)
-        self.d2h.wait_stream(compute)
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.d2h)
-        c = Copy(event=event, keep=(src, dst, block), watch=watch)
+    def put(self, op: Callable[[], None]) -> None:
         with self._lock:
-            self._pending.append(c)
+            if self._thread is None:
+                self._thread = threading.Thread(target=_Worker._run, args=(self.queue,),
+                                                name="spillover-copy", daemon=True)
+                self._thread.start()
+                _workers.add(self)
+        self.queue.put(op)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __del__(self) -> None:
+        self.queue.put(None)
+
+    @staticmethod
+    def _run(q: Any) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            op()
+            del op  # Note [source lifetime]: an op's tensors go when it ends
+
+
+_workers: Any = weakref.WeakSet()
+
+
+def _stop_workers() -> None:
+    for w in list(_workers):
+        w.stop()
+
+
+# Before threading joins its threads (as concurrent.futures does); atexit where that is absent.
+getattr(threading, "_register_atexit", atexit.register)(_stop_workers)
+
+_HOST = "host"  # the simulated compute stream: the calling thread
+
+
+class SimDevice:
+    """The CPU pretending to be a device behind a link of ``bandwidth_bytes_per_s``: device
+    tensors are CPU tensors, a copy's bytes really move but it completes (and its event fires)
+    only ``latency_s + nbytes / bandwidth`` after its stream started it. ``live_bytes()`` is a
+    device-memory probe: the bytes of D2H sources and ``empty`` tensors still alive."""
+
+    host_is_device = False
+    has_callbacks = True
+
+    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0):
+        self.bandwidth = float(bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
+        self.latency = float(latency_s)
+        self.default_cap = default_cap_bytes(self.bandwidth)
+        self._live: Dict[int, Tuple[Any, int]] = {}
+        self._peak = 0
+        self._probe, self._probe_lock = True, threading.Lock()
+
+    def current_stream(self) -> Any:
+        return _HOST
+
+    def new_stream(self) -> Any:
+        return _Worker()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        n = src.numel() * src.element_size()
+        seconds = self.latency + (n / self.bandwidth if self.bandwidth else 0.0)
+        errors, get_dst, get_src = stream.errors, self._hold(dst), self._hold(src)
+
+        def op() -> None:
+            try:
+                if seconds > 0:  # the source is read at the end: the late reader a GPU may be
+                    time.sleep(seconds)
+                d, s = get_dst(), get_src()
+                if s is None:
+                    raise RuntimeError("spillover: a device tensor was freed before the copy "
+                                       "reading it ran (Note [source lifetime])")
+                if d is not None:  # a device output freed meanwhile: as on CUDA, bytes go nowhere
+                    d.copy_(s)
+            except Exception as e:
+                errors.append(e)
+
+        stream.put(op)
+
+    def _hold(self, t: torch.Tensor) -> Callable[[], Optional[torch.Tensor]]:
+        """How an op reaches a tensor: a device tensor weakly, as a device's queue does (its
+        memory may be freed under it: a stream-ordered allocator reuses it only for later work
+        of that stream), so the probe sees frees as CUDA would and a source freed too early is
+        an error, not a hidden one; a host tensor strongly."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        st = t.untyped_storage()
+        with self._probe_lock:
+            entry = self._live.get(st.data_ptr()) if self._probe else None
+        if entry is None or entry[0].expired():
+            return lambda: t
+        ref, offset, numel = StorageWeakRef(st), t.storage_offset(), t.numel()
+
+        def get() -> Optional[torch.Tensor]:
+            alive = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            return None if alive is None else torch.empty(0, dtype=torch.uint8).set_(
+                alive, offset, (numel,))
+
+        return get
+
+    def record(self, stream: Any) -> Any:
+        if stream is _HOST:
+            return _SimEvent(fired=True)
+        ev, errors = _SimEvent(), stream.errors
+        stream.put(lambda: ev.fire(errors.pop(0) if errors else None))
+        return ev
+
+    def query(self, ev: Any) -> bool:
+        if not ev.fired.is_set():
+            return False
+        if ev.error is not None:
+            raise ev.error
+        return True
+
+    def synchronize(self, ev: Any) -> None:
+        ev.fired.wait()
+        self.query(ev)
+
+    def wait(self, stream: Any, ev: Any) -> None:
+        if ev.fired.is_set():
+            return
+        if stream is _HOST:
+            ev.fired.wait()
+        else:
+            stream.put(ev.fired.wait)
+
+    def timed_wait(self, stream: Any, ev: Any) -> Any:
+        t0 = time.perf_counter()
+        self.wait(stream, ev)
+        return time.perf_counter() - t0 if stream is _HOST else 0.0
+
+    def elapsed(self, token: Any) -> Optional[float]:
+        return token
+
+    def then(self, ev: Any, fn: Callable[[], None]) -> None:
+        ev.then(fn)
+
+    def empty(self, nbytes: int, stream: Any) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        self.track(t)
+        return t
+
+    def record_stream(self, storage: Any, stream: Any) -> None:
+        pass  # the simulated compute stream never runs behind the host
+
+    def track(self, t: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        if not self._probe:
+            return
+        st = t.untyped_storage()
+        with self._probe_lock:
+            old = self._live.get(st.data_ptr())
+            if st.nbytes() and (old is None or old[0].expired()):
+                self._live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+
+    def live_bytes(self) -> int:
+        with self._probe_lock:
+            for k in [k for k, (w, _) in self._live.items() if w.expired()]:
+                del self._live[k]
+            return sum(n for _, n in self._live.values())
+
+    def peak_live_bytes(self) -> int:
+        return self._peak
+
+    def poll(self) -> None:
+        if self._probe:
+            n = self.live_bytes()
+            with self._probe_lock:
+                self._peak = max(self._peak, n)
+
+
+class CpuDevice(SimDevice):
+    """Plain CPU: copies on a worker thread (``copy_`` releases the GIL), done when it is; the
+    host block is the "device" tensor (``to_device`` is zero-copy)."""
+
+    host_is_device = True
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.default_cap, self._probe = 256 * _MiB, False
+
+
+# ---- the policy -------------------------------------------------------------------------------
+
+
+class Copy:
+    """A device->host copy. ``done()`` never blocks; ``wait()`` returns the seconds it blocked
+    and re-raises what the copy or its ``on_landed`` raised. Both see ``on_landed`` finished."""
+
+    __slots__ = ("nbytes", "modified", "_tr", "_event", "_stream", "_src", "_dst", "_watch",
+                 "_version", "_on_landed", "_finished", "_landed", "_error", "__weakref__")
+
+    def __init__(self, tr: Transfers, event: Any, stream: Any, src: torch.Tensor,
+                 dst: torch.Tensor, watch: Optional[torch.Tensor],
+                 on_landed: Optional[Callable[[], Any]]):
+        self.nbytes = src.numel()
+        #: True when the watched tensor was modified in place before the copy was observed
+        #: complete (Note [in-place after pack]).
+        self.modified = False
+        self._tr, self._event, self._stream = tr, event, stream
+        self._src: Optional[torch.Tensor] = src  # Note [source lifetime]
+        self._dst: Optional[torch.Tensor] = dst
+        self._watch = weakref.ref(watch) if watch is not None else None
+        self._version = watch._version if watch is not None else 0
+        self._on_landed = on_landed
+        self._finished = False  # observed complete (under the policy's lock)
+        self._landed = threading.Event()  # ... and on_landed has returned
+        self._error: Optional[BaseException] = None
+
+    def source(self) -> Optional[torch.Tensor]:
+        """The device source while the policy still holds it, else None."""
+        return self._src
+
+    def done(self) -> bool:
+        if not self._finished:
+            self._tr._try_observe(self)
+        return self._landed.is_set()
+
+    def wait(self) -> float:
+        """Block until complete; the seconds spent waiting (0 when already done)."""
+        dt = 0.0
+        if not self._landed.is_set():
+            t0 = time.perf_counter()
+            self._sync()
+            dt = time.perf_counter() - t0
+        if self._error is not None:
+            self._tr._forget(self._error)
+            raise self._error
+        return dt
+
+    def _sync(self) -> None:
+        if not self._finished:
+            try:
+                self._tr.dev.synchronize(self._event)
+                self._tr._observe(self)
+            except Exception as e:
+                self._tr._observe(self, e)
+        self._landed.wait()
+
+
+class Transfers:
+    """The copy policy of one device (Notes [back-pressure], [source lifetime], [freed by
+    events]). Thread-safe; made by :func:`transfers_for`."""
+
+    def __init__(self, dev: Any, cap_bytes: Optional[int] = None):
+        self.dev = dev
+        self.host_is_device: bool = dev.host_is_device
+        self.cap_bytes = int(cap_bytes) if cap_bytes is not None else dev.default_cap
+        self._d2h = dev.new_stream()
+        self._h2d = None if dev.host_is_device else dev.new_stream()
+        self._lock = threading.Lock()
+        self._fifo: Deque[Copy] = collections.deque()  # not observed complete, issue order
+        self._held: Deque[Copy] = collections.deque()  # sources held, issue order
+        self._h2d_fifo: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        self._handed: List[list] = []  # [storage, compute event or None] (Note [freed by events])
+        self._timings: Deque[Any] = collections.deque()
+        self._errors: List[BaseException] = []
+        self._stall = 0.0
+        self.copies = self.forced_waits = self.sources_released = 0
+        #: bytes of copies not yet observed complete / of sources the policy holds
+        self.bytes_in_flight = self.peak_bytes_in_flight = 0
+        self.bytes_held = self.peak_bytes_held = 0
+
+    @property
+    def stall_seconds(self) -> float:
+        """Time the compute stream waited on copies (CUDA: timed by events, counted once they
+        have fired). Copy.wait() and synchronize() are host waits the caller accounts for."""
+        with self._lock:
+            while self._timings:
+                s = self.dev.elapsed(self._timings[0])
+                if s is None:
+                    break
+                self._timings.popleft()
+                self._stall += s
+            return self._stall
+
+    @property
+    def device_tensors_held(self) -> int:
+        """Handed-out device storages the policy still keeps (Note [freed by events])."""
+        return len(self._handed)
+
+    # -- device -> host --
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, *, watch: Optional[torch.Tensor] = None,
+                on_landed: Optional[Callable[[], Any]] = None) -> Copy:
+        """Start copying ``src`` (1-D uint8 on the device) into ``dst`` (1-D uint8 on the CPU,
+        same length). ``on_landed`` runs once when the copy is observed complete (on any
+        thread); what it raises comes out of the next ``reap()`` or ``wait()``."""
+        if (src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1
+                or dst.dim() != 1 or dst.numel() != src.numel() or dst.device.type != "cpu"):
+            raise ValueError("to_host: src and dst must be 1-D uint8 of one length, dst on cpu")
+        dev = self.dev
+        compute = dev.current_stream()
+        dev.wait(self._d2h, dev.record(compute))  # Note [stream ordering]
+        dev.track(src)
+        dev.copy(dst, src, self._d2h)
+        c = Copy(self, dev.record(self._d2h), compute, src, dst, watch, on_landed)
+        n = c.nbytes
+        with self._lock:
+            self.copies += 1
+            while self._fifo and self._fifo[0]._finished:
+                self._fifo.popleft()
+            self._fifo.append(c)
+            self._held.append(c)
+            self.bytes_in_flight += n
+            self.bytes_held += n
+            self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
+            self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
+            victims = []  # Note [back-pressure]: the oldest held sources, the newest spared
+            while self.bytes_held > self.cap_bytes and self._held[0] is not c:
+                v = self._held.popleft()
+                if v._src is not None:
+                    victims.append((v, v._src))
+                    v._src = None
+                    self.bytes_held -= v.nbytes
+        if dev.has_callbacks:
+            dev.then(c._event, lambda: self._try_observe(c))
+        self._release(victims, forced=True)
+        dev.poll()
         return c
 
-    def to_device(
-        self, block: Any, device: torch.device, after: Optional[Copy], wait: bool = True
-    ) -> tuple:
-        """Start the H2D copy; returns (device uint8 tensor, event). With ``wait``, the current
-        stream waits for it now; a prefetch (``wait=False``) makes the consumer wait on the
-        event when it uses the tensor (Note [stream ordering])."""
-        host = block_tensor(block)
-        compute = torch.cuda.current_stream(self.device)
-        out = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-        self.h2d.wait_stream(compute)  # `out` was allocated on the compute stream
-        if after is not None and after._event is not None and not after._done:
-            self.h2d.wait_event(after._event)
-        with torch.cuda.stream(self.h2d):
-            out.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.h2d)
-        if wait:
-            compute.wait_event(event)
-        out.record_stream(self.h2d)
-        c = Copy(event=event, keep=(host, block))
+    def release_sources(self) -> None:
+        """Make the compute stream wait on every copy whose source is held; drop the sources."""
         with self._lock:
-            self._pending.append(c)
-        return out, event
+            victims = [(c, c._src) for c in self._held if c._src is not None]
+            for c, _ in victims:
+                c._src = None
+                self.bytes_held -= c.nbytes
+            self._held.clear()
+        self._release(victims, forced=False)
+
+    def _release(self, victims: List[Tuple[Copy, torch.Tensor]], forced: bool) -> None:
+        if not victims:
+            return
+        newest: Dict[Any, Copy] = {}  # per compute stream: its copies finish in issue order
+        for v, _ in victims:
+            newest[v._stream] = v
+        for v in newest.values():
+            self._wait_compute(v._stream, v._event)
+        with self._lock:
+            self.sources_released += len(victims)
+            self.forced_waits += forced
+        victims.clear()  # the sources go now (Note [source lifetime])
+
+    def _wait_compute(self, stream: Any, ev: Any) -> None:
+        try:
+            if self.dev.query(ev):
+                return
+        except Exception:
+            return  # a failed copy is raised where it is observed
+        token = self.dev.timed_wait(stream, ev)
+        with self._lock:
+            if isinstance(token, float):
+                self._stall += token
+            else:
+                self._timings.append(token)
+
+    def _try_observe(self, c: Copy) -> None:
+        try:
+            if self.dev.query(c._event):
+                self._observe(c)
+        except Exception as e:
+            self._observe(c, e)
+
+    def _observe(self, c: Copy, error: Optional[BaseException] = None) -> None:
+        """The copy is complete: drop what it held and run on_landed, exactly once."""
+        with self._lock:
+            if c._finished:
+                return
+            c._finished = True
+            self.bytes_in_flight -= c.nbytes
+            if c._src is not None:
+                c._src = None
+                self.bytes_held -= c.nbytes
+            c._dst = None
+            watched = c._watch() if c._watch is not None else None
+            if watched is not None:  # Note [in-place after pack]
+                c.modified = watched._version != c._version
+            c._watch = None
+            landed, c._on_landed = c._on_landed, None
+            if error is not None:
+                c._error, landed = error, None
+                self._errors.append(error)
+        try:
+            if landed is not None:
+                landed()
+        except Exception as e:
+            with self._lock:
+                c._error = e
+                self._errors.append(e)
+        finally:
+            c._landed.set()
+
+    def _forget(self, error: BaseException) -> None:
+        with self._lock:
+            self._errors = [e for e in self._errors if e is not error]
+
+    def _poll(self) -> None:
+        while True:  # the front of the FIFO: a copy stream finishes in issue order
+            with self._lock:
+                while self._fifo and self._fifo[0]._finished:
+                    self._fifo.popleft()
+                c = self._fifo[0] if self._fifo else None
+            if c is None:
+                break
+            self._try_observe(c)
+            if not c._finished:
+                break
+        query = self.dev.query
+        with self._lock:
+            while self._held and self._held[0]._src is None:
+                self._held.popleft()
+            while self._h2d_fifo and query(self._h2d_fifo[0][0]):
+                self._h2d_fifo.popleft()
+            if self._handed:
+                self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
+        self.dev.poll()
 
     def reap(self) -> None:
-        """Drop the references of copies that have finished (Note [source lifetime])."""
+        """Drop what copies seen complete held; cheap when none is. Raises the first error a
+        copy or its on_landed raised that nobody has seen yet."""
+        self._poll()
         with self._lock:
-            while self._pending and self._pending[0].done():
-                self._pending.popleft()
+            error = self._errors.pop(0) if self._errors else None
+        if error is not None:
+            raise error
 
     def synchronize(self) -> None:
+        """Wait for every copy in flight (tests, measurements, a full pool); raises as reap()."""
         with self._lock:
-            pending = list(self._pending)
-            self._pending.clear()
+            pending, h2d = list(self._fifo), [ev for ev, _ in self._h2d_fifo]
         for c in pending:
-            c.wait()
+            c._sync()
+        for ev in h2d:
+            self.dev.synchronize(ev)
+        self.reap()
+
+    # -- host -> device --
+
+    def to_device(self, host: torch.Tensor, *, after: Optional[Copy] = None,
+                  wait: bool = True) -> Tuple[torch.Tensor, Any]:
+        """Bring ``host`` (1-D uint8 on the CPU) to the device, after the copy ``after`` that
+        filled it; returns (device tensor, event). ``wait=False`` stages it ahead: pass the pair
+        to :meth:`use` before using the tensor. Plain CPU returns ``host`` itself."""
+        if host.dtype != torch.uint8 or host.dim() != 1 or host.device.type != "cpu":
+            raise ValueError("to_device: host must be a 1-D uint8 CPU tensor")
+        dev = self.dev
+        if self.host_is_device:
+            if after is not None:
+                dt = after.wait()  # raises what the copy raised
+                with self._lock:
+                    self._stall += dt
+            return host, None
+        compute = dev.current_stream()
+        self._fence(compute)
+        out = dev.empty(host.numel(), self._h2d)
+        if after is not None:
+            if after.done():
+                after.wait()  # raises what the copy raised
+            else:
+                dev.wait(self._h2d, after._event)  # Note [stream ordering]
+        dev.copy(out, host, self._h2d)
+        ev = dev.record(self._h2d)
+        with self._lock:
+            self._h2d_fifo.append((ev, host))  # the block must outlive the copy
+            self._handed.append([out.untyped_storage(), None])
+        if wait:
+            self._wait_compute(compute, ev)
+        dev.poll()
+        return out, ev
+
+    def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
+        """The tensor of a ``to_device(..., wait=False)`` pair, the compute stream ordered
+        after its copy."""
+        t, ev = staged
+        if ev is not None:
+            compute = self.dev.current_stream()
+            self._fence(compute)
+            self._wait_compute(compute, ev)
+        return t
+
+    def _fence(self, compute: Any) -> None:
+        """Note [freed by events]: a compute event for handed-out storages nobody else holds."""
+        with self._lock:
+            todo = [h for h in self._handed if h[1] is None and _use_count(h[0]) <= 1]
+        ev = self.dev.record(compute) if todo else None
+        query = self.dev.query
+        with self._lock:
+            for h in todo:
+                h[1] = ev
+            self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
+            while self._h2d_fifo and query(self._h2d_fifo[0][0]):
+                self._h2d_fifo.popleft()  # host views hold pool blocks: let them go early
+
+    def end_of_backward(self) -> None:
+        """Release every source, hand every device tensor the policy keeps back to the
+        allocator (Note [freed by events]), reap."""
+        self.release_sources()
+        compute = self.dev.current_stream()
+        self._fence(compute)
+        self._poll()
+        with self._lock:
+            rest, self._handed = self._handed, []
+        for storage, _ in rest:
+            self.dev.record_stream(storage, compute)
+        del rest
+        self.reap()
 
 
-_backends: Dict[Any, Any] = {}
-_backends_lock = threading.Lock()
+_cache: Dict[Any, Transfers] = {}
+_cache_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    global _backends_lock
-    _backends_lock = threading.Lock()  # copy threads do not survive fork; keys carry the pid
+    global _cache_lock
+    _cache_lock = threading.Lock()  # worker threads do not survive fork; keys carry the pid
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def backend_for(device: torch.device) -> Any:
-    """The process's backend for ``device`` (one CPU backend, one CUDA backend per device)."""
-    key = (device.type, device.index if device.type == "cuda" else None, os.getpid())
-    with _backends_lock:
-        b = _backends.get(key)
-        if b is None:
-            b = CudaBackend(device) if device.type == "cuda" else CpuBackend()
-            _backends[key] = b
-        return b
+def transfers_for(device: Any, *, sim_bandwidth: Optional[float] = None,
+                  cap_bytes: Optional[int] = None,
+                  link_bandwidth: Optional[float] = None) -> Transfers:
+    """The process's :class:`Transfers` for ``device``: CUDA for a CUDA device (default cap
+    from ``link_bandwidth``, 16 GB/s when None); for CPU tensors a :class:`SimDevice` of
+    ``sim_bandwidth`` bytes/s when given, else plain CPU. ``cap_bytes`` overrides the cap."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    sim = sim_bandwidth if device.type == "cpu" and sim_bandwidth else None
+    key = (device.type, device.index, sim, cap_bytes, link_bandwidth, os.getpid())
+    with _cache_lock:
+        tr = _cache.get(key)
+        if tr is None:
+            if device.type == "cuda":
+                dev: Any = CudaDevice(device, link_bandwidth)
+            elif device.type == "cpu":
+                dev = SimDevice(sim) if sim else CpuDevice()
+            else:
+                raise ValueError(f"spillover: no transfers for device {device}")
+            tr = _cache[key] = Transfers(dev, cap_bytes)
+        return tr
