@@ -14,12 +14,15 @@ import torch
 
 
 def _load_transfer():
+    """This checkout's transfer.py: the installed one when it is the same, else from its path
+    (the installed package may be absent or older than the source)."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "python" / "spillover" / "transfer.py"
     try:
         from spillover import transfer
     except ImportError:
         transfer = None
-    if transfer is None or not hasattr(transfer, "Transfers"):  # absent or a stale install
-        path = pathlib.Path(__file__).resolve().parents[2] / "python" / "spillover" / "transfer.py"
+    if path.exists() and (transfer is None
+                          or pathlib.Path(transfer.__file__).read_bytes() != path.read_bytes()):
         spec = importlib.util.spec_from_file_location("_spillover_transfer", path)
         transfer = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(transfer)
