@@ -1,14 +1,14 @@
-"""Recompute policies end to end on CPU: activation memory held after forward and step time,
+"""Recompute and offload end to end on CPU: the peak memory of the whole step and step time,
 per mode, same run, in two phases:
 
 - memory: a child process with glibc's mmap threshold pinned at 64 KiB, so that freed tensors
-  leave RSS at once (the method of e2e_cpu.py); held = RSS after forward - RSS before it + the
-  whole spillover pool under a context (pre-faulted RAM on a CPU host, used or not: the
-  planner charges it so too). Under a context, held is read once the pack copies running when
-  forward returns have landed (a few ms: they hold the last tensors packed, e.g. the 32 MiB
-  log-softmax output); what they held at the return is reported apart (+flight). Two
-  rounds: every mode once (the auto modes learn, and their budgets are set), then every mode
-  again (auto planned); the second round is reported.
+  leave RSS at once (the method of e2e_cpu.py). peak = the kernel's RSS high-water mark over
+  forward *and* backward (VmHWM, reset through /proc/self/clear_refs before the step) - RSS
+  before the step + the whole spillover pool under a context (pre-faulted RAM on a CPU host,
+  used or not: the planner charges it so too). Beside it, "held" = RSS after forward - RSS
+  before (+ the pool), copies still in flight included. Two rounds: every mode once (the
+  auto modes learn, and their budgets are set), then every mode again (auto planned); the
+  second round is reported.
 - time: this process, glibc's allocator as users have it (the pinned threshold would make
   every large allocation page-fault and slow the modes that allocate most: with it, `none`
   ran slower than `full`). One warm-up round, then --steps rounds; medians. Under glibc's
@@ -18,7 +18,7 @@ per mode, same run, in two phases:
 
     python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
         --batch 4] [--steps 2] [--modes none,full,sac-mm,selective,offload-nvme,auto]
-        [--pool 256MiB] [--auto-pool 64MiB] [--explain]
+        [--pool 64MiB] [--auto-pool 64MiB] [--explain]
 
 Modes:
   none          the plain model
@@ -27,8 +27,9 @@ Modes:
   selective     spillover.wrap(policy="selective")
   offload-nvme  spillover.wrap(policy="offload") under offload_context("nvme", pool --pool)
   auto          spillover.wrap(policy="auto") under offload_context("nvme", pool --auto-pool),
-                budget = what `full` held after forward in this run (the least of rounds 0
-                and 1: auto learns in round 0 and plans at the start of round 1)
+                budget = what `full` held after forward in this run (the planner budgets
+                that, not the step's peak; the least of rounds 0 and 1: auto learns in round
+                0 and plans at the start of round 1)
   auto-sel      the same with budget = what `selective` held (is auto faster at equal memory?)
 
 Modes are interleaved round by round in both phases.
@@ -66,6 +67,20 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def reset_peak_rss() -> None:
+    """Start a new RSS high-water mark (Linux >= 4.0: "5" to clear_refs resets VmHWM)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _sac_mm_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -91,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
                          "warm-up step (two for auto: it learns, then plans)")
     ap.add_argument("--modes",
                     default="none,full,sac-mm,selective,offload-nvme,auto,auto-sel")
-    ap.add_argument("--pool", default="256MiB", help="host pool of offload-nvme")
+    ap.add_argument("--pool", default="64MiB", help="host pool of offload-nvme")
     ap.add_argument("--auto-pool", default="64MiB", help="host pool of auto's NVMe context")
     ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
     ap.add_argument("--phase", choices=("all", "memory", "time"), default="all",
@@ -153,6 +168,8 @@ def measure(args: argparse.Namespace) -> None:
             _libc.malloc_trim(0)
         ctx = context(mode)
         before = rss()
+        if measure_memory:
+            reset_peak_rss()
         t0 = time.perf_counter()
         if ctx is not None:
             with ctx:
@@ -161,37 +178,34 @@ def measure(args: argparse.Namespace) -> None:
             loss = sac_forward(model, idx, tgt)
         else:
             loss = model(idx, tgt)
-        held = rss() - before
-        flight = 0
-        if ctx is not None:
-            if measure_memory:
-                # The copies still running when forward returns (the last tensors packed) hold
-                # their sources for a few ms more: reported apart, once they have landed.
-                ctx.synchronize()
-                settled = rss() - before
-                flight, held = held - settled, settled
-            held += ctx._pool.capacity  # pre-faulted RAM whether in use or not
+        held = rss() - before  # copies still in flight hold their sources: counted
         loss.backward()
-        return time.perf_counter() - t0, held, flight
+        dt = time.perf_counter() - t0
+        peak = peak_rss() - before if measure_memory else 0
+        if ctx is not None:
+            pool = ctx.stats().pool_capacity  # pre-faulted RAM whether in use or not
+            held += pool
+            peak += pool
+        return dt, peak, held
 
     if args.phase == "memory":
         # Round 0: every mode once (auto learns; the budgets come from it); round 1: what each
         # holds, auto now planned.
         least_held: dict = {}
-        held_by = {}
-        flight_by = {}
+        peak_by, held_by = {}, {}
         for step in range(2):
             for mode in modes:
-                dt, held, flight_by[mode] = step_once(mode, True)
+                dt, peak, held = step_once(mode, True)
                 least_held[mode] = min(least_held.get(mode, held), held)
                 for planner, ref in planners.values():
-                    if ref == mode:
+                    if ref == mode:  # the planner budgets what forward leaves held (issue 15)
                         planner.budget_bytes = least_held[mode]
-                held_by[mode] = held
-                print(f"  memory round {step} {mode:<13} {held / 2**20:8.0f} MiB", flush=True)
+                peak_by[mode], held_by[mode] = peak, held
+                print(f"  memory round {step} {mode:<13} peak {peak / 2**20:8.0f} MiB, held "
+                      f"after forward {held / 2**20:8.0f} MiB", flush=True)
         budgets = {m: planners[m][0].budget_bytes for m in planners}
         with open(args.json, "w") as f:
-            json.dump({"held": held_by, "flight": flight_by, "budgets": budgets}, f)
+            json.dump({"peak": peak_by, "held": held_by, "budgets": budgets}, f)
         if args.explain:
             for m in modes:
                 if m in ("selective", "auto", "auto-sel"):
@@ -231,7 +245,7 @@ def main() -> None:
     # timed step in a child of its own that runs one mode only, round by round.
     mem_run = child(["--phase", "memory", "--modes", args.modes, *shape]
                     + (["--explain"] if args.explain else []))
-    results = {m: {"t": [], "mem": [mem_run["held"][m]]} for m in modes}
+    results = {m: {"t": [], "mem": [mem_run["peak"][m]]} for m in modes}
     for step in range(args.steps):
         for mode in modes:
             budget = (["--budget", str(mem_run["budgets"][mode])]
@@ -248,24 +262,30 @@ def main() -> None:
     print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
           f"{args.batch}, fp32, CPU ({torch.get_num_threads()} threads); medians of "
           f"{args.steps} rounds, allocator {args.allocator}")
-    head = ("mode", "step s", "x none", "x full", "act MiB", "x none", "+flight")
-    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>7} {head[3]:>7} {head[4]:>8} {head[5]:>7} "
-          f"{head[6]:>8}")
+    head = ("mode", "step s", "spread", "x none", "x full", "peak MiB", "x none", "x full",
+            "held MiB")
+    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>11} {head[3]:>7} {head[4]:>7} {head[5]:>9} "
+          f"{head[6]:>7} {head[7]:>7} {head[8]:>9}")
     for m in modes:
         t, mem = med[m]
-        print(f"{m:<13} {t:7.2f} {t / base_t:7.2f} {t / full_t:7.2f} {mem / 2**20:8.0f} "
-              f"{mem / base_m:7.2f} {mem_run['flight'][m] / 2**20:8.0f}")
-    print("act MiB: RSS held after forward (+ the whole pool of a context), once the copies "
-          "running at its return have landed; +flight: what those copies still held then")
+        lo, hi = min(results[m]["t"]), max(results[m]["t"])
+        print(f"{m:<13} {t:7.2f} {lo:5.2f}-{hi:<5.2f} {t / base_t:7.2f} {t / full_t:7.2f} "
+              f"{mem / 2**20:9.0f} {mem / base_m:7.2f} {mem / full_m:7.2f} "
+              f"{mem_run['held'][m] / 2**20:9.0f}")
+    print("peak MiB: the RSS high-water mark of the whole step (forward and backward) over RSS "
+          "before it, + the whole pool of a context; held MiB: RSS after forward (+ the pool), "
+          "copies in flight included. spread: fastest-slowest round.")
+    if "offload-nvme" in med and "full" in med and "none" in med:
+        t, mem = med["offload-nvme"]
+        print(f"goal offload-nvme ({args.pool} pool): peak {mem / full_m:.2f}x full's (<= 1.0x), "
+              f"time {t / base_t:.2f}x none (<= 1.0x)")
     if "selective" in med and "none" in med:
         t, mem = med["selective"]
-        print(f"goal selective: memory {mem / base_m:.0%} of none (<= 35%), time "
-              f"{t / base_t:.2f}x none (<= 1.05x)")
+        print(f"selective: peak {mem / base_m:.0%} of none, time {t / base_t:.2f}x none")
     if "auto" in med and "full" in med:
         t, mem = med["auto"]
-        print(f"goal auto: memory {mem / full_m:.2f}x full's (budget "
-              f"{format_size(budgets['auto'])}), time "
-              f"{t / full_t:.2f}x full (<= 0.9x)")
+        print(f"auto: peak {mem / full_m:.2f}x full's (budget "
+              f"{format_size(budgets['auto'])}), time {t / full_t:.2f}x full")
     if "auto-sel" in med and "selective" in med:
         t, mem = med["auto-sel"]
         sel_t, sel_m = med["selective"]
