@@ -489,6 +489,9 @@ class OffloadContext:
 
     def _note_backward(self) -> None:
         """At the first unpack of a backward: run :meth:`_end_of_backward` when it ends."""
+        node = getattr(torch._C, "_current_autograd_node", None)
+        if node is not None and node() is None:
+            return  # unpacked outside a backward (e.g. a saved tensor read directly)
         with self._lock:
             if self._in_backward:
                 return
