@@ -1,5 +1,6 @@
 import copy
 import gc
+import time
 
 import pytest
 import torch
@@ -59,14 +60,20 @@ def clone_model(m):
     return copy.deepcopy(m)
 
 
-def drained(c):
+def drained(c, timeout=5.0):
     """Pool and swap bytes in use once everything a finished context held has gone back: its
-    copies landed, its entries freed (garbage collected), the tier's I/O finished."""
-    c.synchronize()
-    gc.collect()
-    c.synchronize()
-    s = c.stats()
-    return s.pool_in_use, s.swap_in_use
+    copies landed, its entries freed (garbage collected), the tier's I/O finished. A copy
+    worker lets go of its last references a moment after the copy is seen done, so this polls
+    (up to ``timeout`` seconds) instead of reading once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c.synchronize()
+        gc.collect()
+        c.synchronize()
+        s = c.stats()
+        if (s.pool_in_use, s.swap_in_use) == (0, 0) or time.monotonic() > deadline:
+            return s.pool_in_use, s.swap_in_use
+        time.sleep(0.01)
 
 
 __all__ = ["assert_bitwise", "drained", "gpt_step", "grads", "clone_model", "spillover"]

@@ -131,3 +131,15 @@ def test_nvme_tier_with_a_64_mib_pool_never_overflows():
         assert s.bytes_offloaded_nvme > 64 << 20, s
         assert s.overflow_reads == 0, s
         assert s.bytes_kept_pool_full == 0, s
+
+
+def test_compiled_model_under_the_context(gpt):
+    """The saved-tensor hooks and the module pre-hook are excluded from dynamo's tracing: a
+    compiled model runs under the context with the same gradients."""
+    model, batch = gpt
+    ref = gpt_step(model, batch)
+    compiled = torch.compile(model, backend="eager")
+    c = sim_ctx("host", 2e9, 4 << 20)
+    got = gpt_step(compiled, batch, c)
+    assert_bitwise(ref, got)
+    assert c.stats().bytes_offloaded_host > 0, c.stats()
