@@ -245,12 +245,18 @@ def test_chunked_storage_is_read_straight_into_its_tensor(tmp_path, engine, veri
     s = c.stats()
     assert s.tensors_chunked == 1, s
     assert s.prefetch_hits + s.prefetch_misses == len(h.stored.entry.parts), s
-    # A second unpack (a retained graph) reads again, with one piece back in the pool.
+    # The other view's unpack shares the gathered bytes (Note [views share one return]).
+    out2 = c.unpack(h2)
+    assert torch.equal(out2, big[5:]) and out2.untyped_storage().data_ptr() == out.data_ptr()
+    n = c.stats().prefetch_hits + c.stats().prefetch_misses
+    assert n == len(h.stored.entry.parts), c.stats()
+    # A second backward (a retained graph) gathers again, with one piece back in the pool.
     part = h.stored.entry.parts[0]
     blk = part.get()
-    del blk
+    del blk, out, out2
     assert torch.equal(c.unpack(h2), big[5:])
-    del h, h2, out, part
+    assert c.stats().prefetch_hits + c.stats().prefetch_misses > n + 1
+    del h, h2, part
     assert drained(c) == (0, 0)
 
 
