@@ -70,7 +70,7 @@ def test_device_bytes_in_forward_stay_under_the_cap(gpt):
     model, batch = gpt
     ref = gpt_step(model, batch)
     fast, _ = forward_peak(model, batch, sim_ctx("host", 1e13, 1 << 40), 1e13, 1 << 40)
-    slow_bw, cap = 2e8, 4 << 20
+    slow_bw, cap = 5e7, 4 << 20
     capped, tr = forward_peak(model, batch, sim_ctx("host", slow_bw, cap), slow_bw, cap)
     got = [p.grad.clone() for p in model.parameters()]
     unbounded, _ = forward_peak(model, batch, sim_ctx("host", slow_bw, 1 << 40), slow_bw, 1 << 40)
