@@ -1,0 +1,302 @@
+//! The tier's handles: [`Step`] (one forward and its backward), [`Handle`] (an entry) and
+//! [`View`] (bytes that stay where they are while it lives). The transitions they drive live
+//! in the parent module (Note [residency]).
+
+use std::sync::Arc;
+
+use super::gather::{self, Gathered};
+use super::policy::Learned;
+use super::{Entry, Residency, StepStats, Tier};
+use crate::error::{Error, Result};
+use crate::pool::Block;
+
+/// A view of an entry's bytes (or of a gathered storage): keeps them where they are while it
+/// lives (Note [views hold blocks]).
+pub struct View {
+    keep: Keep,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// Held only to keep the bytes alive and out of the kernel's hands; never read.
+#[allow(dead_code)]
+enum Keep {
+    Block(Arc<Block>),
+    Gathered(Arc<Vec<Block>>),
+}
+
+// SAFETY: a view only carries a pointer into memory its `keep` owns; the blocks are Send + Sync.
+unsafe impl Send for View {}
+// SAFETY: as above; `&View` hands out only a raw pointer and a shared slice.
+unsafe impl Sync for View {}
+
+impl View {
+    pub(super) fn of(b: &Arc<Block>) -> View {
+        View {
+            ptr: b.as_ptr(),
+            len: b.len(),
+            keep: Keep::Block(b.clone()),
+        }
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` bytes at `ptr` belong to the block(s) `keep` holds alive; nobody hands
+        // those blocks to the kernel while this view exists (Note [views hold blocks]).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Whether this view keeps a pool block (not a gathered buffer).
+    pub fn is_block(&self) -> bool {
+        matches!(self.keep, Keep::Block(_))
+    }
+}
+
+/// One step (one forward and its backward): its entries' pack order, what it unpacked, its
+/// counters and its forecast. Dropping it keeps what it taught for the next step.
+pub struct Step {
+    pub(super) tier: Tier,
+    pub(super) id: u64,
+}
+
+/// An entry. Clones share it; dropping the last frees it wherever it is.
+#[derive(Clone)]
+pub struct Handle {
+    pub(super) inner: Arc<HandleInner>,
+}
+
+pub(super) struct HandleInner {
+    pub(super) tier: Tier,
+    id: u64,
+    nbytes: u64,
+    seq: u32,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        // Dropping the residency returns the block, frees the slot, or leaves a request in
+        // flight to finish with its block parked in the engine (Note [parked blocks]).
+        let gone = self.tier.lock().entries.remove(&self.id);
+        drop(gone);
+    }
+}
+
+impl Step {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    /// Lease a block for `nbytes` and make it an entry of this step, staged: copy into the
+    /// returned view, then [`Handle::seal`]. On an NVMe tier older entries are dropped or
+    /// written out to make room. Fails with [`Error::PoolExhausted`] when nothing can be freed
+    /// now (every block is staged or viewed; the caller may wait for its copies and retry).
+    pub fn put(&self, nbytes: u64) -> Result<(Handle, View)> {
+        if nbytes == 0 {
+            return Err(Error::Invalid("cannot put a 0-byte entry".into()));
+        }
+        let Some(block) = self.tier.lease_making_room(nbytes, self.id)? else {
+            let p = self.tier.inner.pool.stats();
+            return Err(Error::PoolExhausted {
+                need: nbytes,
+                largest_free: p.largest_free,
+                capacity: p.capacity,
+            });
+        };
+        let block = Arc::new(block);
+        let view = View::of(&block);
+        let mut st = self.tier.lock();
+        let id = st.next_id;
+        st.next_id += 1;
+        let s = st
+            .steps
+            .get_mut(&self.id)
+            .expect("a step's state lives as long as the step");
+        let seq = s.sizes.len() as u32;
+        s.sizes.push(nbytes);
+        s.ids.push(id);
+        s.stats.bytes_put += nbytes;
+        st.entries.insert(
+            id,
+            Entry {
+                nbytes,
+                step: self.id,
+                seq,
+                res: Residency::Staging(block),
+                checksum: None,
+                went_to_disk: false,
+                viewed: false,
+                chunk: None,
+            },
+        );
+        drop(st);
+        Ok((
+            Handle {
+                inner: Arc::new(HandleInner {
+                    tier: self.tier.clone(),
+                    id,
+                    nbytes,
+                    seq,
+                }),
+            },
+            view,
+        ))
+    }
+
+    /// Make `parts` (entries of this step, in order) one storage that `get` returns as a
+    /// single buffer (Note [gathered storages]).
+    pub fn gather(&self, parts: Vec<Handle>) -> Result<Gathered> {
+        gather::new(self, parts)
+    }
+
+    /// Sequence numbers backward is expected to unpack after `seq`, next first, at most `n`.
+    pub fn expected_after(&self, seq: u32, n: usize) -> Vec<u32> {
+        let mut st = self.tier.lock();
+        let Some(s) = st.steps.get_mut(&self.id) else {
+            return Vec::new();
+        };
+        let sizes = s.sizes.clone();
+        s.forecast.after(seq, &sizes).take(n).collect()
+    }
+
+    pub fn stats(&self) -> StepStats {
+        self.tier
+            .lock()
+            .steps
+            .get(&self.id)
+            .map(|s| s.stats)
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Step {
+    fn drop(&mut self) {
+        let mut st = self.tier.lock();
+        if let Some(s) = st.steps.remove(&self.id) {
+            if st.last_step == Some(self.id) && !s.order.is_empty() {
+                st.last_learned = Some(Learned {
+                    order: s.order,
+                    sizes: s.sizes,
+                });
+            }
+        }
+    }
+}
+
+impl Handle {
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    pub fn nbytes(&self) -> u64 {
+        self.inner.nbytes
+    }
+
+    /// Pack order within the step.
+    pub fn seq(&self) -> u32 {
+        self.inner.seq
+    }
+
+    fn tier(&self) -> &Tier {
+        &self.inner.tier
+    }
+
+    /// The copy into the staging view has landed: the entry may be written out. Takes the
+    /// checksum when verifying, then writes behind. Idempotent.
+    pub fn seal(&self) -> Result<()> {
+        let t = self.tier();
+        let mut st = t.lock();
+        let id = self.inner.id;
+        let Some(e) = st.entries.get_mut(&id) else {
+            return Ok(());
+        };
+        if !matches!(e.res, Residency::Staging(_)) {
+            return Ok(());
+        }
+        let Residency::Staging(b) = std::mem::replace(&mut e.res, Residency::Moving) else {
+            unreachable!("matched above")
+        };
+        if t.inner.opts.verify {
+            e.checksum = Some(crc32c::crc32c(b.as_slice()));
+        }
+        e.res = Residency::Dirty(b);
+        let n = e.nbytes;
+        st.dirty.push_back((id, n));
+        st.dirty_bytes += n;
+        let reaped = t.reap(&mut st);
+        t.write_behind(&mut st)?;
+        reaped
+    }
+
+    /// The entry's bytes (blocking until they are back in the pool), counted as an unpack,
+    /// then read-ahead of what comes next. Raises the swap's errors, and
+    /// [`Error::Integrity`] when verifying and the bytes differ from those sealed.
+    pub fn get(&self) -> Result<View> {
+        self.tier().get(self.inner.id, true)
+    }
+
+    /// Count an unpack that did not need the bytes from the tier (the device still had them,
+    /// or they were staged ahead), so that the order backward unpacks in is learned all the
+    /// same, and read ahead from here.
+    pub fn note_used(&self) {
+        let t = self.tier();
+        let mut st = t.lock();
+        let id = self.inner.id;
+        let Some(e) = st.entries.get(&id) else {
+            return;
+        };
+        let (s, q) = (e.step, e.seq);
+        Tier::used(&mut st, id, true);
+        t.read_ahead(&mut st, s, q);
+    }
+
+    /// A view when the bytes are sealed and in the pool now; no waiting, not counted.
+    pub fn try_get(&self) -> Option<View> {
+        let st = self.tier().lock();
+        let e = st.entries.get(&self.inner.id)?;
+        match &e.res {
+            Residency::Dirty(b) | Residency::Clean { block: b, .. } => Some(View::of(b)),
+            _ => None,
+        }
+    }
+
+    /// "staging", "dirty", "writing", "clean", "disk" or "reading".
+    pub fn residency(&self) -> &'static str {
+        let st = self.tier().lock();
+        st.entries
+            .get(&self.inner.id)
+            .map_or("freed", |e| e.res.name())
+    }
+
+    /// Whether the bytes ever went to disk.
+    pub fn went_to_disk(&self) -> bool {
+        let st = self.tier().lock();
+        st.entries
+            .get(&self.inner.id)
+            .is_some_and(|e| e.went_to_disk)
+    }
+}
+
+/// Let a view be made from a block the tier owns (used by gather).
+pub(crate) fn view_of_blocks(blocks: Vec<Block>, len: usize) -> View {
+    let ptr = blocks.first().map_or(std::ptr::null_mut(), |b| b.as_ptr());
+    View {
+        keep: Keep::Gathered(Arc::new(blocks)),
+        ptr,
+        len,
+    }
+}
