@@ -73,7 +73,7 @@ pub(crate) fn new(step: &Step, parts: Vec<Handle>) -> Result<Gathered> {
     }
     let tier = step.tier().clone();
     let nbytes = parts.iter().map(|h| h.nbytes()).sum();
-    let mut st = tier.state();
+    let mut st = tier.lock();
     for h in &parts {
         if !std::sync::Arc::ptr_eq(&h.inner.tier.inner, &tier.inner) {
             return Err(Error::Invalid(
@@ -176,7 +176,7 @@ impl Gathered {
 
     /// Whether its reads were started ahead of `get` and not yet consumed.
     pub fn started(&self) -> bool {
-        let st = self.tier.state();
+        let st = self.tier.lock();
         st.chunks
             .get(&self.chunk)
             .is_some_and(|g| matches!(g.ahead, Ahead::Started(_)))
@@ -187,7 +187,7 @@ impl Gathered {
     /// [`Error::Integrity`]. A second `get` (retain_graph) reads again.
     pub fn get(&self) -> Result<View> {
         let direct = {
-            let mut st = self.tier.state();
+            let mut st = self.tier.lock();
             let Some(g) = st.chunk_mut(self.chunk) else {
                 return Err(Error::Invalid("this gathered storage was freed".into()));
             };
@@ -208,7 +208,7 @@ impl Gathered {
             Some(d) => self.assemble(d),
             None => self.through_pool(),
         };
-        let mut st = self.tier.state();
+        let mut st = self.tier.lock();
         if let Some(g) = st.chunk_mut(self.chunk) {
             if matches!(g.ahead, Ahead::InUse) {
                 g.ahead = Ahead::NotStarted;
@@ -230,7 +230,7 @@ impl Gathered {
                     let t0 = Instant::now();
                     let (block, r) = t.wait();
                     let waited = t0.elapsed().as_secs_f64();
-                    let mut st = self.tier.state();
+                    let mut st = self.tier.lock();
                     st.add_stall(self.step, waited);
                     r?;
                     if let Some(expected) = st.piece_checksum(h.id()) {
@@ -247,7 +247,7 @@ impl Gathered {
                     block
                 }
                 Buf::Free(block) => {
-                    let v = self.tier.entry_get(h.id(), true)?;
+                    let v = self.tier.get(h.id(), true)?;
                     // SAFETY: `v` keeps its bytes alive and unwritten for the call; `block` is
                     // this gather's own, so the ranges do not overlap.
                     unsafe { block.copy_from_raw(v.as_ptr(), v.len(), 0)? };
@@ -265,7 +265,7 @@ impl Gathered {
         let out = pool.lease(self.nbytes)?;
         let mut off = self.nbytes as usize;
         for h in self.parts.iter().rev() {
-            let v = self.tier.entry_get(h.id(), true)?;
+            let v = self.tier.get(h.id(), true)?;
             off -= v.len();
             // SAFETY: `v` keeps its bytes alive for the call; `out` is this gather's own.
             unsafe { out.copy_from_raw(v.as_ptr(), v.len(), off)? };
@@ -277,7 +277,7 @@ impl Gathered {
 impl Drop for Gathered {
     fn drop(&mut self) {
         // Reads in flight keep their blocks parked in the engine until they complete.
-        let gone = self.tier.state().remove_chunk(self.chunk);
+        let gone = self.tier.lock().remove_chunk(self.chunk);
         drop(gone);
     }
 }

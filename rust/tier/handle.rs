@@ -169,8 +169,7 @@ impl Step {
         let Some(s) = st.steps.get_mut(&self.id) else {
             return Vec::new();
         };
-        let sizes = s.sizes.clone();
-        s.forecast.after(seq, &sizes).take(n).collect()
+        s.forecast.after(seq, &s.sizes).take(n).collect()
     }
 
     pub fn stats(&self) -> StepStats {

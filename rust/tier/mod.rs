@@ -570,11 +570,8 @@ impl Tier {
             };
             let t0 = Instant::now();
             watch.wait_done();
-            let waited = t0.elapsed().as_secs_f64();
             let mut st = self.lock();
-            if let Some(s) = st.steps.get_mut(&step) {
-                s.stats.stall_seconds += waited;
-            }
+            st.add_stall(step, t0.elapsed().as_secs_f64());
             self.reap(&mut st)?;
         }
     }
@@ -647,8 +644,14 @@ impl Tier {
             let Some(s) = steps.get_mut(&step) else {
                 return;
             };
-            let ids = &s.ids;
-            let forecast = &mut s.forecast;
+            let StepState {
+                ids,
+                forecast,
+                sizes,
+                ..
+            } = s;
+            forecast.check(sizes);
+            let forecast = &*forecast;
             let seen = |q: u32| -> Seen {
                 let Some(e) = ids.get(q as usize).and_then(|id| entries.get(id)) else {
                     return Seen::Absent;
@@ -671,27 +674,8 @@ impl Tier {
                     _ => Seen::Resident(e.nbytes),
                 }
             };
-            let sizes = s.sizes.clone();
-            let expected: Vec<u32> = {
-                let mut ex = Vec::new();
-                let mut budget = 0u64;
-                for q in forecast.after(seq, &sizes) {
-                    ex.push(q);
-                    budget += sizes.get(q as usize).copied().unwrap_or(0);
-                    if budget > window.saturating_mul(2) + (64 << 20) && ex.len() > 64 {
-                        break;
-                    }
-                }
-                ex
-            };
-            let learned_set: std::collections::HashSet<u32> = expected
-                .iter()
-                .copied()
-                .filter(|&q| forecast.is_learned(q))
-                .collect();
-            policy::read_ahead(expected.into_iter(), window, seen, |q| {
-                learned_set.contains(&q)
-            })
+            let expected = forecast.expected(seq, sizes.len());
+            policy::read_ahead(expected, window, seen, |q| forecast.is_learned(q))
         };
         for a in plan {
             match a {
@@ -839,17 +823,6 @@ fn one_off(nbytes: u64) -> Result<Pool> {
     o.lock = false;
     o.huge_pages = false;
     Pool::new(&o)
-}
-
-// Helpers for gather.rs, which works on the same state.
-impl Tier {
-    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
-        self.lock()
-    }
-
-    pub(crate) fn entry_get(&self, id: u64, record: bool) -> Result<View> {
-        self.get(id, record)
-    }
 }
 
 impl State {

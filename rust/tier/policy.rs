@@ -52,7 +52,7 @@ impl Forecast {
 
     /// Forget the learned order when this step packed other sizes than the step that taught
     /// it. Checked once, when backward starts (`sizes` is complete by then).
-    fn check(&mut self, sizes: &[u64]) {
+    pub fn check(&mut self, sizes: &[u64]) {
         if self.checked {
             return;
         }
@@ -71,9 +71,15 @@ impl Forecast {
     /// The entries expected after `seq`, next first. `sizes`: this step's sizes in pack order.
     pub fn after(&mut self, seq: u32, sizes: &[u64]) -> Expected<'_> {
         self.check(sizes);
+        self.expected(seq, sizes.len())
+    }
+
+    /// As [`Forecast::after`], once [`Forecast::check`] has run; `packed`: entries this step
+    /// packed. Borrows the forecast only to read it.
+    pub fn expected(&self, seq: u32, packed: usize) -> Expected<'_> {
         match (&self.learned, self.pos.get(&seq)) {
             (Some(l), Some(&p)) => Expected::Learned(l.order[p + 1..].iter()),
-            _ => Expected::Reverse(seq.min(sizes.len() as u32)),
+            _ => Expected::Reverse(seq.min(packed as u32)),
         }
     }
 }
