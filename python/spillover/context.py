@@ -437,7 +437,7 @@ class OffloadContext:
         wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
         self._dedup[key] = (weakref.ref(stored), wref)
         stats.add(tensors_offloaded=1)
-        if t.device.type != "cpu" or not tr.host_is_device:
+        if not tr.host_is_device:  # only a device's H2D copies are staged ahead
             self._by_seq[stored.seq] = weakref.ref(stored)
         return _Packed(stored, t)
 
@@ -520,12 +520,11 @@ class OffloadContext:
         """The storage's bytes as a uint8 tensor on its device."""
         tr = self._transfer(s.device)
         src = s.source()
+        tr.release_sources()
         if src is not None:  # Note [source returned]
             self._stats.add(unpacks_from_source=1)
-            tr.release_sources()
             s.entry.note_used()
             return src
-        tr.release_sources()
         with s._lock:
             if s._cached is not None:  # another view of this storage already brought it back
                 raw = s._cached
