@@ -1,7 +1,15 @@
 """A small GPT-style model for the demo, the tests and the benches (no downloads).
 
-Attention is written out (``softmax(q kᵀ / √d) v``), so the s×s scores are materialised and
-saved, as in the models whose activation memory spillover exists to cut.
+Two kinds of attention, chosen by ``GPTConfig.attn``:
+
+- ``"explicit"`` (the default): written out, ``softmax(q kᵀ / √d) v``, so the s×s scores are
+  materialised and saved, as in the models whose activation memory spillover exists to cut.
+- ``"sdpa"``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, what Hugging Face
+  models use by default. A fused kernel where one exists (flash / memory-efficient on CUDA,
+  flash on CPU): it saves q, k, v, the output and the row statistics, never the s×s scores,
+  so there is far less to recompute or offload per block.
+
+A value other than these two raises ``ValueError`` when the model is built.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "synthetic_batch"]
+__all__ = ["ATTENTION_KINDS", "GPTConfig", "GPT", "Block", "synthetic_batch"]
+
+ATTENTION_KINDS = ("explicit", "sdpa")
 
 
 @dataclasses.dataclass
@@ -26,6 +36,12 @@ class GPTConfig:
     seq: int = 256
     mlp_ratio: int = 4
     dropout: float = 0.0
+    attn: str = "explicit"  # one of ATTENTION_KINDS
+
+    def __post_init__(self) -> None:
+        if self.attn not in ATTENTION_KINDS:
+            raise ValueError(f"GPTConfig.attn: unknown attention kind {self.attn!r}; choose "
+                             f"from {', '.join(map(repr, ATTENTION_KINDS))}")
 
 
 class Attention(nn.Module):
@@ -35,13 +51,19 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
-        mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).tril()
-        self.register_buffer("causal", mask, persistent=False)
+        self.kind = cfg.attn
+        if self.kind == "explicit":
+            mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).tril()
+            self.register_buffer("causal", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         h = self.n_heads
         q, k, v = self.qkv(x).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        if self.kind == "sdpa":
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            return self.proj(y.transpose(1, 2).reshape(b, s, d))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // h)
         scores = scores.masked_fill(~self.causal[:s, :s], float("-inf"))
         att = F.softmax(scores, dim=-1)
