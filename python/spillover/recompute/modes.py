@@ -1,0 +1,386 @@
+"""The region runner: two dispatch modes under ``torch.utils.checkpoint`` (non-reentrant).
+
+During forward :class:`_SaveMode` sees every op of the region and saves the outputs the
+policy keeps; during backward :class:`_ReplayMode` re-runs the region, returning the saved
+outputs and recomputing everything else. Gradients are bitwise those of the region run plainly:
+recomputation replays the same ops on the same inputs (and the same RNG state), and a saved
+output comes back with its exact bytes.
+
+Note [SAC bypasses saved-tensor hooks]
+    torch's own selective checkpointing keeps the op outputs it saves in a cache of plain
+    references: in eager mode they never pass through ``saved_tensors_hooks``, so no offload
+    hook sees them (torch's CPU-offload policies silently recompute instead). Our modes hand
+    each saved output to the innermost active ``offload_context`` (``ctx.pack``) when the policy
+    saves it, and take it back (``ctx.unpack``) when the region is recomputed; with no context
+    active they keep plain references, as torch does. The region's inputs are saved by
+    ``checkpoint`` itself through the outer hooks, so the context already sees those.
+
+Note [after the last save]
+    Non-reentrant checkpoint stops recomputing once the last tensor autograd saved in the
+    region has been rebuilt. To know where that is, :class:`_SaveMode` sits between autograd
+    and checkpoint's own saved-tensor hook for the region's forward and notes each save; outputs
+    of ops after the last one are never asked for, so they are dropped when the forward ends
+    (torch keeps them). The same notes say which outputs autograd saves: what the region would
+    hold if run plainly, which the planner needs.
+
+Note [outputs only saved ops read]
+    When the op that reads an output is saved, recomputation need not rebuild that output —
+    unless autograd saved it too. E.g. with the softmax output saved, the scores matmul,
+    scaling and masking before it are dead weight: torch reruns them, we do not. The forward
+    notes which ops read each op's output (views see through to their base); an op that is
+    not random, not a view, not in place, not saved by autograd, and whose every reader is
+    saved or itself skipped, gets an empty tensor of its output's shape in recomputation
+    instead of running. Its bytes are never read: its readers return their saved outputs.
+
+Note [replay matching]
+    Saved outputs are matched by (op, n-th call of that op in the region), as torch matches
+    them. A region must therefore run the same ops in recompute as in forward — the usual
+    checkpoint contract; a mismatch raises instead of returning a wrong tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .. import planner as _planner
+from ..planner import (
+    OpRecord,
+    RegionRecord,
+    is_compute_bound,
+    op_flops,
+    output_tensors,
+    storage_bytes,
+)
+from .ops import (
+    IGNORED,
+    aliases_input,
+    detach,
+    forced,
+    no_dropout,
+    producer_of,
+    skey,
+    storage_key,
+    tensor_args,
+    written_tensors,
+)
+
+top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+#: A cache entry: the op runs again in recomputation.
+RECOMPUTE = object()
+
+_MISMATCH = (
+    "The region ran different ops during recomputation than in its forward (Note [replay "
+    "matching] in spillover/recompute/modes.py): it must not depend on state that changes "
+    "between forward and backward."
+)
+
+#: decide(n, func, args, kwargs, out) -> "keep" | "offload" | "recompute", for op n of a region.
+Decider = Callable[[int, Any, Tuple[Any, ...], Dict[str, Any], Any], str]
+
+
+class _Skip:
+    """Note [outputs only saved ops read]: in recomputation, an empty tensor shaped like the
+    op's output stands in for running it."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor):
+        self.size, self.stride = t.size(), t.stride()
+        self.dtype, self.device = t.dtype, t.device
+
+    def make(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+class _Saved:
+    """One saved op output: a plain (detached) reference, or an offload handle."""
+
+    __slots__ = ("value", "ctx", "version")
+
+    def __init__(self, x: Any, ctx: Any):
+        self.ctx = ctx
+        self.version: Optional[int] = None
+        if isinstance(x, torch.Tensor):
+            x = detach(x)
+            self.version = x._version
+            if ctx is not None:
+                x = ctx.pack(x)  # a handle, or x itself when the context keeps it
+        self.value = x
+
+    def get(self) -> Any:
+        v = self.value
+        if isinstance(v, torch.Tensor):
+            if v._version != self.version:
+                raise RuntimeError(
+                    "spillover.checkpoint: a tensor the region saved has been modified in place "
+                    "after the region's forward; recomputation would see the modified bytes. "
+                    "Clone it before modifying it, or use an out-of-place op."
+                )
+            return detach(v)  # a fresh alias: autograd sets its history on it
+        if self.ctx is not None and self.version is not None:
+            return self.ctx.unpack(v)
+        return v
+
+
+class _Run:
+    """One call of one region: what it decides, what it saved, what it recorded.
+
+    ``contexts`` is the ``context_fn`` handed to ``torch.utils.checkpoint``; ``sink`` receives
+    the region's :class:`RegionRecord` when its forward ends.
+    """
+
+    def __init__(
+        self,
+        decide: Decider,
+        ctx: Any,
+        record: RegionRecord,
+        sink: Optional[Callable[[RegionRecord], None]],
+    ):
+        self.decide = decide
+        self.ctx = ctx
+        self.record = record
+        self.sink = sink
+        self.storage: Dict[Any, Dict[int, Any]] = collections.defaultdict(dict)
+
+    def contexts(self) -> Tuple[TorchDispatchMode, TorchDispatchMode]:
+        return _SaveMode(self), _ReplayMode(self.storage)
+
+
+class _HookTarget:
+    """What the delegating pack hook reaches; cleared when the forward ends (the autograd graph
+    keeps pack hooks alive, and must not keep the region's bookkeeping with them)."""
+
+    __slots__ = ("mode",)
+
+    def __init__(self, mode: _SaveMode):
+        self.mode: Optional[_SaveMode] = mode
+
+
+class _SaveMode(TorchDispatchMode):
+    """Forward: run each op, decide, save (Note [SAC bypasses saved-tensor hooks])."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+        self.storage = run.storage
+        self.counter: Dict[Any, int] = collections.defaultdict(int)
+        self.n = 0
+        self.last_save = 0
+        # Storage -> the op that produced it, most recent first: an address can be reused once
+        # its storage is freed, and a save or an in-place write refers to the live one.
+        self.producer: Dict[Tuple[Any, int], int] = {}
+        self.needed_ops: set = set()  # ops whose output (or a view of it) autograd saved
+        # Note [outputs only saved ops read]: which ops read each op's output (through views
+        # too: a view has its base's storage), and the recomputed ops that could be skipped.
+        self.consumers: Dict[int, set] = collections.defaultdict(set)
+        self.view_ops: set = set()
+        self.skippable: Dict[int, Tuple[Any, int, OpRecord, _Skip]] = {}
+        self.cached: Dict[int, List[Tuple[Any, int, OpRecord]]] = {}  # op index -> entries
+        self._hooks: Any = None
+        self._target: Optional[_HookTarget] = None
+
+    # Note [after the last save]: a pack hook between autograd and checkpoint's.
+    def __enter__(self) -> _SaveMode:
+        top = top_hooks(False) if top_hooks is not None else None
+        if top is not None:
+            inner_pack, inner_unpack = top
+            target = self._target = _HookTarget(self)
+
+            def pack(x: torch.Tensor) -> Any:
+                mode = target.mode
+                if mode is not None:
+                    mode.last_save = mode.n
+                    p = producer_of(mode.producer, x)
+                    if p is not None:
+                        mode.needed_ops.add(p)
+                return inner_pack(x)
+
+            # Nested checkpoints look through checkpoint-internal hooks for the user's.
+            pack._checkpoint_internal = True  # type: ignore[attr-defined]
+            pack._user_hooks = getattr(inner_pack, "_user_hooks", None)  # type: ignore[attr-defined]
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack)
+            self._hooks.__enter__()
+        else:
+            self.last_save = -1  # unknown: never prune
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            pack = self._hooks.pack_hook
+            if hasattr(pack, "_user_hooks"):
+                del pack._user_hooks
+            self._hooks = None
+        if self._target is not None:
+            self._target.mode = None
+        self._finish()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in IGNORED:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        key = storage_key(func, args)
+        idx = self.counter[key]
+        self.counter[key] += 1
+        n = self.n
+        self.n += 1
+        why = forced(func)
+        if why == "random" and no_dropout(func, args, kwargs):
+            why = None  # fused attention with dropout_p=0 draws nothing
+        if why is None and aliases_input(args, out):
+            why = "view"  # e.g. _unsafe_view: no alias annotation, same storage
+        if why == "mutates an input":
+            self._invalidate(written_tensors(func, args, kwargs))
+        for a in tensor_args(args, kwargs):
+            p = producer_of(self.producer, a)
+            if p is not None:
+                self.consumers[p].add(n)
+        rec = self._record(n, func, args, kwargs, out, why)
+        if why == "view":
+            self.view_ops.add(n)
+        if why in ("view", "mutates an input", "random"):
+            action = "recompute"
+        elif why == "effect":
+            action = "keep"
+        else:
+            action = self.run.decide(n, func, args, kwargs, out)
+        rec.action = action
+        if action == "recompute":
+            self.storage[key][idx] = RECOMPUTE
+            if why is None and isinstance(out, torch.Tensor) and out.device.type != "meta":
+                self.skippable[n] = (key, idx, rec, _Skip(out))
+            return out
+        ctx = self.run.ctx if action == "offload" else None
+        self.storage[key][idx] = tree_map(lambda x: _Saved(x, ctx), out)
+        self.cached.setdefault(n, []).append((key, idx, rec))
+        return out
+
+    def _record(self, n: int, func: Any, args: Any, kwargs: Any, out: Any,
+                why: Optional[str]) -> OpRecord:
+        outs = output_tensors(out)
+        first = outs[0] if outs else None
+        nbytes = 0 if why == "view" else storage_bytes(outs)
+        if why != "view" and why != "mutates an input":
+            for t in outs:
+                if t.device.type != "meta":
+                    self.producer[skey(t)] = n
+        compute = is_compute_bound(func)
+        flops = op_flops(func, args, kwargs, out) if why != "view" else 0
+        moved = 0 if why == "view" else nbytes + sum(
+            a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
+        )
+        rec = OpRecord(
+            index=n,
+            name=str(func),
+            shape=tuple(first.shape) if first is not None else (),
+            dtype=str(first.dtype).replace("torch.", "") if first is not None else "",
+            bytes=nbytes,
+            flops=flops,
+            moved_bytes=moved,
+            compute_bound=compute,
+            forced=why,
+        )
+        self.run.record.ops.append(rec)
+        return rec
+
+    def _invalidate(self, written: List[torch.Tensor]) -> None:
+        """Note [never saved]: a cached output modified in place is recomputed instead."""
+        for t in written:
+            p = self.producer.get(skey(t))
+            for key, idx, rec in self.cached.pop(p, ()) if p is not None else ():
+                entry = self.storage[key].get(idx)
+                if entry is not None and entry is not RECOMPUTE:
+                    self.storage[key][idx] = RECOMPUTE
+                    rec.action = "recompute"
+                    rec.reason = "modified in place later in the region"
+
+    def _skip_dead(self, stop: int) -> None:
+        """Note [outputs only saved ops read]: a recomputed op whose output autograd does not
+        save, and which only saved ops (or other such ops) read, is not rerun."""
+        saved = [n for n, entries in self.cached.items()
+                 if any(self.storage[key].get(idx) is not RECOMPUTE for key, idx, _ in entries)]
+        dead = _planner.skipped_ops(
+            {n: tuple(self.consumers.get(n, set()) - self.view_ops) for n in self.skippable
+             if n < stop and n not in self.needed_ops},
+            saved,
+        )
+        for n in dead:
+            key, idx, op, skip = self.skippable[n]
+            self.storage[key][idx] = skip
+            op.after_stop = True
+            op.reason = _planner.SKIPPED_REASON
+
+    def _finish(self) -> None:
+        rec = self.run.record
+        stop = self.last_save if self.last_save >= 0 else self.n
+        rec.stop = stop
+        # Note [after the last save]: drop what recomputation never asks for.
+        for entries in self.cached.values():
+            for key, idx, op in entries:
+                if op.index >= stop and self.storage[key].get(idx) is not RECOMPUTE:
+                    self.storage[key][idx] = RECOMPUTE
+        self._skip_dead(stop)
+        needed = 0
+        for op in rec.ops:
+            op.readers = tuple(sorted(self.consumers.get(op.index, set()) - self.view_ops))
+            if op.index >= stop:
+                op.after_stop = True
+                op.action = "recompute"
+            if op.index in self.needed_ops:
+                op.needed = True
+                needed += op.bytes
+        rec.needed_bytes = needed
+        self.cached.clear()
+        self.producer.clear()
+        self.consumers.clear()
+        self.skippable.clear()
+        if self.run.sink is not None:
+            self.run.sink(rec)
+
+
+class _ReplayMode(TorchDispatchMode):
+    """Recompute: saved outputs come back (unpacked if offloaded), every other op runs again."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, storage: Dict[Any, Dict[int, Any]]):
+        super().__init__()
+        self.storage = storage
+        self.counter: Dict[Any, int] = collections.defaultdict(int)
+
+    def __enter__(self) -> _ReplayMode:
+        self.counter.clear()  # each recomputation (retain_graph=True: several) starts over
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in IGNORED:
+            return func(*args, **kwargs)
+        key = storage_key(func, args)
+        idx = self.counter[key]
+        self.counter[key] += 1
+        entry = self.storage.get(key, {}).get(idx)
+        if entry is None:
+            raise RuntimeError(
+                f"spillover.checkpoint: {func} (call {idx + 1}) ran during recomputation but "
+                f"not in the forward. {_MISMATCH}"
+            )
+        if entry is RECOMPUTE:
+            return func(*args, **kwargs)
+        if isinstance(entry, _Skip):
+            return entry.make()
+        return tree_map(lambda s: s.get() if isinstance(s, _Saved) else s, entry)

@@ -1,0 +1,141 @@
+"""What the region runner needs to know about one ATen op call and its tensors.
+
+Note [never saved]
+    Some outputs are always recomputed whatever the policy says: views and other aliases (free
+    to recompute; saving one would pin its base), outputs of ops that write an input, and random
+    ops — replay restores the RNG state once and must draw in the same order, so skipping a
+    cached random op would shift every later draw. Ops with an ordered side effect are always
+    saved, not replayed (as torch does). An output that a later op of the region modifies in
+    place is dropped from the cache at that moment and recomputed (torch raises instead; see
+    ``_SaveMode._invalidate`` in modes.py).
+    Guarded by tests/python/test_recompute.py::test_random_and_inplace_ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint as _tc
+
+from ..planner import output_tensors, storage_bytes
+
+aten = torch.ops.aten
+
+IGNORED = getattr(_tc, "SAC_IGNORED_OPS", {aten.detach.default, torch.ops.prim.device.default})
+storage_key = getattr(_tc, "_sac_storage_key", lambda func, args: func)
+_is_effect = getattr(_tc, "_is_cacheable_effect", lambda op: False)
+
+_forced_cache: Dict[Any, Optional[str]] = {}
+
+
+def forced(func: Any) -> Optional[str]:
+    """Note [never saved]: why this op's output is never (or always) saved, else None:
+    "view", "mutates an input", "random" (never) or "effect" (always)."""
+    try:
+        return _forced_cache[func]
+    except KeyError:
+        pass
+    why: Optional[str] = None
+    schema = getattr(func, "_schema", None)
+    try:
+        effect = _is_effect(func)
+    except Exception:
+        effect = False
+    if effect:
+        why = "effect"
+    elif schema is not None:
+        if schema.is_mutable:  # in-place and out= ops (their returns alias the written input)
+            why = "mutates an input"
+        elif getattr(func, "is_view", False) or any(
+            r.alias_info is not None for r in schema.returns
+        ):
+            why = "view"
+        elif torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            why = "random"
+    _forced_cache[func] = why
+    return why
+
+
+def written_tensors(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:
+    written = tuple(
+        args[i] if i < len(args) else kwargs.get(a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    return tensor_args(written, {})
+
+
+def no_dropout(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+            return v == 0
+    return False
+
+
+def tensor_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def aliases_input(args: Tuple[Any, ...], out: Any) -> bool:
+    outs = output_tensors(out)
+    if not outs:
+        return False
+    ins = {skey(a) for a in tensor_args(args, {})}
+    return any(skey(t) in ins for t in outs)
+
+
+def skey(t: torch.Tensor) -> Tuple[Any, int]:
+    """Which storage ``t`` views (equal for a tensor and its views)."""
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def producer_of(producer: Dict[Tuple[Any, int], int], t: torch.Tensor) -> Optional[int]:
+    """The op that produced ``t``'s storage, or None (also for a tensor without a storage
+    torch lets us see, e.g. a functional or sparse one)."""
+    try:
+        return producer.get(skey(t))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def detach(x: Any) -> Any:
+    helper = getattr(_tc, "_detach_helper", None)
+    if helper is not None:
+        return helper(x)
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+# ---- a region's arguments ------------------------------------------------------------------------
+
+
+def input_bytes(args: Tuple[Any, ...]) -> int:
+    ts = [a for a in args if isinstance(a, torch.Tensor) and not (a.is_leaf and a.requires_grad)]
+    return storage_bytes(ts)
+
+
+def device_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            d = a.device
+            return f"cuda:{d.index if d.index is not None else torch.cuda.current_device()}" \
+                if d.type == "cuda" else d.type
+    return "cpu"
+
+
+def key_of(fn: Callable[..., Any]) -> Any:
+    """A region's identity across steps, for a standalone ``checkpoint(fn, ...)``."""
+    target = getattr(fn, "__self__", None)
+    if target is not None:
+        return ("method", id(target), getattr(fn, "__name__", ""))
+    if isinstance(fn, functools.partial):
+        return ("partial", key_of(fn.func), tuple(id(a) for a in fn.args))
+    return ("fn", id(fn))

@@ -1,0 +1,376 @@
+"""Region policies: what a recompute region saves, and how it runs.
+
+Every policy is a :class:`RegionPolicy`; the region runner and ``wrap`` only call its methods.
+:func:`resolve_policy` turns what users pass (a name, a callable, a :class:`Planner`) into one.
+
+Note [torch.compile]
+    Under ``torch.compile`` a wrapped block (or a ``checkpoint`` call) compiles with torch's own
+    selective checkpointing and the same save/recompute decisions (``"full"``, ``"selective"``,
+    ``"offload"``, callables); the compiled graph's saved tensors reach ``offload_context``
+    through autograd like any other. ``"auto"`` cannot be compiled (it learns and re-plans
+    between eager steps) and raises a :class:`RuntimeError` that says to pick a fixed policy.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.utils.checkpoint as _tc
+from torch import nn
+
+from .. import planner as _planner
+from ..context import current_context
+from ..planner import (
+    Explanation,
+    Machine,
+    OpRecord,
+    Planner,
+    RegionRecord,
+    is_compute_bound,
+    op_flops,
+    output_tensors,
+    storage_bytes,
+)
+from .modes import Decider, _Run
+from .ops import device_of, forced, input_bytes, key_of
+
+if TYPE_CHECKING:
+    from .blocks import _WrapState
+
+POLICIES = ("full", "selective", "offload", "auto")
+
+_TC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_tc.checkpoint).parameters
+
+
+class RegionPolicy(abc.ABC):
+    """What a policy does with one recompute region: run it eagerly, run it under
+    torch.compile, and say why it saved or recomputed an op's output (for ``explain``)."""
+
+    @abc.abstractmethod
+    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            key: Any, name: str, state: Optional[_WrapState]) -> Any:
+        """``fn(*args, **kwargs)`` as one region, eagerly, with grad enabled. ``key`` and
+        ``name`` identify the region across steps (a wrapped block's name; None and "" for a
+        standalone ``checkpoint``); ``state`` is the wrapped model's, which takes the region's
+        record, or None."""
+
+    @abc.abstractmethod
+    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        """The same region while ``torch.compile`` traces it (Note [torch.compile])."""
+
+    def reason(self, op: OpRecord) -> str:
+        """Why this policy saved or recomputed ``op``'s output (neither forced nor skipped)."""
+        saved = op.action in ("keep", "offload")
+        return f"the policy returned {'save' if saved else 'recompute'}"
+
+    def explain(self, records: List[RegionRecord], machine: Optional[Machine]) -> Explanation:
+        """What a wrapped model's last step (``records``) decided; see ``spillover.explain``."""
+        for r in records:
+            for o in r.ops:
+                if not o.reason and not o.forced and not o.after_stop:
+                    o.reason = self.reason(o)
+        device = records[0].device if records else "cpu"
+        m = machine or (_planner.machine_for(device) if records else None)
+        return _planner.explain_records(records, repr(self), m)
+
+    def attach(self, model: nn.Module) -> None:
+        """``wrap`` made ``model``'s blocks regions of this policy."""
+        return None
+
+    def begin_step(self) -> bool:
+        """A wrapped model's forward starts (eager, grad enabled). True: count the bytes the
+        model saves outside its regions during it, for :meth:`end_step`."""
+        return False
+
+    def end_step(self, outside_bytes: int) -> None:
+        """The forward :meth:`begin_step` asked to count has ended."""
+        return None
+
+
+def _sac(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+         context_fn: Callable[[], Tuple[Any, Any]]) -> Any:
+    return _tc.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+# ---- fixed policies ------------------------------------------------------------------------------
+
+
+class _Full(RegionPolicy):
+    """Save only the region's inputs, recompute everything (plain checkpoint)."""
+
+    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            key: Any, name: str, state: Optional[_WrapState]) -> Any:
+        if state is not None:
+            state.add_record(RegionRecord(key, name, None, device_of(args, kwargs), "full",
+                                          input_bytes=input_bytes(args)))
+        return _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        return _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    def __repr__(self) -> str:
+        return "'full'"
+
+
+class _Offload(RegionPolicy):
+    """Recompute nothing: the region runs plainly, and what autograd saves goes to the active
+    ``offload_context`` (or stays, without one)."""
+
+    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            key: Any, name: str, state: Optional[_WrapState]) -> Any:
+        if state is not None:
+            state.add_record(RegionRecord(key, name, None, device_of(args, kwargs), "plain",
+                                          input_bytes=input_bytes(args)))
+        return fn(*args, **kwargs)
+
+    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        return fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return "'offload'"
+
+
+class _StaticPolicy(RegionPolicy):
+    """A fixed save/recompute rule per op output (the base of "selective" and user callables):
+    saved outputs go to the active ``offload_context``, or are kept without one."""
+
+    @abc.abstractmethod
+    def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
+        """ "save" or "recompute" for one op output."""
+
+    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            key: Any, name: str, state: Optional[_WrapState]) -> Any:
+        ctx = current_context()
+        record = RegionRecord(key, name, None, device_of(args, kwargs), "checkpoint",
+                              input_bytes=input_bytes(args))
+        run = _Run(self._decider(ctx), ctx, record,
+                   state.add_record if state is not None else None)
+        return _sac(fn, args, kwargs, run.contexts)
+
+    def _decider(self, ctx: Any) -> Decider:
+        saved = "offload" if ctx is not None else "keep"
+        decide = self.decide
+
+        def decider(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
+            return saved if decide(func, args, kwargs, out) == "save" else "recompute"
+
+        return decider
+
+    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        # If Dynamo falls back to eager here, torch's SAC must still hand what it saves to the
+        # offload hooks (Note [SAC bypasses saved-tensor hooks]): opt in where torch can.
+        extra = {"respect_saved_tensors_hooks": True} if _TC_RESPECTS_HOOKS else {}
+        return _tc.checkpoint(fn, *args, use_reentrant=False, context_fn=self.torch_contexts,
+                              **extra, **kwargs)
+
+    # Dynamo needs context_fn to be a function, a partial or a method of an object made outside
+    # the compiled region: this bound method of a policy made by wrap() or at import is one.
+    def torch_contexts(self) -> Tuple[Any, Any]:
+        return _tc.create_selective_checkpoint_contexts(self.torch_policy)
+
+    def torch_policy(self, sac_ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if forced(func) in ("view", "mutates an input", "random"):
+            return _tc.CheckpointPolicy.PREFER_RECOMPUTE
+        out = getattr(sac_ctx, "op_output", None)
+        if self.decide(func, args, kwargs, out) == "save":
+            return _tc.CheckpointPolicy.MUST_SAVE
+        return _tc.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectivePolicy(_StaticPolicy):
+    """Save an op's output when recomputing it costs at least ``min_flops_per_byte`` FLOPs per
+    byte it would hold; recompute it otherwise.
+
+    With the default (256): linears and matmuls with a contraction of at least 512 in fp32 or
+    256 in bf16 and fused attention outputs are saved; elementwise ops, norms, softmax (about
+    one FLOP per element) and materialised attention scores (``2 * head_dim / element size``
+    FLOPs per byte: 32 for head_dim 64 in fp32, 128 for head_dim 128 in bf16) are recomputed —
+    Megatron's selective recompute.
+    """
+
+    def __init__(self, min_flops_per_byte: float = 256.0):
+        self.min_flops_per_byte = float(min_flops_per_byte)
+
+    def __call__(self, op: Any, inputs: Any, output: Any) -> str:
+        return self.decide(op, inputs, {}, output)
+
+    def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
+        if not is_compute_bound(op):
+            return "recompute"
+        nbytes = storage_bytes(output_tensors(out))
+        if nbytes == 0:
+            return "recompute"
+        flops = op_flops(op, args, kwargs, out)
+        return "save" if flops / nbytes >= self.min_flops_per_byte else "recompute"
+
+    def reason(self, op: OpRecord) -> str:
+        if not op.compute_bound:
+            return "memory-bound op: cheap to recompute"
+        sign = ">=" if op.action in ("keep", "offload") else "<"
+        return f"{op.flops_per_byte:.0f} FLOP/B {sign} {self.min_flops_per_byte:g}"
+
+    def __repr__(self) -> str:
+        return f"SelectivePolicy(min_flops_per_byte={self.min_flops_per_byte:g})"
+
+
+class _CallablePolicy(_StaticPolicy):
+    """A user's ``policy(op, inputs, output) -> "save" | "recompute"``."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
+        return _normalise(self.fn(op, args, out), self.fn, op)
+
+    def __repr__(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+def _normalise(decision: Any, policy: Any, op: Any) -> str:
+    if isinstance(decision, _tc.CheckpointPolicy):
+        return "save" if decision in (
+            _tc.CheckpointPolicy.MUST_SAVE, _tc.CheckpointPolicy.PREFER_SAVE
+        ) else "recompute"
+    if decision is True or decision == "save":
+        return "save"
+    if decision is False or decision == "recompute":
+        return "recompute"
+    raise ValueError(
+        f"policy {policy!r} returned {decision!r} for {op}: expected 'save' or 'recompute'"
+    )
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+
+class _Auto(RegionPolicy):
+    """``"auto"``: a :class:`Planner` decides keep, offload or recompute per op output from the
+    costs it measured in learning steps (which recompute everything)."""
+
+    def __init__(self, planner: Planner):
+        self.planner = planner
+
+    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            key: Any, name: str, state: Optional[_WrapState]) -> Any:
+        pol = self.planner
+        ctx = current_context()
+        device = device_of(args, kwargs)
+        key = key if key is not None else key_of(fn)
+        sig, rplan = pol.region_plan(key, args, kwargs, ctx)
+        if state is not None and state.counting is not None:
+            state.counting.exclude(args)
+        if rplan is not None and rplan.mode == "plain-keep":
+            if ctx is not None:  # keep everything: the context must not see these tensors
+                with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                    out = fn(*args, **kwargs)
+            else:
+                out = fn(*args, **kwargs)
+        else:
+            record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
+                                  input_bytes=input_bytes(args),
+                                  offload=_planner.ctx_offload_info(ctx))
+            decide = _planned(pol, rplan) if rplan is not None else _learning
+            out = _sac(fn, args, kwargs, _Run(decide, ctx, record, pol.add_record).contexts)
+        if not pol.explicit_steps:
+            _note_backward_on(out, pol)
+        return out
+
+    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        raise RuntimeError(
+            "spillover: policy='auto' cannot run under torch.compile: the planner learns from "
+            "eager steps and re-plans when shapes change. Compile with a fixed policy instead "
+            "(spillover.wrap(model, policy='selective' | 'full' | 'offload' | callable)), or "
+            "leave the wrapped blocks out of the compiled region."
+        )
+
+    def explain(self, records: List[RegionRecord], machine: Optional[Machine]) -> Explanation:
+        planner = self.planner
+        recs = planner.planned_records if planner.plan is not None else planner.last_records
+        if not recs:
+            recs = planner._records
+        device = recs[0].device if recs else "cpu"
+        m = machine or (planner.machine(device) if recs else None)
+        policy = "auto" + ("" if planner.plan is not None else " (learning: no plan yet)")
+        return _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes)
+
+    def attach(self, model: nn.Module) -> None:
+        if type(model).forward is not nn.Module.forward:
+            # the model's forward hooks mark steps (containers have none)
+            self.planner.explicit_steps = True
+
+    def begin_step(self) -> bool:
+        self.planner.begin_step()
+        return self.planner.learning
+
+    def end_step(self, outside_bytes: int) -> None:
+        self.planner.outside_bytes = outside_bytes
+
+    def __repr__(self) -> str:
+        return "'auto'"
+
+
+def _learning(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
+    return "recompute"
+
+
+def _planned(planner: Planner, rplan: Any) -> Decider:
+    actions = rplan.actions
+
+    def decide(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
+        act = actions.get(n)
+        if act is None or act[0] != str(func):
+            planner.mark_stale()
+            return "recompute"
+        return act[1]
+
+    return decide
+
+
+def _note_backward_on(out: Any, planner: Planner) -> None:
+    for t in output_tensors(out) if not isinstance(out, dict) else list(out.values()):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.grad_fn.register_prehook(lambda grads: planner.note_backward())
+            return
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# ---- names to policies ---------------------------------------------------------------------------
+
+FULL = _Full()
+OFFLOAD = _Offload()
+_SELECTIVE = SelectivePolicy()
+
+Policy = Union[str, Callable[..., Any], RegionPolicy, Planner]
+
+
+def resolve_policy(policy: Policy, budget_bytes: Optional[Any] = None) -> RegionPolicy:
+    """A policy name or object → the :class:`RegionPolicy` the region runner uses."""
+    if isinstance(policy, str):
+        name = policy.strip().lower()
+        if name == "full":
+            return FULL
+        if name == "offload":
+            return OFFLOAD
+        if name == "selective":
+            return _SELECTIVE
+        if name == "auto":
+            return _Auto(Planner(budget_bytes=budget_bytes))
+        raise ValueError(f"policy={policy!r}: expected one of {', '.join(POLICIES)} or a callable")
+    if isinstance(policy, RegionPolicy):
+        return policy
+    if isinstance(policy, Planner):
+        return _Auto(policy)
+    if callable(policy):
+        return _CallablePolicy(policy)
+    raise TypeError(f"policy={policy!r}: expected one of {', '.join(POLICIES)} or a callable")

@@ -1,0 +1,25 @@
+"""``explain(model)``: what the last step of a wrapped model (or a planner) decided."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from ..planner import Explanation, Machine, Planner
+from .policies import _Auto
+
+
+def explain(target: Any, machine: Optional[Machine] = None) -> Explanation:
+    """What the last step of a wrapped model (or a :class:`Planner`) decided, per op kind, with
+    bytes and estimated costs. ``print(spillover.explain(model))`` shows a table.
+
+    Costs use this machine's calibration (measured on first use) unless ``machine`` is given.
+    """
+    if isinstance(target, Planner):
+        return _Auto(target).explain([], machine)
+    state = target.__dict__.get("_spillover_state") if isinstance(target, nn.Module) else None
+    if state is None:
+        raise ValueError("spillover.explain: pass a model returned by spillover.wrap "
+                         "or a spillover.Planner")
+    return state.policy.explain(state.last_records(), machine)
