@@ -22,6 +22,20 @@ The plan is reused while each region's call order, input shapes and the offload 
 the same. A step that differs runs its remaining regions as learning runs; if it differed from
 its first region on, the next step is planned from it, otherwise the next step learns again.
 
+Note [peak feedback]
+    The budget is the step's peak (forward and backward), not what it holds after forward. The
+    model adds to what a plan holds after forward the largest region rebuilt in backward
+    (recomputation brings back everything autograd saved in a region before its backward
+    starts; a region run plainly under the context reloads tensors one by one), but it cannot
+    see gradients being computed, copies in flight, tensors under the minimum offload size or
+    pieces being assembled. So the learning step (every region recomputed in full) has its
+    peak measured (:mod:`spillover._peak`) and the difference from its model becomes an offset
+    added to every variant's modeled peak. The first planned steps (``TUNING_STEPS``) are
+    measured too: a plan over the budget, or more than ``SLACK`` under it, re-plans with the
+    offset it showed; after them the fastest measured plan within the budget is kept (else the
+    one with the least peak). With the same calibration and the same measured peaks the plans
+    are the same.
+
 Note [planner step boundaries]
     ``wrap`` starts a step at each forward of the wrapped model. A standalone
     ``checkpoint(..., policy=planner)`` starts one when a region runs after a backward has
@@ -288,7 +302,7 @@ class RegionRecord:
     name: str
     signature: Any
     device: str
-    mode: str  # checkpoint | plain | plain-keep
+    mode: str  # checkpoint | plain | plain-keep | plain-offload
     input_bytes: int = 0
     ops: List[OpRecord] = dataclasses.field(default_factory=list)
     needed_bytes: int = 0  # op outputs autograd saved: what running it plainly holds
@@ -309,7 +323,7 @@ class RegionRecord:
 @dataclasses.dataclass
 class RegionPlan:
     signature: Any
-    mode: str  # checkpoint | plain-keep
+    mode: str  # checkpoint | plain-keep | plain-offload
     actions: Dict[int, Tuple[str, str, str]]  # index -> (op name, action, tier)
 
 
@@ -324,6 +338,12 @@ class Plan:
     transfer_seconds: float  # exposed (not hidden) transfer time
     fits: bool
     note: str = ""
+    #: the modeled peak of the step (held after forward + the largest region rebuilt in
+    #: backward), before the measured correction (Note [peak feedback])
+    model_peak: int = 0
+    #: measured peak - modeled peak, from the steps measured so far (None: not measured)
+    peak_offset: Optional[int] = None
+    variant: str = ""
 
 
 def _ctx_signature(ctx: Any) -> Optional[Tuple[Any, ...]]:
@@ -368,15 +388,27 @@ def make_plan(
     machine: Machine,
     budget: Optional[int],
     outside_bytes: int = 0,
+    peak_offset: Optional[int] = None,
+    kinds: Sequence[str] = ("checkpoint", "checkpoint+offload", "plain-offload"),
 ) -> Plan:
     """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
 
+    With ``peak_offset`` None the budget bounds what the step holds after forward (the model
+    alone). With a number, the budget bounds the step's peak: what it holds after forward, plus
+    the largest region rebuilt in backward, plus ``peak_offset`` (the measured peak minus that
+    model, Note [peak feedback]).
+
     Mutates the records (``mode``, ``action``, ``tier``, ``reason``) so that they explain
-    themselves, and returns the :class:`Plan` the next steps follow.
+    themselves, and returns the :class:`Plan` the next steps follow. ``kinds`` are the variants
+    tried for the regions not run plainly at the end: op by op without offloading
+    ("checkpoint"), with it ("checkpoint+offload"), or all run plainly with the offload context
+    taking what they save ("plain-offload").
     """
     plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
     full = outside_bytes + sum(r.input_bytes for r in regions)
-    if not regions or budget is None or plain <= budget:
+    peak = peak_offset is not None
+    offset = peak_offset or 0
+    if not regions or budget is None or plain + offset <= budget:
         for r in regions:
             r.mode = "plain-keep"
             for o in r.ops:
@@ -384,43 +416,70 @@ def make_plan(
                 o.reason = "everything fits the budget"
         return Plan(
             [RegionPlan(r.signature, "plain-keep", {}) for r in regions],
-            budget, plain, full, plain, 0.0, 0.0, True,
+            budget, plain, full, plain, 0.0, 0.0, True, model_peak=plain,
+            peak_offset=peak_offset, variant="plain",
         )
     ctx = regions[0].offload
     device_is_host = regions[0].device == "cpu"
     # The last k regions run plainly (they are needed first in backward and cost nothing to
     # rebuild); the others are planned op by op in what remains of the budget, with and
-    # without offloading op outputs.
+    # without offloading op outputs, or all run plainly with the context taking what they save.
     variants: List[_Greedy] = []
     n = len(regions)
     for k in range(n):
         plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
-        if k and plain_tail > budget:
+        if k and plain_tail + offset > budget:
             break
-        for use_offload in (False, True) if ctx is not None else (False,):
-            g = _Greedy(regions[: n - k], machine, budget - plain_tail, outside_bytes, ctx,
-                        device_is_host, use_offload).run()
+        head = regions[: n - k]
+        tried = [("checkpoint", False)] if "checkpoint" in kinds else []
+        if ctx is not None:
+            tried += [(kd, True) for kd in ("checkpoint+offload", "plain-offload") if kd in kinds]
+        for kind, use_offload in tried:
+            cls = _PlainOffload if kind == "plain-offload" else _Greedy
+            g = cls(head, machine, 0, outside_bytes, ctx, device_is_host, use_offload)
+            if kind == "plain-offload" and not g.use_offload:
+                continue  # the context frees nothing here (a CPU host's host tier)
+            g.bwd = g.rebuilt_bytes() if peak else 0
+            # The plain tail's backward comes first and frees it before the others rebuild.
+            g.budget = budget - offset - (max(plain_tail, g.bwd) if peak else plain_tail)
+            g.run()
             g.add_plain_tail(regions[n - k:], plain_tail)
+            g.kind = kind + (f", last {k} plain" if k else "")
             variants.append(g)
-    fitting = [v for v in variants if v.mem <= budget]
-    best = (min(fitting, key=lambda v: v.recompute + v.transfer) if fitting
-            else min(variants, key=lambda v: v.mem))
+    fitting = [v for v in variants if v.peak + offset <= budget]
+    best = (min(fitting, key=lambda v: (v.recompute + v.transfer, v.peak)) if fitting
+            else min(variants, key=lambda v: v.peak))
     for ri, r in enumerate(regions):
         r.mode = best.modes[ri]
         for o in r.ops:
             o.action, o.tier, o.reason = best.ops[(ri, o.index)]
     note = ""
     if not fitting:
+        what = "peak" if peak else "least this plan can hold"
         note = (
-            f"the budget ({format_size(budget)}) is below the least this plan can hold "
-            f"({format_size(best.mem)}): everything that can be freed is"
+            f"the budget ({format_size(budget)}) is below the {what} this plan reaches "
+            f"({format_size(best.peak + offset)}): everything that can be freed is"
         )
     plans = [
         RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops})
         for r in regions
     ]
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
-                bool(fitting), note)
+                bool(fitting), note, model_peak=best.peak, peak_offset=peak_offset,
+                variant=best.kind)
+
+
+def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0) -> int:
+    """The modeled peak of a learning step (every region recomputed in full, Note [peak
+    feedback]), counted as the plans' are: inputs and the rest of the model held (where the
+    context puts them), + the largest region rebuilt."""
+    if not regions:
+        return outside_bytes
+    g = _Greedy(regions, machine, 0, outside_bytes, regions[0].offload,
+                regions[0].device == "cpu", False)
+    g.kept = 0
+    g.bwd = g.rebuilt_bytes()
+    return g.peak
 
 
 class _Greedy:
@@ -438,6 +497,8 @@ class _Greedy:
         self.regions = regions
         self.machine = machine
         self.budget = budget
+        self.bwd = 0  # the largest region rebuilt in backward (peak budgets only)
+        self.kind = ""
         self.device_is_host = device_is_host
         self.last = len(regions) - 1
         self.ops: Dict[Tuple[int, int], Tuple[str, str, str]] = {}
@@ -498,10 +559,21 @@ class _Greedy:
         if self.charge == "device":
             fixed = self.fixed_in
         elif self.charge == "resident":
-            fixed = min(self.resident, self.fixed_in + self.offloaded)
+            fixed = self.resident  # a CPU host: the pool is this memory, faulted in whole
         else:
             fixed = 0
         return fixed + self.kept + self.tail_bytes
+
+    @property
+    def peak(self) -> int:
+        """The modeled peak: what is held after forward, or, once the plain tail's backward
+        freed it, what the rest holds + the largest region rebuilt."""
+        return max(self.mem, self.mem - self.tail_bytes + self.bwd)
+
+    def rebuilt_bytes(self) -> int:
+        """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds
+        (or reloads) everything autograd saved in it before its backward starts."""
+        return max((r.needed_bytes for r in self.regions), default=0)
 
     def transfer_seconds(self, nbytes: int) -> float:
         m = self.machine
@@ -665,6 +737,38 @@ class _Greedy:
         self.recompute = t
 
 
+class _PlainOffload(_Greedy):
+    """The variant where the regions run plainly and the offload context takes everything
+    autograd saves: nothing is recomputed, and backward reloads tensors one by one as it needs
+    them (no region is rebuilt at once), so its backward peak is the lowest."""
+
+    def rebuilt_bytes(self) -> int:
+        largest = max((o.bytes for r in self.regions for o in r.ops if o.needed), default=0)
+        return 2 * largest  # the one in use and the next one read ahead
+
+    def run(self) -> _PlainOffload:
+        self.modes = ["plain-offload"] * len(self.regions)
+        self.kept = 0
+        total = sum(r.needed_bytes for r in self.regions)
+        t = self.transfer_seconds(total)
+        last = self.regions[self.last].needed_bytes if self.regions else 0
+        exposed = max(0.0, t - self.hide_seconds, self.transfer_seconds(last))
+        self.offloaded = total
+        self.transfer = exposed + 2 * total * self.per_byte_cpu
+        self.link_used = t
+        why = "region runs plainly: the offload context takes what autograd saves"
+        for ri, r in enumerate(self.regions):
+            for o in r.ops:
+                k = (ri, o.index)
+                if o.needed and o.bytes:
+                    self.ops[k] = ("offload", "", why)
+                else:
+                    self.ops[k] = ("recompute", "", "region runs plainly: not held")
+        self._label_tiers()
+        self.recompute = 0.0
+        return self
+
+
 def _rate_text(it: _Item) -> str:
     return f"{it.seconds * 1e3:.2f} ms for {format_size(it.op.bytes)}"
 
@@ -677,13 +781,23 @@ class Planner:
     by standalone ``checkpoint(fn, ..., policy=planner)`` calls.
 
     Args:
-        budget_bytes: device memory the step's activations may hold; default
+        budget_bytes: the peak memory the step may reach on its device, forward and backward
+            (activations, gradients and everything else the step allocates); default
             SPILLOVER_DEVICE_BUDGET_BYTES, else half of the device's free memory when planning.
         machine: rates to plan with (default: this machine's calibration, measured on first use
             and cached on disk).
+        measure_peak: measure the peak of the learning step and of the first planned steps and
+            correct the plan by it (Note [peak feedback]); with False the budget bounds what
+            the step holds after forward, as modeled, and nothing is measured.
     """
 
-    def __init__(self, budget_bytes: Optional[int | str] = None, machine: Optional[Machine] = None):
+    #: planned steps whose measured peak may still re-plan (Note [peak feedback])
+    TUNING_STEPS = 3
+    #: a measured peak within this share under the budget is close enough: no re-plan
+    SLACK = 0.05
+
+    def __init__(self, budget_bytes: Optional[int | str] = None, machine: Optional[Machine] = None,
+                 measure_peak: bool = True):
         cfg = Config.load()
         if budget_bytes is not None:
             cfg = cfg.replace(device_budget_bytes=budget_bytes)
@@ -704,23 +818,46 @@ class Planner:
         self._all_learned = True
         self._backward_seen = False
         self.outside_bytes = 0
+        # Note [peak feedback]
+        self.measure_peak = measure_peak
+        self._meter: Optional[Any] = None
+        self._step_peak: Optional[int] = None  # this step's, read at the end of its backward
+        self._metering = False
+        self.peak_offset: Optional[int] = None
+        self.tuning_left = 0
+        self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
+        self.last_peak: Optional[int] = None
 
     # -- steps --
 
     def machine(self, device: str) -> Machine:
         return self._machine or machine_for(device)
 
+    @property
+    def tuned(self) -> bool:
+        """True once the plan is final: planned, and no longer corrected by measured peaks."""
+        return self.plan is not None and not self.learning and self.tuning_left == 0
+
     def begin_step(self) -> None:
-        """Close the step that ran (plan from it if it was a learning step) and open one."""
+        """Close the step that ran (plan from it if it was a learning step, correct the plan by
+        its measured peak while tuning) and open one."""
         with self._lock:
             recs = self._records
+            peak = self._finish_peak()
             if recs:
                 self.last_records = recs
                 if self._all_learned:  # every region of the step recorded a learning run
+                    if peak is not None:
+                        self.peak_offset = peak - learning_peak(
+                            recs, self.machine(recs[0].device), self.outside_bytes)
                     self._make_plan(recs)
+                    self.tuning_left = self.TUNING_STEPS if self.peak_offset is not None else 0
+                    self.measured = []
                 elif self._dirty:  # part of the step followed a plan that no longer fits
                     self.learning = True
                     self.plan = None
+                elif self.plan is not None and peak is not None and self.tuning_left > 0:
+                    self._tune(peak)
             self._all_learned = True
             self._records = []
             self._ordinals = {}
@@ -728,6 +865,87 @@ class Planner:
             self._dirty = False
             self._backward_seen = False
             self.steps += 1
+            self._metering = False
+
+    def _finish_peak(self) -> Optional[int]:
+        """The peak of the step that ran (None when it was not measured)."""
+        if not self._metering or self._meter is None:
+            return None
+        peak = self._step_peak if self._step_peak is not None else self._meter.read()
+        self._step_peak = None
+        if peak is not None and self._records:
+            peak += self._pool_charge(self._records)
+        self.last_peak = peak
+        return peak
+
+    @staticmethod
+    def _pool_charge(recs: List[RegionRecord]) -> int:
+        """On a CPU host the offload context's pool is this same memory, faulted in when the
+        context opened (before the step): charged in full, as the budget counts it."""
+        info = recs[0].offload
+        return int(info["pool_bytes"]) if info and recs[0].device == "cpu" else 0
+
+    def _tune(self, peak: int) -> None:
+        """Note [peak feedback]: correct the model by the peak the planned step reached."""
+        plan = self.plan
+        assert plan is not None
+        self.measured.append((plan, peak))
+        self.tuning_left -= 1
+        budget = self._budget_for(self.planned_records[0].device)
+        close = budget * (1 - self.SLACK) <= peak <= budget
+        if not close:
+            self.peak_offset = peak - plan.model_peak
+            if self.tuning_left > 0:
+                old = [(r.mode, r.actions) for r in plan.regions]
+                self._make_plan(self.planned_records)
+                if [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore
+                    self.tuning_left = 0  # the correction changes nothing: settled
+                return
+        else:
+            self.tuning_left = 0
+        if self.tuning_left == 0:
+            self._settle(budget)
+
+    def _settle(self, budget: int) -> None:
+        """Tuning over: keep the fastest measured plan within the budget, else the one whose
+        measured peak was least."""
+        if not self.measured:
+            return
+        fits = [(p, m) for p, m in self.measured if m <= budget]
+        if fits:
+            best = min(fits, key=lambda pm: (pm[0].recompute_seconds + pm[0].transfer_seconds,
+                                             pm[1]))
+        else:
+            best = min(self.measured, key=lambda pm: pm[1])
+        if best[0] is not self.plan:
+            self.plan = best[0]
+            self._apply(self.plan)
+
+    def _apply(self, plan: Plan) -> None:
+        """Write a plan's decisions back into the records it was made from (for explain)."""
+        for r, rp in zip(self.planned_records, plan.regions):
+            r.mode = rp.mode
+            for o in r.ops:
+                a = rp.actions.get(o.index)
+                if a is not None:
+                    o.action, o.tier = a[1], a[2]
+
+    def _start_peak(self, device: str) -> None:
+        """Measure this step's peak if it learns or tunes the plan."""
+        if not self.measure_peak or self._metering or not (self.learning or self.tuning_left):
+            return
+        if self._meter is None or self._meter.device != device:
+            from ._peak import PeakMeter
+
+            self._meter = PeakMeter(device)
+        self._step_peak = None
+        self._metering = self._meter.start()
+
+    def end_of_backward(self) -> None:
+        """The step's backward reached its first region: read the step's peak now (before the
+        optimizer allocates its state)."""
+        if self._metering and self._meter is not None and self._step_peak is None:
+            self._step_peak = self._meter.read()
 
     def _budget_for(self, device: str) -> int:
         if self.budget_bytes is not None:
@@ -739,8 +957,11 @@ class Planner:
 
     def _make_plan(self, recs: List[RegionRecord]) -> None:
         device = recs[0].device
+        offset = self.peak_offset
+        if offset is None and self.measure_peak:
+            offset = 0  # nothing measured: the modeled peak alone
         self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
-                              self.outside_bytes)
+                              self.outside_bytes, peak_offset=offset)
         self.planned_records = recs
         self.learning = False
         self.replans += 1
@@ -761,6 +982,10 @@ class Planner:
             sig = (key, n, input_signature(args, kwargs), _ctx_signature(ctx))
             pos = self._pos
             self._pos += 1
+            if pos == 0:
+                self._start_peak(_device_of_args(args, kwargs))
+                if self._metering:
+                    _on_grad_of(args, self.end_of_backward)
             if self.learning or self.plan is None or self._dirty:
                 return sig, None
             plans = self.plan.regions
@@ -778,6 +1003,29 @@ class Planner:
         """The op sequence of a planned region differed from the learned one."""
         with self._lock:
             self._dirty = True
+
+
+def _device_of_args(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    return "cpu"
+
+
+def _on_grad_of(args: Sequence[Any], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once backward has computed the gradient of the first region's input: the
+    regions' backward is over."""
+    t = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if t is None:
+        return
+    handle: List[Any] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        if handle:
+            handle.pop().remove()  # once: a leaf input would keep it for later steps
+        fn()
+
+    handle.append(t.register_hook(hook))
 
 
 def default_budget_text(planner: Planner) -> str:
@@ -842,6 +1090,9 @@ def explain_records(
                 continue  # views hold nothing and cost nothing
             if r.mode == "plain-keep":
                 decision = "keep" if o.needed else "not held"
+            elif r.mode == "plain-offload":
+                decision = (f"offload-{o.tier or 'host'}" if o.needed and o.bytes
+                            else "not held")
             elif o.after_stop or o.index in dead:
                 decision = "not rerun"
             elif o.action == "offload" and o.tier:
@@ -850,6 +1101,8 @@ def explain_records(
                 decision = o.action
             if decision == "not held":
                 why = "runs plainly; autograd does not save it"
+            elif r.mode == "plain-offload":
+                why = "runs plainly: the offload context takes what autograd saves"
             elif o.index in dead:
                 why = SKIPPED_REASON
             else:

@@ -149,6 +149,8 @@ def test_cpu_host_tier_frees_nothing_but_nvme_does():
     # the 128 MiB scores go in pieces (Note [chunked storages] in context.py)
     assert moved and any(o.bytes > 64 * MiB for o in moved)
     for r in recs:  # a recomputed region's whole-block offloads fit in the pool together
+        if r.mode != "checkpoint":
+            continue  # a region run plainly reloads what it saved one tensor at a time
         whole = [o.bytes for o in r.ops if o.action == "offload" and o.bytes <= 32 * MiB]
         assert r.input_bytes + sum(whole) <= 32 * MiB
     assert plan.planned_bytes >= 64 * MiB  # the pool is this host's memory: it counts
@@ -160,7 +162,9 @@ def test_learns_plans_and_replans_on_shape_change(tiny_gpt):
     idx, tgt = batch
     short = (idx[:, :32].contiguous(), tgt[:, :32].contiguous())
     ref_short = gpt_step(base, short)
-    planner = Planner(budget_bytes=1 * MiB, machine=CPU)
+    # measure_peak=False: the budget bounds the modeled bytes held after forward, nothing
+    # is re-planned from measured peaks (tested on its own below)
+    planner = Planner(budget_bytes=1 * MiB, machine=CPU, measure_peak=False)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
     assert_bitwise(ref, gpt_step(model, batch))  # learning step (full recompute)
     assert planner.plan is None and planner.learning
@@ -185,7 +189,7 @@ def test_plan_respects_the_budget_on_a_real_model(tiny_gpt):
     full, plain = probe.plan.full_bytes, probe.plan.plain_bytes
     assert 0 < full < plain and probe.outside_bytes > 0
     budget = (full + plain) // 2
-    planner = Planner(budget_bytes=budget, machine=CPU)
+    planner = Planner(budget_bytes=budget, machine=CPU, measure_peak=False)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
     for _ in range(3):
         assert_bitwise(ref, gpt_step(model, batch))
@@ -202,7 +206,7 @@ def test_standalone_checkpoint_with_a_shared_planner():
     cfg = GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=32)
     model = GPT(cfg)
     idx, tgt = synthetic_batch(cfg, 2)
-    planner = Planner(budget_bytes=1, machine=CPU)
+    planner = Planner(budget_bytes=1, machine=CPU, measure_peak=False)
 
     def step(use):
         model.zero_grad(set_to_none=True)
@@ -321,7 +325,8 @@ def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
 
     nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
     recs = [chain(i, nvme) for i in range(4)]
-    plan = make_plan(recs, CPU, budget=100 * MiB, outside_bytes=0)
+    plan = make_plan(recs, CPU, budget=100 * MiB, outside_bytes=0,
+                     kinds=("checkpoint", "checkpoint+offload"))
     # The last region's transfers cannot hide behind compute, so the greedy pass recomputes its
     # chain; then offloading the softmax output pays for itself (161 ms of ops spared).
     last = _actions(recs[-1])
@@ -334,3 +339,131 @@ def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
     assert ("scale", "recompute") not in rows and ("mask", "recompute") not in rows
     assert rows[("scale", "not rerun")]["why"] == "only saved outputs read it: never rerun"
     assert rows[("scale", "not rerun")]["recompute_s"] is None
+
+
+# ---- Note [peak feedback]: the budget is the step's peak --------------------------------------
+
+
+def test_peak_budget_counts_the_region_rebuilt_in_backward():
+    # One block saves 208 MiB for backward: a checkpointed region brings all of it back at once.
+    budget = 400 * MiB
+    recs = _step()
+    held_plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
+    recs = _step()
+    peak_plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0)
+    # The same budget as a peak costs more recomputation than as bytes held after forward.
+    assert peak_plan.fits and peak_plan.model_peak <= budget
+    assert peak_plan.recompute_seconds > held_plan.recompute_seconds
+    assert peak_plan.model_peak >= 208 * MiB + 16 * MiB
+    # A measured offset (what the model misses: gradients, copies in flight) tightens it more.
+    recs = _step()
+    tighter = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB,
+                        peak_offset=64 * MiB)
+    assert tighter.fits and tighter.model_peak + 64 * MiB <= budget
+    assert tighter.recompute_seconds > peak_plan.recompute_seconds
+
+
+def test_plain_offload_regions_reload_one_by_one():
+    host = {"tier": "host", "pool_bytes": 4 << 30, "nvme": False}
+    budget = 300 * MiB
+    recs = _step(device="cuda:0", offload=host)
+    plan = make_plan(recs, GPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0,
+                     kinds=("plain-offload",))
+    assert plan.fits and plan.model_peak <= budget and plan.variant.startswith("plain-offload")
+    # On a GPU what the context takes leaves the device; run plainly, a region reloads its
+    # tensors one by one (its model: the largest twice) and recomputes nothing.
+    assert plan.recompute_seconds == 0
+    text = str(explain_records(recs, "auto", GPU, plan))
+    assert "offload-host" in text and "runs plainly" in text
+    # Given every variant, the planner takes one at least as cheap as each alone.
+    costs = []
+    for kinds in (("checkpoint",), ("checkpoint+offload",), ("plain-offload",), None):
+        recs = _step(device="cuda:0", offload=host)
+        kw = {"kinds": kinds} if kinds else {}
+        p = make_plan(recs, GPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0, **kw)
+        costs.append(p.recompute_seconds + p.transfer_seconds if p.fits else float("inf"))
+    assert costs[-1] <= min(costs[:-1])
+
+
+class _FakeMeter:
+    """Peaks a test chooses, in the order steps read them."""
+
+    def __init__(self, peaks, device="cpu"):
+        self.device = device
+        self.peaks = list(peaks)
+        self.starts = 0
+
+    def start(self):
+        self.starts += 1
+        return True
+
+    def read(self):
+        return self.peaks[0] if self.peaks else None
+
+    def next(self):
+        self.peaks.pop(0)
+
+
+def _metered_steps(base, batch, budget, peaks, steps):
+    planner = Planner(budget_bytes=budget, machine=CPU)
+    meter = planner._meter = _FakeMeter(peaks)
+    model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    ref = gpt_step(base, batch)
+    plans = []
+    for _ in range(steps):
+        assert_bitwise(ref, gpt_step(model, batch))
+        plans.append(planner.plan)
+        if meter.peaks:
+            meter.next()
+    model(*batch)  # opens the next step: the last one is closed and judged
+    return planner, plans
+
+
+def test_peak_feedback_corrects_the_plan_until_it_fits(tiny_gpt):
+    from spillover.planner import learning_peak
+
+    base, batch = tiny_gpt
+    probe = Planner(budget_bytes=1, machine=CPU, measure_peak=False)
+    m = spillover.wrap(copy.deepcopy(base), policy=probe)
+    gpt_step(m, batch)
+    gpt_step(m, batch)
+    low = learning_peak(probe.planned_records, CPU, probe.outside_bytes)
+    plain = probe.plan.plain_bytes
+    budget = low + (plain - low) * 3 // 4
+    # The learning step measures as modeled; the first plan measures 20% over the budget, the
+    # corrected one just under it.
+    peaks = [low, int(budget * 1.2), int(budget * 0.98)]
+    planner, plans = _metered_steps(base, batch, budget, peaks, steps=4)
+    first, second = plans[1], plans[2]
+    assert first is not None and second is not None and first is not second
+    assert first.peak_offset == 0 and second.peak_offset > 0
+    assert second.model_peak < first.model_peak  # corrected by the measured overshoot
+    assert planner.tuned and planner.plan is second
+    assert [m for _, m in planner.measured] == peaks[1:]
+
+
+def test_same_calibration_and_peaks_give_the_same_plan(tiny_gpt):
+    base, batch = tiny_gpt
+
+    def run():
+        planner, _ = _metered_steps(base, batch, 3 * MiB, [4 * MiB, 3 * MiB], steps=3)
+        return [(r.mode, r.actions) for r in planner.plan.regions]
+
+    assert run() == run()
+    # and make_plan itself is a pure function of its records, rates, budget and offset
+    a, b = _step(), _step()
+    pa = make_plan(a, CPU, 200 * MiB, 16 * MiB, peak_offset=10 * MiB)
+    pb = make_plan(b, CPU, 200 * MiB, 16 * MiB, peak_offset=10 * MiB)
+    assert [(r.mode, r.actions) for r in pa.regions] == [(r.mode, r.actions) for r in pb.regions]
+
+
+def test_peak_meter_measures_this_process():
+    from spillover._peak import PeakMeter
+
+    meter = PeakMeter("cpu")
+    if not meter.start():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    x = torch.ones(64 * MiB // 4)  # touched: 64 MiB of RSS at once
+    del x
+    peak = meter.read()
+    assert peak is not None and peak >= 60 * MiB

@@ -272,6 +272,8 @@ class _Auto(RegionPolicy):
                     out = fn(*args, **kwargs)
             else:
                 out = fn(*args, **kwargs)
+        elif rplan is not None and rplan.mode == "plain-offload":
+            out = fn(*args, **kwargs)  # the context takes what autograd saves, reloads on use
         else:
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
                                   input_bytes=input_bytes(args),
