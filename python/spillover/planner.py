@@ -843,21 +843,23 @@ class Planner:
         its measured peak while tuning) and open one."""
         with self._lock:
             recs = self._records
-            peak = self._finish_peak()
+            ran = self._pos > 0  # regions ran (planned plain regions leave no record)
+            learned = bool(recs) and self._all_learned
+            peak = self._finish_peak(recs if learned else self.planned_records)
             if recs:
                 self.last_records = recs
-                if self._all_learned:  # every region of the step recorded a learning run
-                    if peak is not None:
-                        self.peak_offset = peak - learning_peak(
-                            recs, self.machine(recs[0].device), self.outside_bytes)
-                    self._make_plan(recs)
-                    self.tuning_left = self.TUNING_STEPS if self.peak_offset is not None else 0
-                    self.measured = []
-                elif self._dirty:  # part of the step followed a plan that no longer fits
-                    self.learning = True
-                    self.plan = None
-                elif self.plan is not None and peak is not None and self.tuning_left > 0:
-                    self._tune(peak)
+            if learned:  # every region of the step recorded a learning run
+                if peak is not None:
+                    self.peak_offset = peak - learning_peak(
+                        recs, self.machine(recs[0].device), self.outside_bytes)
+                self._make_plan(recs)
+                self.tuning_left = self.TUNING_STEPS if self.peak_offset is not None else 0
+                self.measured = []
+            elif ran and self._dirty:  # part of the step followed a plan that no longer fits
+                self.learning = True
+                self.plan = None
+            elif ran and self.plan is not None and peak is not None and self.tuning_left > 0:
+                self._tune(peak)
             self._all_learned = True
             self._records = []
             self._ordinals = {}
@@ -867,14 +869,14 @@ class Planner:
             self.steps += 1
             self._metering = False
 
-    def _finish_peak(self) -> Optional[int]:
+    def _finish_peak(self, recs: List[RegionRecord]) -> Optional[int]:
         """The peak of the step that ran (None when it was not measured)."""
         if not self._metering or self._meter is None:
             return None
         peak = self._step_peak if self._step_peak is not None else self._meter.read()
         self._step_peak = None
-        if peak is not None and self._records:
-            peak += self._pool_charge(self._records)
+        if peak is not None and recs:
+            peak += self._pool_charge(recs)
         self.last_peak = peak
         return peak
 
