@@ -1,38 +1,57 @@
-"""Recompute and offload end to end on CPU: the peak memory of the whole step and step time,
-per mode, same run, in two phases:
+"""Recompute and offload end to end on CPU, on both attention kinds of the built-in GPT: the
+peak memory of the whole step and step time, per mode, same run. For each kind in --attn
+(default both, one after the other) two phases:
 
 - memory: a child process with glibc's mmap threshold pinned at 64 KiB, so that freed tensors
   leave RSS at once (the method of e2e_cpu.py). peak = the kernel's RSS high-water mark over
   forward *and* backward (VmHWM, reset through /proc/self/clear_refs before the step) - RSS
   before the step + the whole spillover pool under a context (pre-faulted RAM on a CPU host,
   used or not: the planner charges it so too). Beside it, "held" = RSS after forward - RSS
-  before (+ the pool), copies still in flight included. Two rounds: every mode once (the
-  auto modes learn, and their budgets are set), then every mode again (auto planned); the
+  before (+ the pool), copies still in flight included. Two rounds: every mode once (auto
+  learns; its budget is set from `full`'s peak), then every mode again (auto planned); the
   second round is reported.
-- time: this process, glibc's allocator as users have it (the pinned threshold would make
-  every large allocation page-fault and slow the modes that allocate most: with it, `none`
-  ran slower than `full`). One warm-up round, then --steps rounds; medians. Under glibc's
-  default, tensors above 32 MiB (the attention scores here) are fresh page-faulted mappings
-  every time in every mode, and step times swing with what the previous mode left in the heap;
-  `--allocator cached` takes the page faults out, as a GPU's caching allocator does.
+- time: a fresh child process per mode and round, glibc's allocator as users have it (the
+  pinned threshold would make every large allocation page-fault and slow the modes that
+  allocate most: with it, `none` ran slower than `full`). Each child runs its warm-up step
+  (two for auto: it learns, then plans), then the timed one; modes are interleaved round by
+  round, --steps rounds, medians with the spread (fastest-slowest). Under glibc's default,
+  tensors above 32 MiB (the explicit attention scores here) are fresh page-faulted mappings
+  every time in every mode, and step times swing with what the previous mode left in the
+  heap; `--allocator cached` takes the page faults out, as a GPU's caching allocator does.
 
     python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
-        --batch 4] [--steps 2] [--modes none,full,sac-mm,selective,offload-nvme,auto]
-        [--pool 64MiB] [--auto-pool 64MiB] [--explain]
+        --batch 4] [--attn explicit|sdpa|both] [--steps 3]
+        [--modes none,torch-full,torch-sac,full,selective,offload-nvme,auto]
+        [--pool 64MiB] [--auto-pool 64MiB] [--explain] [--json-out results.json]
+
+    smoke test (about a minute, mostly imports):
+    python benches/python/recompute_bench.py --layers 2 --d-model 64 --heads 2 --seq 64 \
+        --batch 2 --steps 1
+
+Attention kinds (spillover.models.GPTConfig.attn):
+  explicit      softmax(q kᵀ/√d) v written out: the s×s scores are saved
+  sdpa          F.scaled_dot_product_attention(is_causal=True), as Hugging Face models run it
 
 Modes:
   none          the plain model
+  torch-full    torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) per block:
+                torch's full checkpointing, the reference of the "x torch-full" columns
+  torch-sac     torch's own selective checkpointing, saving every matmul output (and, with
+                sdpa, the attention kernel's outputs); what `selective` should beat
   full          spillover.wrap(policy="full"): each block saves only its input
-  sac-mm        torch's own selective checkpointing saving every matmul output (reference)
   selective     spillover.wrap(policy="selective")
   offload-nvme  spillover.wrap(policy="offload") under offload_context("nvme", pool --pool)
   auto          spillover.wrap(policy="auto") under offload_context("nvme", pool --auto-pool),
-                budget = what `full` held after forward in this run (the planner budgets
-                that, not the step's peak; the least of rounds 0 and 1: auto learns in round
-                0 and plans at the start of round 1)
-  auto-sel      the same with budget = what `selective` held (is auto faster at equal memory?)
+                budget = `full`'s peak of the whole step in this run (the least over rounds 0
+                and 1; `torch-full`'s when `full` is not run): auto learns in round 0 and plans
+                at the start of round 1
+  auto-sel      (not run by default) the same with budget = `selective`'s peak: is auto
+                faster at equal memory?
 
-Modes are interleaved round by round in both phases.
+After each kind's table: every spillover mode that another mode of the run beats on both
+peak and time ("DOMINATED: ..."); selective's memory saved per second added against
+torch-full's; auto's peak and time against full's (goal: peak <= 1.05x, time <= 0.85x).
+--json-out writes every measurement, per kind.
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ import ctypes
 import functools
 import gc
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -55,12 +75,29 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import spillover
 from spillover import calibrate
 from spillover.config import format_size
-from spillover.models import GPT, GPTConfig, synthetic_batch
+from spillover.models import ATTENTION_KINDS, GPT, GPTConfig, synthetic_batch
 
 _libc = ctypes.CDLL("libc.so.6")
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+# The fused attention kernels this torch has (CPU flash, CUDA flash / efficient / cuDNN): SAC
+# saves their outputs (the attention output and its row statistics), as it saves a matmul's.
+SDPA_OPS = tuple(
+    getattr(aten, name).default
+    for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name)
+)
+SAC_SAVED = MATMULS + SDPA_OPS
+
+DEFAULT_MODES = "none,torch-full,torch-sac,full,selective,offload-nvme,auto"
+ALL_MODES = DEFAULT_MODES.split(",") + ["auto-sel"]
+TORCH_MODES = ("none", "torch-full", "torch-sac")  # the plain model, no spillover
+WRAP_POLICY = {"full": "full", "selective": "selective", "offload-nvme": "offload"}
+AUTO_MODES = ("auto", "auto-sel")
 
 
 def rss() -> int:
@@ -81,34 +118,49 @@ def peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _sac_mm_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+def _sac_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def sac_forward(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+def torch_checkpoint_forward(model: GPT, idx: torch.Tensor, tgt: torch.Tensor,
+                             selective: bool) -> torch.Tensor:
+    """The model's forward with each block under torch.utils.checkpoint (non-reentrant): full
+    checkpointing, or with `selective` torch's SAC saving SAC_SAVED's outputs."""
     x = model.tok(idx) + model.pos(torch.arange(idx.shape[1]))
-    ctx_fn = functools.partial(create_selective_checkpoint_contexts, _sac_mm_policy)
+    kw = {}
+    if selective:
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
     for blk in model.blocks:
-        x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False, context_fn=ctx_fn)
+        x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False, **kw)
     logits = model.head(model.ln_f(x))
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
 
 
+def budget_source(mode: str, modes: list) -> str:
+    """The mode whose peak is an auto mode's budget."""
+    if mode == "auto-sel":
+        return "selective"
+    return "full" if "full" in modes else "torch-full"
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--attn", choices=(*ATTENTION_KINDS, "both"), default="both",
+                    help="attention kind; both: the whole table for each, one after the other")
     ap.add_argument("--steps", type=int, default=3,
                     help="rounds; each times one step per mode, in a fresh process after its "
                          "warm-up step (two for auto: it learns, then plans)")
-    ap.add_argument("--modes",
-                    default="none,full,sac-mm,selective,offload-nvme,auto,auto-sel")
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help=f"comma-separated, from: {', '.join(ALL_MODES)}")
     ap.add_argument("--pool", default="64MiB", help="host pool of offload-nvme")
     ap.add_argument("--auto-pool", default="64MiB", help="host pool of auto's NVMe context")
     ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
+    ap.add_argument("--json-out", metavar="PATH", help="write every measurement here (JSON)")
     ap.add_argument("--phase", choices=("all", "memory", "time"), default="all",
                     help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -121,13 +173,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def measure(args: argparse.Namespace) -> None:
+    """One child: the memory phase (every mode, two rounds) or one timed step of one mode."""
     if args.phase == "memory":
         _libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB: RSS tracks live tensors
     elif args.allocator == "cached":
         _libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: every allocation from the heap
         _libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never give freed memory back
     cfg = GPTConfig(vocab=2048, d_model=args.d_model, n_heads=args.heads,
-                    n_layers=args.layers, seq=args.seq)
+                    n_layers=args.layers, seq=args.seq, attn=args.attn)
     torch.manual_seed(0)
     base = GPT(cfg)
     idx, tgt = synthetic_batch(cfg, args.batch)
@@ -138,24 +191,24 @@ def measure(args: argparse.Namespace) -> None:
         print(calibrate.describe(machine), flush=True)
 
     models = {}
-    planners = {}  # auto mode -> (planner, the mode whose memory is its budget)
+    planners = {}  # auto mode -> (planner, the mode whose peak is its budget)
     for mode in modes:
-        if mode in ("none", "sac-mm"):
+        if mode in TORCH_MODES:
             models[mode] = base
             continue
         m = GPT(cfg)
         m.load_state_dict(base.state_dict())
-        policy = {"full": "full", "selective": "selective", "offload-nvme": "offload"}.get(mode)
-        if mode in ("auto", "auto-sel"):
+        policy = WRAP_POLICY.get(mode)
+        if mode in AUTO_MODES:
             planner = spillover.Planner(budget_bytes=1)  # set from this run's measurements
-            planners[mode] = (planner, "full" if mode == "auto" else "selective")
+            planners[mode] = (planner, budget_source(mode, modes))
             policy = planner
         models[mode] = spillover.wrap(m, policy=policy)
 
     def context(mode):
         if mode == "offload-nvme":
             return spillover.offload_context("nvme", host_pool_bytes=args.pool, nvme_path=tmp)
-        if mode in ("auto", "auto-sel"):
+        if mode in AUTO_MODES:
             return spillover.offload_context("nvme", host_pool_bytes=args.auto_pool,
                                              nvme_path=tmp)
         return None
@@ -174,8 +227,8 @@ def measure(args: argparse.Namespace) -> None:
         if ctx is not None:
             with ctx:
                 loss = model(idx, tgt)
-        elif mode == "sac-mm":
-            loss = sac_forward(model, idx, tgt)
+        elif mode in ("torch-full", "torch-sac"):
+            loss = torch_checkpoint_forward(model, idx, tgt, selective=mode == "torch-sac")
         else:
             loss = model(idx, tgt)
         held = rss() - before  # copies still in flight hold their sources: counted
@@ -189,17 +242,17 @@ def measure(args: argparse.Namespace) -> None:
         return dt, peak, held
 
     if args.phase == "memory":
-        # Round 0: every mode once (auto learns; the budgets come from it); round 1: what each
+        # Round 0: every mode once (auto learns; its budget comes from it); round 1: what each
         # holds, auto now planned.
-        least_held: dict = {}
+        least_peak: dict = {}
         peak_by, held_by = {}, {}
         for step in range(2):
             for mode in modes:
                 dt, peak, held = step_once(mode, True)
-                least_held[mode] = min(least_held.get(mode, held), held)
+                least_peak[mode] = min(least_peak.get(mode, peak), peak)
                 for planner, ref in planners.values():
-                    if ref == mode:  # the planner budgets what forward leaves held (issue 15)
-                        planner.budget_bytes = least_held[mode]
+                    if ref == mode:  # the budget is the reference's peak of the whole step
+                        planner.budget_bytes = least_peak[mode]
                 peak_by[mode], held_by[mode] = peak, held
                 print(f"  memory round {step} {mode:<13} peak {peak / 2**20:8.0f} MiB, held "
                       f"after forward {held / 2**20:8.0f} MiB", flush=True)
@@ -208,7 +261,7 @@ def measure(args: argparse.Namespace) -> None:
             json.dump({"peak": peak_by, "held": held_by, "budgets": budgets}, f)
         if args.explain:
             for m in modes:
-                if m in ("selective", "auto", "auto-sel"):
+                if m not in TORCH_MODES:
                     print(f"\n== explain: {m}")
                     print(spillover.explain(models[m]))
         return
@@ -231,67 +284,123 @@ def child(args: list) -> dict:
             return json.load(f)
 
 
+def dominated_pairs(med: dict) -> list:
+    """(loser, winner) for every spillover mode that another mode beats on both peak and
+    median time, strictly. ``med``: mode -> (time, peak)."""
+    return [(m, o) for m in med if m not in TORCH_MODES for o in med
+            if o != m and med[m][0] > med[o][0] and med[m][1] > med[o][1]]
+
+
+def run_kind(args: argparse.Namespace, attn: str) -> dict:
+    """Both phases for one attention kind; prints its table and checks; returns the results."""
+    modes = args.modes.split(",")
+    shape = ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads",
+             str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch), "--attn",
+             attn, "--pool", args.pool, "--auto-pool", args.auto_pool, "--allocator",
+             args.allocator]
+    print(f"\n### attention {attn}", flush=True)
+    # Memory first, in a child whose allocator is pinned (see the module docstring); then each
+    # timed step in a child of its own that runs one mode only, round by round.
+    mem_run = child(["--phase", "memory", "--modes", args.modes, *shape]
+                    + (["--explain"] if args.explain else []))
+    budgets = mem_run["budgets"]
+    times: dict = {m: [] for m in modes}
+    for step in range(args.steps):
+        for mode in modes:
+            budget = ["--budget", str(budgets[mode])] if mode in budgets else []
+            dt = child(["--phase", "time", "--modes", mode, *shape, *budget])["t"]
+            times[mode].append(dt)
+            print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
+
+    med = {m: (statistics.median(times[m]), mem_run["peak"][m]) for m in modes}
+    nan = (math.nan, math.nan)
+    base_t, base_m = med.get("none", nan)
+    full_t, full_m = med.get("torch-full", nan)
+    print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
+          f"{args.batch}, fp32, attention {attn}, CPU ({torch.get_num_threads()} threads); "
+          f"medians of {args.steps} rounds, allocator {args.allocator}")
+    print(f"{'':<13} {'':>7} {'':>11} {'time':>7} {'':>12} {'':>9} {'peak':>7} {'':>12}")
+    head = ("mode", "step s", "spread", "x none", "x torch-full", "peak MiB", "x none",
+            "x torch-full", "held MiB")
+    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>11} {head[3]:>7} {head[4]:>12} {head[5]:>9} "
+          f"{head[6]:>7} {head[7]:>12} {head[8]:>9}")
+    for m in modes:
+        t, mem = med[m]
+        lo, hi = min(times[m]), max(times[m])
+        print(f"{m:<13} {t:7.2f} {lo:5.2f}-{hi:<5.2f} {t / base_t:7.2f} {t / full_t:12.2f} "
+              f"{mem / 2**20:9.0f} {mem / base_m:7.2f} {mem / full_m:12.2f} "
+              f"{mem_run['held'][m] / 2**20:9.0f}")
+    print("peak MiB: the RSS high-water mark of the whole step (forward and backward) over RSS "
+          "before it, + the whole pool of a context; held MiB: RSS after forward (+ the pool), "
+          "copies in flight included. spread: fastest-slowest round. x torch-full: against "
+          "torch.utils.checkpoint on every block (torch's full checkpointing).")
+
+    pairs = dominated_pairs(med)
+    for m, o in pairs:
+        print(f"DOMINATED: {m} (peak {format_size(med[m][1])} > {format_size(med[o][1])}, "
+              f"time {med[m][0]:.3f} > {med[o][0]:.3f} s of {o})")
+    if not pairs:
+        print("never dominated: no spillover mode is beaten on both peak and time")
+
+    if "selective" in med and "torch-full" in med and "none" in med:
+        def saved_per_s(mode):
+            """MiB saved against none, seconds added against none, and their ratio."""
+            t, mem = med[mode]
+            saved, added = (base_m - mem) / 2**20, t - base_t
+            return saved, added, (saved / added if added > 0 else math.inf)
+
+        s_mib, s_dt, s_rate = saved_per_s("selective")
+        f_mib, f_dt, f_rate = saved_per_s("torch-full")
+        line = (f"selective: saves {s_mib:.0f} MiB vs none for {s_dt:+.2f} s; torch-full "
+                f"{f_mib:.0f} MiB for {f_dt:+.2f} s")
+        if s_dt <= 0 and s_mib > 0:
+            line += ": selective saves memory at no added time (goal met)"
+        elif f_rate in (0, math.inf) or s_mib <= 0:
+            line += ": no ratio (a mode saved nothing or added no time)"
+        else:
+            line += (f": {s_rate:.0f} vs {f_rate:.0f} MiB per second added, "
+                     f"{s_rate / f_rate:.2f}x torch-full's (goal >= 1)")
+        print(line)
+    if "offload-nvme" in med and "torch-full" in med and "none" in med:
+        t, mem = med["offload-nvme"]
+        print(f"offload-nvme ({args.pool} pool): peak {mem / full_m:.2f}x torch-full's, time "
+              f"{t / base_t:.2f}x none's")
+    for m in AUTO_MODES:
+        ref = budget_source(m, modes)
+        if m in med and ref in med:
+            t, mem = med[m]
+            ref_t, ref_m = med[ref]
+            goal = " (goal: peak within 1.05x, time <= 0.85x)" if m == "auto" else ""
+            print(f"{m}: peak {mem / ref_m:.2f}x {ref}'s, time {t / ref_t:.2f}x {ref}'s{goal}; "
+                  f"budget {format_size(budgets[m])} = {ref}'s peak")
+    return {
+        "attn": attn,
+        "modes": {m: {"t": times[m], "t_median": med[m][0], "peak": mem_run["peak"][m],
+                      "held": mem_run["held"][m], "budget": budgets.get(m)} for m in modes},
+        "dominated": [{"mode": m, "by": o} for m, o in pairs],
+    }
+
+
 def main() -> None:
     ap = parser()
     args = ap.parse_args()
     if args.phase != "all":
         measure(args)
         return
-    modes = args.modes.split(",")
-    shape = ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads",
-             str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch), "--pool",
-             args.pool, "--auto-pool", args.auto_pool, "--allocator", args.allocator]
-    # Memory first, in a child whose allocator is pinned (see the module docstring); then each
-    # timed step in a child of its own that runs one mode only, round by round.
-    mem_run = child(["--phase", "memory", "--modes", args.modes, *shape]
-                    + (["--explain"] if args.explain else []))
-    results = {m: {"t": [], "mem": [mem_run["peak"][m]]} for m in modes}
-    for step in range(args.steps):
-        for mode in modes:
-            budget = (["--budget", str(mem_run["budgets"][mode])]
-                      if mode in mem_run["budgets"] else [])
-            dt = child(["--phase", "time", "--modes", mode, *shape, *budget])["t"]
-            results[mode]["t"].append(dt)
-            print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
-    budgets = mem_run["budgets"]
-
-    med = {m: (statistics.median(r["t"]), statistics.median(r["mem"]))
-           for m, r in results.items()}
-    base_t, base_m = med.get("none", (float("nan"), float("nan")))
-    full_t, full_m = med.get("full", (float("nan"), float("nan")))
-    print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
-          f"{args.batch}, fp32, CPU ({torch.get_num_threads()} threads); medians of "
-          f"{args.steps} rounds, allocator {args.allocator}")
-    head = ("mode", "step s", "spread", "x none", "x full", "peak MiB", "x none", "x full",
-            "held MiB")
-    print(f"{head[0]:<13} {head[1]:>7} {head[2]:>11} {head[3]:>7} {head[4]:>7} {head[5]:>9} "
-          f"{head[6]:>7} {head[7]:>7} {head[8]:>9}")
-    for m in modes:
-        t, mem = med[m]
-        lo, hi = min(results[m]["t"]), max(results[m]["t"])
-        print(f"{m:<13} {t:7.2f} {lo:5.2f}-{hi:<5.2f} {t / base_t:7.2f} {t / full_t:7.2f} "
-              f"{mem / 2**20:9.0f} {mem / base_m:7.2f} {mem / full_m:7.2f} "
-              f"{mem_run['held'][m] / 2**20:9.0f}")
-    print("peak MiB: the RSS high-water mark of the whole step (forward and backward) over RSS "
-          "before it, + the whole pool of a context; held MiB: RSS after forward (+ the pool), "
-          "copies in flight included. spread: fastest-slowest round.")
-    if "offload-nvme" in med and "full" in med and "none" in med:
-        t, mem = med["offload-nvme"]
-        print(f"goal offload-nvme ({args.pool} pool): peak {mem / full_m:.2f}x full's (<= 1.0x), "
-              f"time {t / base_t:.2f}x none (<= 1.0x)")
-    if "selective" in med and "none" in med:
-        t, mem = med["selective"]
-        print(f"selective: peak {mem / base_m:.0%} of none, time {t / base_t:.2f}x none")
-    if "auto" in med and "full" in med:
-        t, mem = med["auto"]
-        print(f"auto: peak {mem / full_m:.2f}x full's (budget "
-              f"{format_size(budgets['auto'])}), time {t / full_t:.2f}x full")
-    if "auto-sel" in med and "selective" in med:
-        t, mem = med["auto-sel"]
-        sel_t, sel_m = med["selective"]
-        print(f"auto-sel: memory {mem / sel_m:.2f}x selective's (budget "
-              f"{format_size(budgets['auto-sel'])}), time "
-              f"{t / sel_t:.2f}x selective")
+    bad = [m for m in args.modes.split(",") if m not in ALL_MODES]
+    if bad:
+        ap.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
+    kinds = ATTENTION_KINDS if args.attn == "both" else (args.attn,)
+    results = [run_kind(args, attn) for attn in kinds]
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"model": {"layers": args.layers, "d_model": args.d_model,
+                                 "heads": args.heads, "seq": args.seq, "batch": args.batch,
+                                 "dtype": "float32"},
+                       "steps": args.steps, "allocator": args.allocator, "pool": args.pool,
+                       "auto_pool": args.auto_pool, "threads": torch.get_num_threads(),
+                       "kinds": results}, f, indent=1)
+        print(f"\nwrote {args.json_out}")
 
 
 if __name__ == "__main__":
