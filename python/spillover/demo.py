@@ -1,7 +1,14 @@
 """``python -m spillover demo``: train a small built-in GPT on synthetic data in every mode
 spillover offers and show, side by side, step time, peak activation memory, bytes moved per
 tier, prefetch hit rate, stall time and whether the gradients are bitwise identical to
-training without spillover. Writes a PNG memory timeline and a JSON of the results."""
+training without spillover. A mode that another mode beat on both peak memory and step time in
+the same run is marked "dominated by" that mode. Writes a PNG memory timeline and a JSON of the
+results.
+
+``--attn`` picks the model's attention: ``explicit`` (the default: softmax(q kᵀ/√d) v written
+out, so the s×s scores are saved and there is much for spillover to cut) or ``sdpa``
+(``F.scaled_dot_product_attention``, what Hugging Face models run by default: no saved scores,
+so less activation memory and smaller savings)."""
 
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import torch
 from . import _runtime
 from .config import format_size
 from .context import offload_context
-from .models import GPT, GPTConfig, synthetic_batch
+from .models import ATTENTION_KINDS, GPT, GPTConfig, synthetic_batch
 
 MODES: Dict[str, str] = {
     "none": "no checkpointing, no offload (the reference)",
@@ -204,11 +211,27 @@ def _check(ref: Dict[str, Any], r: Dict[str, Any]) -> str:
     return "✓ identical" if same else "✗ DIFFER"
 
 
+def dominated(rows: List[Dict[str, Any]]) -> Dict[str, str]:
+    """``{mode: other}`` for each mode that ``other`` beat on both counts, strictly: less peak
+    memory and less step time (``peak_bytes``, ``step_seconds``) in the same run; a peak below
+    zero counts as zero, as the table shows it. Of several such modes, the first in ``rows``
+    order is named. A mode no other beats on both is absent."""
+    out: Dict[str, str] = {}
+    for r in rows:
+        for o in rows:
+            if (o["step_seconds"] < r["step_seconds"]
+                    and max(0, o["peak_bytes"]) < max(0, r["peak_bytes"])):
+                out[r["mode"]] = o["mode"]
+                break
+    return out
+
+
 def _table(rows: List[Dict[str, Any]], device: torch.device) -> str:
     mem_label = "peak act. (device)" if device.type == "cuda" else "peak act. (RSS+pool)"
     head = ["mode", "step s", "x none", mem_label, "x none", "to host", "to NVMe",
-            "prefetch hit", "stall s", "gradients"]
+            "prefetch hit", "stall s", "gradients", "dominated by"]
     base_t, base_m = rows[0]["step_seconds"], max(1, rows[0]["peak_bytes"])
+    beaten = dominated(rows)
     lines = []
     for r in rows:
         hits, misses = r["prefetch_hits"], r["prefetch_misses"]
@@ -224,12 +247,16 @@ def _table(rows: List[Dict[str, Any]], device: torch.device) -> str:
             f"{hits / (hits + misses):.0%}" if hits + misses else "-",
             f"{r['stall_seconds']:.3f}" if ctx else "-",
             r["check"],
+            beaten.get(r["mode"], "-"),
         ])
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*row) for row in lines]
-    return "\n".join(out)
+    if beaten:
+        out += ["", "dominated by X: X took both less peak memory and less step time in this "
+                "run (" + ", ".join(f"{m}: {o}" for m, o in beaten.items()) + ")."]
+    return "\n".join(line.rstrip() for line in out)
 
 
 def _plot(rows: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
@@ -263,6 +290,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="training steps per mode (the first is warm-up)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, from: {', '.join(MODES)}")
+    p.add_argument("--attn", choices=ATTENTION_KINDS, default="explicit",
+                   help="the model's attention: explicit softmax (saves the s×s scores; "
+                        "default) or sdpa (F.scaled_dot_product_attention, as Hugging Face "
+                        "models run it)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", default="spillover-demo", help="folder for the PNG and the JSON")
     args = p.parse_args(argv)
@@ -274,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
     names = ["none"] + [m for m in names if m != "none"]  # the reference comes first
     cfg_kw, batch = SIZES[args.size]
-    cfg = GPTConfig(**cfg_kw)
+    cfg = GPTConfig(**cfg_kw, attn=args.attn)
     torch.manual_seed(0)
     base = GPT(cfg)
     nparams = sum(p.numel() for p in base.parameters())
@@ -285,8 +316,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     trim = _trim_malloc()
     swapdir = tempfile.mkdtemp(prefix="spillover-demo-swap-")
     print(f"spillover demo: GPT {cfg.n_layers} layers, d_model {cfg.d_model}, seq {cfg.seq}, "
-          f"batch {batch}, {nparams / 1e6:.1f}M params, on {device}; {steps} steps per mode "
-          "(the first is warm-up)", flush=True)
+          f"{cfg.attn} attention, batch {batch}, {nparams / 1e6:.1f}M params, on {device}; "
+          f"{steps} steps per mode (the first is warm-up)", flush=True)
     for n in names:
         print(f"  {n:<9} {MODES[n]}")
     print(flush=True)
@@ -315,12 +346,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(_table(rows, device))
     os.makedirs(args.out, exist_ok=True)
     png = _plot(rows, os.path.join(args.out, "timeline.png"),
-                f"spillover demo: GPT {cfg.n_layers}x{cfg.d_model}, seq {cfg.seq}, batch "
-                f"{batch}, {device}")
+                f"spillover demo: GPT {cfg.n_layers}x{cfg.d_model}, seq {cfg.seq}, {cfg.attn} "
+                f"attention, batch {batch}, {device}")
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
         json.dump({
-            "device": str(device), "model": cfg_kw, "batch": batch, "steps": steps,
+            "device": str(device), "model": dict(cfg_kw, attn=cfg.attn), "batch": batch,
+            "steps": steps, "dominated_by": dominated(rows),
             "modes": {n: MODES[n] for n in names},
             "rows": [{k: v for k, v in r.items() if k not in ("grads", "params")}
                      for r in rows],
