@@ -383,20 +383,33 @@ class _Item:
         self.rc = seconds / op.bytes
 
 
+#: The variants make_plan tries for the regions not run plainly at the end.
+KINDS = ("checkpoint", "checkpoint+offload", "plain-offload")
+
+
+def family(kind: str) -> str:
+    """Variants whose backward peaks the same offset corrects: regions rebuilt at once in
+    backward ("checkpoint"), reloaded one by one ("plain-offload"), or all plain."""
+    if kind.startswith("plain-offload"):
+        return "plain-offload"
+    return "plain" if kind == "plain" else "checkpoint"
+
+
 def make_plan(
     regions: List[RegionRecord],
     machine: Machine,
     budget: Optional[int],
     outside_bytes: int = 0,
-    peak_offset: Optional[int] = None,
-    kinds: Sequence[str] = ("checkpoint", "checkpoint+offload", "plain-offload"),
+    peak_offset: Optional[int | Dict[str, int]] = None,
+    kinds: Sequence[str] = KINDS,
 ) -> Plan:
     """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
 
     With ``peak_offset`` None the budget bounds what the step holds after forward (the model
     alone). With a number, the budget bounds the step's peak: what it holds after forward, plus
     the largest region rebuilt in backward, plus ``peak_offset`` (the measured peak minus that
-    model, Note [peak feedback]).
+    model, Note [peak feedback]); a dict gives one per variant family (:func:`family`), with
+    "learning" for the families not measured yet.
 
     Mutates the records (``mode``, ``action``, ``tier``, ``reason``) so that they explain
     themselves, and returns the :class:`Plan` the next steps follow. ``kinds`` are the variants
@@ -407,8 +420,13 @@ def make_plan(
     plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
     full = outside_bytes + sum(r.input_bytes for r in regions)
     peak = peak_offset is not None
-    offset = peak_offset or 0
-    if not regions or budget is None or plain + offset <= budget:
+
+    def off(kind: str) -> int:
+        if isinstance(peak_offset, dict):
+            return peak_offset.get(family(kind), peak_offset.get("learning", 0))
+        return peak_offset or 0
+
+    if not regions or budget is None or plain + off("plain") <= budget:
         for r in regions:
             r.mode = "plain-keep"
             for o in r.ops:
@@ -417,7 +435,7 @@ def make_plan(
         return Plan(
             [RegionPlan(r.signature, "plain-keep", {}) for r in regions],
             budget, plain, full, plain, 0.0, 0.0, True, model_peak=plain,
-            peak_offset=peak_offset, variant="plain",
+            peak_offset=off("plain") if peak else None, variant="plain",
         )
     ctx = regions[0].offload
     device_is_host = regions[0].device == "cpu"
@@ -428,7 +446,7 @@ def make_plan(
     n = len(regions)
     for k in range(n):
         plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
-        if k and plain_tail + offset > budget:
+        if k and plain_tail + off("checkpoint") > budget:
             break
         head = regions[: n - k]
         tried = [("checkpoint", False)] if "checkpoint" in kinds else []
@@ -441,14 +459,14 @@ def make_plan(
                 continue  # the context frees nothing here (a CPU host's host tier)
             g.bwd = g.rebuilt_bytes() if peak else 0
             # The plain tail's backward comes first and frees it before the others rebuild.
-            g.budget = budget - offset - (max(plain_tail, g.bwd) if peak else plain_tail)
+            g.budget = budget - off(kind) - (max(plain_tail, g.bwd) if peak else plain_tail)
             g.run()
             g.add_plain_tail(regions[n - k:], plain_tail)
             g.kind = kind + (f", last {k} plain" if k else "")
             variants.append(g)
-    fitting = [v for v in variants if v.peak + offset <= budget]
+    fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
     best = (min(fitting, key=lambda v: (v.recompute + v.transfer, v.peak)) if fitting
-            else min(variants, key=lambda v: v.peak))
+            else min(variants, key=lambda v: v.peak + off(v.kind)))
     for ri, r in enumerate(regions):
         r.mode = best.modes[ri]
         for o in r.ops:
@@ -458,14 +476,15 @@ def make_plan(
         what = "peak" if peak else "least this plan can hold"
         note = (
             f"the budget ({format_size(budget)}) is below the {what} this plan reaches "
-            f"({format_size(best.peak + offset)}): everything that can be freed is"
+            f"({format_size(best.peak + off(best.kind))}): everything that can be freed is"
         )
     plans = [
         RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops})
         for r in regions
     ]
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
-                bool(fitting), note, model_peak=best.peak, peak_offset=peak_offset,
+                bool(fitting), note, model_peak=best.peak,
+                peak_offset=off(best.kind) if peak else None,
                 variant=best.kind)
 
 
@@ -823,7 +842,8 @@ class Planner:
         self._meter: Optional[Any] = None
         self._step_peak: Optional[int] = None  # this step's, read at the end of its backward
         self._metering = False
-        self.peak_offset: Optional[int] = None
+        #: measured peak - modeled peak per variant family ("learning": the learning step's)
+        self.peak_offsets: Dict[str, int] = {}
         self.tuning_left = 0
         self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
         self.last_peak: Optional[int] = None
@@ -849,11 +869,12 @@ class Planner:
             if recs:
                 self.last_records = recs
             if learned:  # every region of the step recorded a learning run
+                self.peak_offsets = {}
                 if peak is not None:
-                    self.peak_offset = peak - learning_peak(
+                    self.peak_offsets["learning"] = peak - learning_peak(
                         recs, self.machine(recs[0].device), self.outside_bytes)
                 self._make_plan(recs)
-                self.tuning_left = self.TUNING_STEPS if self.peak_offset is not None else 0
+                self.tuning_left = self.TUNING_STEPS if self.peak_offsets else 0
                 self.measured = []
             elif ran and self._dirty:  # part of the step followed a plan that no longer fits
                 self.learning = True
@@ -894,18 +915,26 @@ class Planner:
         self.measured.append((plan, peak))
         self.tuning_left -= 1
         budget = self._budget_for(self.planned_records[0].device)
-        close = budget * (1 - self.SLACK) <= peak <= budget
-        if not close:
-            self.peak_offset = peak - plan.model_peak
-            if self.tuning_left > 0:
-                old = [(r.mode, r.actions) for r in plan.regions]
-                self._make_plan(self.planned_records)
-                if [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore
-                    self.tuning_left = 0  # the correction changes nothing: settled
-                return
-        else:
+        self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
+        if budget * (1 - self.SLACK) <= peak <= budget or self.tuning_left <= 0:
             self.tuning_left = 0
-        if self.tuning_left == 0:
+            self._settle(budget)
+            return
+        old = [(r.mode, r.actions) for r in plan.regions]
+        self._make_plan(self.planned_records)
+        if [(r.mode, r.actions) for r in self.plan.regions] == old and peak > budget:  # type: ignore[union-attr]
+            # Over budget and the correction changes nothing: try a family not measured yet
+            # (its offset may differ from the learning step's: e.g. regions reloading their
+            # tensors one by one peak lower than the model of a rebuilt region says).
+            for fam, kinds in (("checkpoint", KINDS[:2]), ("plain-offload", KINDS[2:])):
+                if fam not in self.peak_offsets:
+                    self._make_plan(self.planned_records, kinds)
+                    if [(r.mode, r.actions) for r in self.plan.regions] != old:  # type: ignore[union-attr]
+                        return
+            self.tuning_left = 0
+            self._settle(budget)
+        elif [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore[union-attr]
+            self.tuning_left = 0  # settled: the correction changes nothing
             self._settle(budget)
 
     def _settle(self, budget: int) -> None:
@@ -957,13 +986,19 @@ class Planner:
             return int(free * DEFAULT_BUDGET_SHARE)
         return int(psutil.virtual_memory().available * DEFAULT_BUDGET_SHARE)
 
-    def _make_plan(self, recs: List[RegionRecord]) -> None:
+    @property
+    def peak_offset(self) -> Optional[int]:
+        """The offset the current plan was made with (None: no measured peak)."""
+        return self.plan.peak_offset if self.plan is not None and self.peak_offsets else None
+
+    def _make_plan(self, recs: List[RegionRecord], kinds: Sequence[str] = KINDS) -> None:
         device = recs[0].device
-        offset = self.peak_offset
-        if offset is None and self.measure_peak:
-            offset = 0  # nothing measured: the modeled peak alone
+        offsets: Optional[Dict[str, int]] = dict(self.peak_offsets)
+        if not offsets:
+            # nothing measured: the modeled peak alone, or (measure_peak=False) held bytes
+            offsets = {"learning": 0} if self.measure_peak else None
         self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
-                              self.outside_bytes, peak_offset=offset)
+                              self.outside_bytes, peak_offset=offsets, kinds=kinds)
         self.planned_records = recs
         self.learning = False
         self.replans += 1
