@@ -41,35 +41,31 @@ Note [replay matching]
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from .. import planner as _planner
-from ..planner import (
-    OpRecord,
-    RegionRecord,
-    is_compute_bound,
-    op_flops,
-    output_tensors,
-    storage_bytes,
-)
-from .ops import (
-    IGNORED,
-    aliases_input,
-    detach,
-    forced,
-    no_dropout,
-    producer_of,
-    skey,
-    storage_key,
-    tensor_args,
-    written_tensors,
-)
+from ..planner import OpRecord, RegionRecord, op_flops, output_tensors
+from .ops import _INFO, IGNORED, OpInfo, detach, op_info, producer_of, skey, storage_key
 
 top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+try:  # the one op whose replay key is not the op itself (torch.utils.checkpoint._sac_storage_key)
+    from torch._higher_order_ops.wrap import inductor_compiled_code as _INDUCTOR_CODE
+except ImportError:  # older torch: every key is the op
+    _INDUCTOR_CODE = object()
+
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 #: A cache entry: the op runs again in recomputation.
 RECOMPUTE = object()
@@ -172,8 +168,9 @@ class _SaveMode(TorchDispatchMode):
     def __init__(self, run: _Run):
         super().__init__()
         self.run = run
+        self.decide = run.decide
         self.storage = run.storage
-        self.counter: Dict[Any, int] = collections.defaultdict(int)
+        self.counter: Dict[Any, int] = {}
         self.n = 0
         self.last_save = 0
         # Storage -> the op that produced it, most recent first: an address can be reused once
@@ -231,31 +228,66 @@ class _SaveMode(TorchDispatchMode):
         if func in IGNORED:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        key = storage_key(func, args)
-        idx = self.counter[key]
-        self.counter[key] += 1
+        info = _INFO.get(func) or op_info(func)
+        key = func if func is not _INDUCTOR_CODE else storage_key(func, args)
+        counter = self.counter
+        idx = counter.get(key, 0)
+        counter[key] = idx + 1
         n = self.n
-        self.n += 1
-        why = forced(func)
-        if why == "random" and no_dropout(func, args, kwargs):
+        self.n = n + 1
+        why = info.forced
+        if why == "random" and info.no_dropout(args, kwargs):
             why = None  # fused attention with dropout_p=0 draws nothing
-        if why is None and aliases_input(args, out):
-            why = "view"  # e.g. _unsafe_view: no alias annotation, same storage
         if why == "mutates an input":
-            self._invalidate(written_tensors(func, args, kwargs))
-        for a in tensor_args(args, kwargs):
-            p = producer_of(self.producer, a)
+            self._invalidate(info.written_tensors(args, kwargs))
+        # One storage key per input tensor, reused for the alias check and the readers.
+        producer = self.producer
+        ins = []
+        for a in info.tensors(args, kwargs):
+            try:
+                k = (a.device, a.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no storage torch lets us see
+                continue
+            ins.append(k)
+            p = producer.get(k)
             if p is not None:
                 self.consumers[p].add(n)
-        rec = self._record(n, func, args, kwargs, out, why)
+        outs = (out,) if isinstance(out, torch.Tensor) else output_tensors(out)
+        nbytes = 0
+        if why != "view":
+            # Storage bytes the outputs pin (as planner.storage_bytes counts them), and who
+            # produced each storage (Note [outputs only saved ops read]).
+            seen = []
+            for t in outs:
+                if t.device.type == "meta":
+                    continue
+                try:
+                    st = t.untyped_storage()
+                    k = (t.device, st.data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    nbytes += t.numel() * t.element_size()
+                    continue
+                if why is None and k in ins:
+                    why = "view"  # e.g. _unsafe_view: no alias annotation, same storage
+                    break
+                if k not in seen:
+                    seen.append(k)
+                    nbytes += st.nbytes()
+            if why == "view":
+                nbytes = 0
+            elif why != "mutates an input":
+                for k in seen:
+                    producer[k] = n
+        rec = self._record(n, func, info, args, kwargs, out, outs, why, nbytes)
         if why == "view":
             self.view_ops.add(n)
-        if why in ("view", "mutates an input", "random"):
             action = "recompute"
+        elif why is None:
+            action = self.decide(n, func, args, kwargs, out)
         elif why == "effect":
             action = "keep"
-        else:
-            action = self.run.decide(n, func, args, kwargs, out)
+        else:  # "mutates an input", "random"
+            action = "recompute"
         rec.action = action
         if action == "recompute":
             self.storage[key][idx] = RECOMPUTE
@@ -263,33 +295,31 @@ class _SaveMode(TorchDispatchMode):
                 self.skippable[n] = (key, idx, rec, _Skip(out))
             return out
         ctx = self.run.ctx if action == "offload" else None
-        self.storage[key][idx] = tree_map(lambda x: _Saved(x, ctx), out)
+        self.storage[key][idx] = (_Saved(out, ctx) if isinstance(out, torch.Tensor)
+                                  else tree_map(lambda x: _Saved(x, ctx), out))
         self.cached.setdefault(n, []).append((key, idx, rec))
         return out
 
-    def _record(self, n: int, func: Any, args: Any, kwargs: Any, out: Any,
-                why: Optional[str]) -> OpRecord:
-        outs = output_tensors(out)
+    def _record(self, n: int, func: Any, info: OpInfo, args: Any, kwargs: Any, out: Any,
+                outs: Sequence[torch.Tensor], why: Optional[str], nbytes: int) -> OpRecord:
         first = outs[0] if outs else None
-        nbytes = 0 if why == "view" else storage_bytes(outs)
-        if why != "view" and why != "mutates an input":
-            for t in outs:
-                if t.device.type != "meta":
-                    self.producer[skey(t)] = n
-        compute = is_compute_bound(func)
-        flops = op_flops(func, args, kwargs, out) if why != "view" else 0
-        moved = 0 if why == "view" else nbytes + sum(
-            a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
-        )
+        if why == "view":
+            flops = moved = 0
+        else:
+            if info.compute_bound:
+                flops = op_flops(func, args, kwargs, out)
+            else:  # what op_flops counts for an op without a formula
+                flops = sum(t.numel() for t in outs)
+            moved = nbytes + info.moved_in(args)
         rec = OpRecord(
             index=n,
-            name=str(func),
+            name=info.name,
             shape=tuple(first.shape) if first is not None else (),
-            dtype=str(first.dtype).replace("torch.", "") if first is not None else "",
+            dtype=_dtype_name(first.dtype) if first is not None else "",
             bytes=nbytes,
             flops=flops,
             moved_bytes=moved,
-            compute_bound=compute,
+            compute_bound=info.compute_bound,
             forced=why,
         )
         self.run.record.ops.append(rec)
@@ -333,8 +363,11 @@ class _SaveMode(TorchDispatchMode):
                     self.storage[key][idx] = RECOMPUTE
         self._skip_dead(stop)
         needed = 0
+        consumers, views = self.consumers, self.view_ops
         for op in rec.ops:
-            op.readers = tuple(sorted(self.consumers.get(op.index, set()) - self.view_ops))
+            readers = consumers.get(op.index)
+            if readers:
+                op.readers = tuple(sorted(readers - views if views else readers))
             if op.index >= stop:
                 op.after_stop = True
                 op.action = "recompute"
@@ -360,7 +393,7 @@ class _ReplayMode(TorchDispatchMode):
     def __init__(self, storage: Dict[Any, Dict[int, Any]]):
         super().__init__()
         self.storage = storage
-        self.counter: Dict[Any, int] = collections.defaultdict(int)
+        self.counter: Dict[Any, int] = {}
 
     def __enter__(self) -> _ReplayMode:
         self.counter.clear()  # each recomputation (retain_graph=True: several) starts over
@@ -370,10 +403,11 @@ class _ReplayMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in IGNORED:
             return func(*args, **kwargs)
-        key = storage_key(func, args)
-        idx = self.counter[key]
-        self.counter[key] += 1
-        entry = self.storage.get(key, {}).get(idx)
+        key = func if func is not _INDUCTOR_CODE else storage_key(func, args)
+        idx = self.counter.get(key, 0)
+        self.counter[key] = idx + 1
+        entries = self.storage.get(key)
+        entry = entries.get(idx) if entries is not None else None
         if entry is None:
             raise RuntimeError(
                 f"spillover.checkpoint: {func} (call {idx + 1}) ran during recomputation but "
@@ -381,6 +415,8 @@ class _ReplayMode(TorchDispatchMode):
             )
         if entry is RECOMPUTE:
             return func(*args, **kwargs)
+        if type(entry) is _Saved:
+            return entry.get()
         if isinstance(entry, _Skip):
             return entry.make()
         return tree_map(lambda s: s.get() if isinstance(s, _Saved) else s, entry)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as _tc
 
-from ..planner import output_tensors, storage_bytes
+from ..planner import is_compute_bound, output_tensors, storage_bytes
 
 aten = torch.ops.aten
 
@@ -58,21 +58,103 @@ def forced(func: Any) -> Optional[str]:
     return why
 
 
-def written_tensors(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:
-    written = tuple(
-        args[i] if i < len(args) else kwargs.get(a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-    return tensor_args(written, {})
+class OpInfo:
+    """What the region runner needs of one op that its schema already says, worked out on the
+    op's first call: the forward then pays a dict lookup per op for it, not a schema walk."""
+
+    __slots__ = ("forced", "name", "compute_bound", "plain", "nested", "kw", "generic",
+                 "dropout", "written")
+
+    def __init__(self, func: Any):
+        self.forced = forced(func)  # Note [never saved]
+        self.name = str(func)
+        self.compute_bound = is_compute_bound(func)
+        schema = getattr(func, "_schema", None)
+        #: argument positions typed Tensor or Tensor? (read as they are), and those that may
+        #: hold several tensors (Tensor[], Tensor?[]); kw: keyword-only names of either kind;
+        #: generic: a type the schema cannot vouch for, so every argument is looked at.
+        self.plain: Tuple[int, ...] = ()
+        self.nested: Tuple[int, ...] = ()
+        self.kw: Tuple[str, ...] = ()
+        self.generic = schema is None
+        self.dropout: Optional[Tuple[int, str, Any]] = None
+        self.written: Tuple[Tuple[int, str], ...] = ()
+        if schema is None:
+            return
+        plain, nested, kw, written = [], [], [], []
+        for i, a in enumerate(schema.arguments):
+            t = str(a.type)
+            if "Tensor" in t:
+                kw.append(a.name)
+                (plain if t in ("Tensor", "Optional[Tensor]") else nested).append(i)
+            elif "Any" in t or "PyObject" in t:
+                self.generic = True
+            if a.name == "dropout_p" and self.dropout is None:
+                self.dropout = (i, a.name, a.default_value)
+            if a.alias_info is not None and a.alias_info.is_write:
+                written.append((i, a.name))
+        self.plain, self.nested, self.kw = tuple(plain), tuple(nested), tuple(kw)
+        self.written = tuple(written)
+
+    def no_dropout(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """A fused-attention call with ``dropout_p == 0`` draws no random numbers."""
+        if self.dropout is None:
+            return False
+        i, name, default = self.dropout
+        v = args[i] if i < len(args) else kwargs.get(name, default)
+        return v == 0
+
+    def tensors(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+        """The op's tensor arguments, as :func:`tensor_args` finds them."""
+        if self.generic:
+            return tensor_args(args, kwargs)
+        out = []
+        n = len(args)
+        for i in self.plain:
+            if i < n:
+                a = args[i]
+                if isinstance(a, torch.Tensor):
+                    out.append(a)
+        for i in self.nested:
+            if i < n:
+                a = args[i]
+                if isinstance(a, torch.Tensor):
+                    out.append(a)
+                elif isinstance(a, (list, tuple)):
+                    out.extend(x for x in a if isinstance(x, torch.Tensor))
+        if kwargs:
+            for name in self.kw:
+                a = kwargs.get(name)
+                if isinstance(a, torch.Tensor):
+                    out.append(a)
+                elif isinstance(a, (list, tuple)):
+                    out.extend(x for x in a if isinstance(x, torch.Tensor))
+        return out
+
+    def moved_in(self, args: Tuple[Any, ...]) -> int:
+        """Bytes of the tensors passed positionally as whole arguments (cost model input)."""
+        total = 0
+        for i in (self.plain if not self.generic else range(len(args))):
+            if i < len(args):
+                a = args[i]
+                if isinstance(a, torch.Tensor):
+                    total += a.numel() * a.element_size()
+        return total
+
+    def written_tensors(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Any]:
+        written = tuple(args[i] if i < len(args) else kwargs.get(name)
+                        for i, name in self.written)
+        return tensor_args(written, {})
 
 
-def no_dropout(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
-            return v == 0
-    return False
+_INFO: Dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = OpInfo(func)
+    return info
 
 
 def tensor_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[torch.Tensor]:
