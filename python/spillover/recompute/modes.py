@@ -49,14 +49,19 @@ from torch.utils._pytree import tree_map
 
 from .. import planner as _planner
 from ..planner import OpRecord, RegionRecord, op_flops, output_tensors
-from .ops import _INFO, IGNORED, OpInfo, detach, op_info, producer_of, skey, storage_key
+from .ops import (
+    _INFO,
+    IGNORED,
+    INDUCTOR_CODE,
+    OpInfo,
+    detach,
+    op_info,
+    producer_of,
+    skey,
+    storage_key,
+)
 
 top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-try:  # the one op whose replay key is not the op itself (torch.utils.checkpoint._sac_storage_key)
-    from torch._higher_order_ops.wrap import inductor_compiled_code as _INDUCTOR_CODE
-except ImportError:  # older torch: every key is the op
-    _INDUCTOR_CODE = object()
 
 _DTYPE_NAMES: Dict[torch.dtype, str] = {}
 
@@ -66,6 +71,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
+
 
 #: A cache entry: the op runs again in recomputation.
 RECOMPUTE = object()
@@ -229,7 +235,7 @@ class _SaveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         info = _INFO.get(func) or op_info(func)
-        key = func if func is not _INDUCTOR_CODE else storage_key(func, args)
+        key = func if func is not INDUCTOR_CODE else storage_key(func, args)
         counter = self.counter
         idx = counter.get(key, 0)
         counter[key] = idx + 1
@@ -240,7 +246,8 @@ class _SaveMode(TorchDispatchMode):
             why = None  # fused attention with dropout_p=0 draws nothing
         if why == "mutates an input":
             self._invalidate(info.written_tensors(args, kwargs))
-        # One storage key per input tensor, reused for the alias check and the readers.
+        # One storage key (ops.skey, inlined) per input tensor, reused for the alias check and
+        # the readers.
         producer = self.producer
         ins = []
         for a in info.tensors(args, kwargs):
@@ -403,7 +410,7 @@ class _ReplayMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in IGNORED:
             return func(*args, **kwargs)
-        key = func if func is not _INDUCTOR_CODE else storage_key(func, args)
+        key = func if func is not INDUCTOR_CODE else storage_key(func, args)
         idx = self.counter.get(key, 0)
         self.counter[key] = idx + 1
         entries = self.storage.get(key)

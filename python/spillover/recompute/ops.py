@@ -19,12 +19,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as _tc
 
-from ..planner import is_compute_bound, output_tensors, storage_bytes
+from ..planner import is_compute_bound, storage_bytes
 
 aten = torch.ops.aten
 
 IGNORED = getattr(_tc, "SAC_IGNORED_OPS", {aten.detach.default, torch.ops.prim.device.default})
+#: Note [replay matching]: the key an op's outputs are matched by. It is the op itself except
+#: for inductor_compiled_code (one key per compiled region), so the runner calls this only for
+#: that op.
 storage_key = getattr(_tc, "_sac_storage_key", lambda func, args: func)
+try:
+    from torch._higher_order_ops.wrap import inductor_compiled_code as INDUCTOR_CODE
+except ImportError:  # older torch: every key is the op
+    INDUCTOR_CODE = object()
 _is_effect = getattr(_tc, "_is_cacheable_effect", lambda op: False)
 
 _forced_cache: Dict[Any, Optional[str]] = {}
@@ -165,14 +172,6 @@ def tensor_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[torch.Ten
         elif isinstance(a, (list, tuple)):
             out.extend(x for x in a if isinstance(x, torch.Tensor))
     return out
-
-
-def aliases_input(args: Tuple[Any, ...], out: Any) -> bool:
-    outs = output_tensors(out)
-    if not outs:
-        return False
-    ins = {skey(a) for a in tensor_args(args, {})}
-    return any(skey(t) in ins for t in outs)
 
 
 def skey(t: torch.Tensor) -> Tuple[Any, int]:
