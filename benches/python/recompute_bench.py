@@ -8,12 +8,14 @@ peak memory of the whole step and step time, per mode, same run. For each kind i
   before the step + the whole spillover pool under a context (pre-faulted RAM on a CPU host,
   used or not: the planner charges it so too). Beside it, "held" = RSS after forward - RSS
   before (+ the pool), copies still in flight included. Two rounds: every mode once (auto
-  learns; its budget is set from `full`'s peak), then every mode again (auto planned); the
-  second round is reported.
+  learns; its budget is set from `torch-full`'s peak), then auto's tuning steps (it measures
+  its first planned steps and re-plans, Note [peak feedback] in planner.py), then every mode
+  again; the second round is reported.
 - time: a fresh child process per mode and round, glibc's allocator as users have it (the
   pinned threshold would make every large allocation page-fault and slow the modes that
   allocate most: with it, `none` ran slower than `full`). Each child runs its warm-up step
-  (two for auto: it learns, then plans), then the timed one; modes are interleaved round by
+  (auto follows the plan tuned in the memory phase: this allocator would measure other
+  peaks), then the timed one; modes are interleaved round by
   round, --steps rounds, medians with the spread (fastest-slowest). Under glibc's default,
   tensors above 32 MiB (the explicit attention scores here) are fresh page-faulted mappings
   every time in every mode, and step times swing with what the previous mode left in the
@@ -22,7 +24,7 @@ peak memory of the whole step and step time, per mode, same run. For each kind i
     python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
         --batch 4] [--attn explicit|sdpa|both] [--steps 3]
         [--modes none,torch-full,torch-sac,full,selective,offload-nvme,auto]
-        [--pool 64MiB] [--auto-pool 64MiB] [--explain] [--json-out results.json]
+        [--pool 64MiB] [--auto-pool 32MiB] [--explain] [--json-out results.json]
 
     smoke test (about a minute, mostly imports):
     python benches/python/recompute_bench.py --layers 2 --d-model 64 --heads 2 --seq 64 \
@@ -42,9 +44,10 @@ Modes:
   selective     spillover.wrap(policy="selective")
   offload-nvme  spillover.wrap(policy="offload") under offload_context("nvme", pool --pool)
   auto          spillover.wrap(policy="auto") under offload_context("nvme", pool --auto-pool),
-                budget = `full`'s peak of the whole step in this run (the least over rounds 0
-                and 1; `torch-full`'s when `full` is not run): auto learns in round 0 and plans
-                at the start of round 1
+                budget = `torch-full`'s peak of the whole step in this run (the least over
+                rounds 0 and 1; `full`'s when `torch-full` is not run): auto learns in round 0,
+                then plans and tunes. On a CPU host the pool is the memory the budget counts:
+                32 MiB by default, so that it takes a sixteenth of the budget, not an eighth
   auto-sel      (not run by default) the same with budget = `selective`'s peak: is auto
                 faster at equal memory?
 
@@ -62,6 +65,8 @@ import functools
 import gc
 import json
 import math
+import os
+import pickle
 import statistics
 import subprocess
 import sys
@@ -140,7 +145,7 @@ def budget_source(mode: str, modes: list) -> str:
     """The mode whose peak is an auto mode's budget."""
     if mode == "auto-sel":
         return "selective"
-    return "full" if "full" in modes else "torch-full"
+    return "torch-full" if "torch-full" in modes else "full"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -158,12 +163,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"comma-separated, from: {', '.join(ALL_MODES)}")
     ap.add_argument("--pool", default="64MiB", help="host pool of offload-nvme")
-    ap.add_argument("--auto-pool", default="64MiB", help="host pool of auto's NVMe context")
+    ap.add_argument("--auto-pool", default="32MiB",
+                    help="host pool of auto's NVMe context (on a CPU host the pool is the memory "
+                         "the budget counts: a smaller one leaves auto more of it)")
     ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
     ap.add_argument("--json-out", metavar="PATH", help="write every measurement here (JSON)")
     ap.add_argument("--phase", choices=("all", "memory", "time"), default="all",
                     help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--plan", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--allocator", choices=("default", "cached"), default="default",
                     help="time phase: glibc as configured (default), or 'cached': no mmap and "
@@ -247,6 +255,16 @@ def measure(args: argparse.Namespace) -> None:
         least_peak: dict = {}
         peak_by, held_by = {}, {}
         for step in range(2):
+            if step == 1:
+                # auto measures its first planned steps and re-plans (Note [peak feedback] in
+                # planner.py) before the step that is reported
+                for mode, (planner, _ref) in planners.items():
+                    for _ in range(planner.TUNING_STEPS + 1):
+                        if planner.tuned:
+                            break
+                        dt, peak, held = step_once(mode, True)
+                        print(f"  memory tuning {mode:<13} peak {peak / 2**20:8.0f} MiB, plan "
+                              f"{planner.plan.variant if planner.plan else '-'}", flush=True)
             for mode in modes:
                 dt, peak, held = step_once(mode, True)
                 least_peak[mode] = min(least_peak.get(mode, peak), peak)
@@ -257,8 +275,17 @@ def measure(args: argparse.Namespace) -> None:
                 print(f"  memory round {step} {mode:<13} peak {peak / 2**20:8.0f} MiB, held "
                       f"after forward {held / 2**20:8.0f} MiB", flush=True)
         budgets = {m: planners[m][0].budget_bytes for m in planners}
+        plans = {}
+        for m, (planner, _ref) in planners.items():
+            # the time phase follows the plan tuned here: its own allocator (not pinned) would
+            # measure other peaks
+            path = f"{args.json}.{m}.plan"
+            with open(path, "wb") as f:
+                pickle.dump(planner.plan, f)
+            plans[m] = path
         with open(args.json, "w") as f:
-            json.dump({"peak": peak_by, "held": held_by, "budgets": budgets}, f)
+            json.dump({"peak": peak_by, "held": held_by, "budgets": budgets, "plans": plans,
+                       "variants": {m: planners[m][0].plan.variant for m in planners}}, f)
         if args.explain:
             for m in modes:
                 if m not in TORCH_MODES:
@@ -270,8 +297,9 @@ def measure(args: argparse.Namespace) -> None:
     (mode,) = modes
     if mode in planners:
         planners[mode][0].budget_bytes = args.budget
-    for _ in range(2 if mode in planners else 1):  # auto: learn, then planned
-        step_once(mode, False)
+        with open(args.plan, "rb") as f:
+            planners[mode][0].use_plan(pickle.load(f))
+    step_once(mode, False)  # warm-up
     dt, _, _ = step_once(mode, False)
     with open(args.json, "w") as f:
         json.dump({"t": dt}, f)
@@ -307,11 +335,14 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
     times: dict = {m: [] for m in modes}
     for step in range(args.steps):
         for mode in modes:
-            budget = ["--budget", str(budgets[mode])] if mode in budgets else []
+            budget = (["--budget", str(budgets[mode]), "--plan", mem_run["plans"][mode]]
+                      if mode in budgets else [])
             dt = child(["--phase", "time", "--modes", mode, *shape, *budget])["t"]
             times[mode].append(dt)
             print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
 
+    for path in mem_run["plans"].values():
+        os.unlink(path)
     med = {m: (statistics.median(times[m]), mem_run["peak"][m]) for m in modes}
     nan = (math.nan, math.nan)
     base_t, base_m = med.get("none", nan)
@@ -372,11 +403,13 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
             ref_t, ref_m = med[ref]
             goal = " (goal: peak within 1.05x, time <= 0.85x)" if m == "auto" else ""
             print(f"{m}: peak {mem / ref_m:.2f}x {ref}'s, time {t / ref_t:.2f}x {ref}'s{goal}; "
-                  f"budget {format_size(budgets[m])} = {ref}'s peak")
+                  f"budget {format_size(budgets[m])} = {ref}'s peak; plan: "
+                  f"{mem_run['variants'][m]}")
     return {
         "attn": attn,
         "modes": {m: {"t": times[m], "t_median": med[m][0], "peak": mem_run["peak"][m],
-                      "held": mem_run["held"][m], "budget": budgets.get(m)} for m in modes},
+                      "held": mem_run["held"][m], "budget": budgets.get(m),
+                      "plan": mem_run["variants"].get(m)} for m in modes},
         "dominated": [{"mode": m, "by": o} for m, o in pairs],
     }
 

@@ -162,7 +162,7 @@ def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -
 
 
 def skipped_ops(candidates: Dict[int, Sequence[int]], saved: Iterable[int]) -> set:
-    """Note [outputs only saved ops read] in recompute.py: of ``candidates`` (op index ->
+    """Note [outputs only saved ops read] in recompute/modes.py: of ``candidates`` (op index ->
     indices of the ops that read its output; ops that may be skipped at all), those whose
     every reader is saved or itself skipped. The runtime applies it; the planner predicts it."""
     saved = set(saved)
@@ -180,7 +180,7 @@ SKIPPED_REASON = "only saved outputs read it: never rerun"
 
 def region_skipped(ops: Sequence[OpRecord], action: Callable[[OpRecord], str]) -> set:
     """The recomputed ops of one region that the runtime will not rerun under the decisions
-    ``action(op)`` (Note [outputs only saved ops read] in recompute.py)."""
+    ``action(op)`` (Note [outputs only saved ops read] in recompute/modes.py)."""
     act = {o.index: action(o) for o in ops}
     return skipped_ops(
         {o.index: o.readers for o in ops if act[o.index] == "recompute"
@@ -283,7 +283,7 @@ class OpRecord:
     #: never rerun: recomputation stops before it, or only saved ops read its output
     after_stop: bool = False
     #: ops of the region that read its output, views seen through (for Note [outputs only
-    #: saved ops read] in recompute.py)
+    #: saved ops read] in recompute/modes.py)
     readers: Tuple[int, ...] = ()
     action: str = "recompute"  # keep | offload | recompute
     tier: str = ""  # host | nvme, for offloaded outputs (the planner's estimate)
@@ -464,6 +464,8 @@ def make_plan(
             g.add_plain_tail(regions[n - k:], plain_tail)
             g.kind = kind + (f", last {k} plain" if k else "")
             variants.append(g)
+    if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
+        return make_plan(regions, machine, budget, outside_bytes, peak_offset)
     fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
     best = (min(fitting, key=lambda v: (v.recompute + v.transfer, v.peak)) if fitting
             else min(variants, key=lambda v: v.peak + off(v.kind)))
@@ -960,6 +962,16 @@ class Planner:
                 a = rp.actions.get(o.index)
                 if a is not None:
                     o.action, o.tier = a[1], a[2]
+
+    def use_plan(self, plan: Plan) -> None:
+        """Follow ``plan`` from the next step on, without learning or measuring (e.g. a plan
+        tuned in another process on the same model, shapes and offload context: its regions
+        are matched by call order, input shapes and context as a learned plan's are)."""
+        with self._lock:
+            self.plan = plan
+            self.learning = False
+            self.tuning_left = 0
+            self.measure_peak = False
 
     def _start_peak(self, device: str) -> None:
         """Measure this step's peak if it learns or tunes the plan."""
