@@ -189,6 +189,44 @@ def region_skipped(ops: Sequence[OpRecord], action: Callable[[OpRecord], str]) -
     )
 
 
+def worth_saving(rec: RegionRecord, machine: Machine) -> Dict[int, str]:
+    """Note [selective pays]: the recomputed outputs of one region run (as recorded) that cost
+    more time per byte to rebuild than full recompute of the region does; op index -> why.
+
+    Full recompute frees every byte autograd saved in the region (``needed``) for the time of
+    every op before the stop: its rate, bytes per second of recompute, is the bar. A needed
+    output that the region recomputed costs its own op plus the recomputed ops only it needs
+    (saving it lets the runtime skip them, Note [outputs only saved ops read]); when that unit
+    frees fewer bytes per second than the bar, saving it is cheaper than full recompute's trade
+    and it is saved. Every unit left recomputed then pays at least full's rate, so the region's
+    memory saved per second added is at least full recompute's (a mediant of rates at least
+    the bar). Chain ends first: a softmax output spares the scores matmul, scale and mask."""
+    ops = [o for o in rec.ops if not o.after_stop]
+    total = sum(machine.op_seconds(o) for o in ops if o.forced != "view")
+    needed = sum(o.bytes for o in ops if o.needed)
+    if total <= 0 or needed <= 0:
+        return {}
+    bar = needed / total
+    action = {o.index: o.action for o in rec.ops}
+    out: Dict[int, str] = {}
+    for o in sorted(ops, key=lambda o: -o.index):
+        if not o.needed or o.bytes == 0 or o.forced is not None or action[o.index] != "recompute":
+            continue
+        before = region_skipped(rec.ops, lambda x: action[x.index])
+        action[o.index] = "keep"
+        gained = region_skipped(rec.ops, lambda x: action[x.index]) - before
+        cost = machine.op_seconds(o) + sum(machine.op_seconds(x) for x in rec.ops
+                                           if x.index in gained)
+        rate = o.bytes / cost if cost > 0 else float("inf")
+        if rate < bar:
+            chain = f" and the {len(gained)} ops before it" if gained else ""
+            out[o.index] = (f"rebuilding it{chain} frees {format_size(rate)}/s < full "
+                            f"recompute's {format_size(bar)}/s: saved")
+        else:
+            action[o.index] = "recompute"
+    return out
+
+
 def is_compute_bound(func: Any) -> bool:
     return getattr(func, "overloadpacket", None) in _FLOP_REGISTRY
 

@@ -11,7 +11,7 @@ from spillover.demo import _table, dominated, main
 
 def _row(mode, step_seconds, peak_mib):
     return {
-        "mode": mode, "step_seconds": step_seconds, "peak_bytes": peak_mib << 20,
+        "mode": mode, "step_seconds": step_seconds, "peak_bytes": int(peak_mib * 2**20),
         "prefetch_hits": 0, "prefetch_misses": 0, "uses_context": False,
         "bytes_offloaded_host": 0, "bytes_offloaded_nvme": 0, "stall_seconds": 0.0,
         "check": "✓ identical",
@@ -24,6 +24,7 @@ ROWS = [
     _row("selective", 1.2, 150),  # between the two on both: not dominated
     _row("nvme", 1.5, 200),       # slower and bigger than selective (and full): dominated
     _row("host", 1.2, 300),       # ties selective's time: not strictly beaten
+    _row("adamw", 1.04, 404),     # within the margins of none (noise): not beaten
 ]
 
 
@@ -34,6 +35,9 @@ def test_dominated_names_a_mode_beaten_on_both_counts():
 def test_ties_and_trade_offs_are_not_dominated():
     assert dominated(ROWS[:3]) == {}
     assert dominated([_row("a", 1.0, 100), _row("b", 1.0, 100)]) == {}
+    # more by less than the margins (1 % of peak, 5 % of time) is not "more"
+    assert dominated([_row("a", 1.0, 100), _row("b", 1.049, 100.9)]) == {}
+    assert dominated([_row("a", 1.0, 100), _row("b", 1.06, 102)]) == {"b": "a"}
     # A negative peak (RSS fell during the step) is shown, and compared, as zero.
     assert dominated([_row("a", 1.0, 0), _row("b", 2.0, 0) | {"peak_bytes": -5}]) == {}
 
@@ -56,7 +60,7 @@ def test_no_footnote_when_nothing_is_dominated():
 
 def test_demo_runs_on_sdpa_and_records_the_marking(tmp_path, capsys):
     """End to end at the tiny size: --attn reaches the model, the JSON says what was marked."""
-    assert main(["--size", "tiny", "--attn", "sdpa", "--modes", "none,full", "--steps", "2",
+    assert main(["--size", "tiny", "--attn", "sdpa", "--modes", "none,full,auto", "--steps", "2",
                  "--device", "cpu", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "sdpa attention" in out and "dominated by" in out

@@ -467,3 +467,64 @@ def test_peak_meter_measures_this_process():
     del x
     peak = meter.read()
     assert peak is not None and peak >= 60 * MiB
+
+
+# ---- Note [selective pays] ------------------------------------------------------------------------
+
+
+def test_selective_saves_a_chain_that_pays_less_than_full_recompute():
+    from spillover.planner import worth_saving
+
+    ops = [
+        _op(0, "ln1", 8, needed=True),
+        _op(1, "ln2", 8, needed=True),
+        _op(2, "ln3", 8, needed=True),
+        _op(3, "scale", 128),
+        _op(4, "mask", 128),
+        _op(5, "softmax", 128, needed=True),
+        _op(6, "out", 8, flops_per_byte=1024, after_stop=True),
+    ]
+    for o, readers in zip(ops, [(), (), (), (4,), (5,), (6,), ()]):
+        o.readers = readers
+    rec = RegionRecord(key=0, name="b0", signature=0, device="cpu", mode="checkpoint",
+                       input_bytes=8 * MiB, ops=ops, needed_bytes=152 * MiB, stop=6)
+    why = worth_saving(rec, CPU)
+    # Full recompute frees 152 MiB for about 171 ms (890 MiB/s); the softmax with the scale
+    # and mask before it frees 128 MiB for about 161 ms (795 MiB/s): saved. Each norm frees
+    # 8 MiB for 3.4 ms: recomputed.
+    assert set(why) == {5}
+    assert "the 2 ops before it" in why[5] and "< full recompute's" in why[5]
+    # A region whose full recompute is slow per byte (a long matmul whose small output
+    # autograd saves) lowers the bar: there the chain pays and stays recomputed.
+    ops.insert(5, _op(9, "matmul", 8, flops_per_byte=8192, needed=True))
+    ops[5].action = "keep"  # what the FLOP rule saved in the recorded run
+    rec.needed_bytes += 8 * MiB
+    assert worth_saving(rec, CPU) == {}
+
+
+def test_selective_learns_per_block_and_stays_bitwise(tiny_gpt):
+    from spillover.recompute import SelectivePolicy
+
+    base, batch = tiny_gpt
+    ref = gpt_step(base, batch)
+    # A machine whose memory-bound ops are slow next to its matmuls (as a CPU's are).
+    slow = Machine({"float32": 1e12}, 1e8, 1e10, 1e10)
+    pol = SelectivePolicy(machine=slow)
+    model = spillover.wrap(copy.deepcopy(base), policy=pol)
+    assert_bitwise(ref, gpt_step(model, batch))  # first call of each block: the FLOP rule
+    rows = {(r["op"], r["decision"]) for r in spillover.explain(model, machine=slow).rows}
+    assert ("aten._softmax.default", "recompute") in rows
+    assert_bitwise(ref, gpt_step(model, batch))  # then what pays
+    ex = spillover.explain(model, machine=slow)
+    soft = [r for r in ex.rows if r["op"] == "aten._softmax.default"]
+    assert soft and all(r["decision"] == "keep" for r in soft), soft
+    assert "< full recompute's" in soft[0]["why"]
+    # the scores matmul and mask before it are never rerun now
+    assert any(r["decision"] == "not rerun" and r["op"] == "aten.masked_fill.Scalar"
+               for r in ex.rows)
+    # refine=False: the FLOP rule alone, every step
+    plain = spillover.wrap(copy.deepcopy(base), policy=SelectivePolicy(refine=False))
+    gpt_step(plain, batch)
+    gpt_step(plain, batch)
+    rows = {(r["op"], r["decision"]) for r in spillover.explain(plain, machine=slow).rows}
+    assert ("aten._softmax.default", "recompute") in rows

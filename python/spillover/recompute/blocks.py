@@ -10,7 +10,7 @@ from torch import nn
 from ..planner import Planner, RegionRecord
 from .modes import top_hooks
 from .ops import skey
-from .policies import Policy, RegionPolicy, _Auto, resolve_policy
+from .policies import Policy, RegionPolicy, SelectivePolicy, _Auto, resolve_policy
 from .region import _checkpoint, _compiling
 
 
@@ -164,7 +164,9 @@ def wrap(
     else:
         if budget_bytes is not None:
             raise ValueError("budget_bytes= is for policy='auto'")
-        pol = resolve_policy(policy)
+        # "selective" learns per block (Note [selective pays]): one policy per wrapped model
+        pol = (SelectivePolicy() if isinstance(policy, str)
+               and policy.strip().lower() == "selective" else resolve_policy(policy))
     blocks = _find_blocks(model, check_fn)
     if not blocks:
         raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -186,17 +187,35 @@ class _StaticPolicy(RegionPolicy):
 
 class SelectivePolicy(_StaticPolicy):
     """Save an op's output when recomputing it costs at least ``min_flops_per_byte`` FLOPs per
-    byte it would hold; recompute it otherwise.
+    byte it would hold; recompute it otherwise — then, from a region's second call on, also
+    save the outputs whose rebuilding pays less than full recompute does (Note [selective
+    pays] in planner.py), priced with this machine's calibration.
 
     With the default (256): linears and matmuls with a contraction of at least 512 in fp32 or
-    256 in bf16 and fused attention outputs are saved; elementwise ops, norms, softmax (about
-    one FLOP per element) and materialised attention scores (``2 * head_dim / element size``
-    FLOPs per byte: 32 for head_dim 64 in fp32, 128 for head_dim 128 in bf16) are recomputed —
-    Megatron's selective recompute.
+    256 in bf16 and fused attention outputs are saved; elementwise ops, norms, GELU/SiLU,
+    residual adds and dropout are recomputed. Materialised attention scores (``2 * head_dim /
+    element size`` FLOPs per byte) start recomputed, as Megatron's selective recompute does;
+    where this machine rebuilds the softmax and the chain before it more slowly per byte than
+    it rebuilds a whole block (memory-bound ops slow next to matmuls, as on a CPU), the softmax
+    output is saved instead and its chain is never rerun. Under ``torch.compile`` the FLOP rule
+    alone decides.
+
+    Args:
+        min_flops_per_byte: the FLOP rule's bar.
+        refine: apply Note [selective pays] (False: the FLOP rule alone, deterministic without
+            a calibration).
+        machine: the rates to price ops with (default: this machine's calibration, measured
+            on first use and cached).
     """
 
-    def __init__(self, min_flops_per_byte: float = 256.0):
+    def __init__(self, min_flops_per_byte: float = 256.0, refine: bool = True,
+                 machine: Optional[Machine] = None):
         self.min_flops_per_byte = float(min_flops_per_byte)
+        self.refine = refine
+        self.machine = machine
+        # (wrapped model's state or 0, region key) -> {op index: (op name, why it is saved)},
+        # learned from the region's first call
+        self._saved: Dict[Any, Dict[int, Tuple[str, str]]] = {}
 
     def __call__(self, op: Any, inputs: Any, output: Any) -> str:
         return self.decide(op, inputs, {}, output)
@@ -210,7 +229,61 @@ class SelectivePolicy(_StaticPolicy):
         flops = op_flops(op, args, kwargs, out)
         return "save" if flops / nbytes >= self.min_flops_per_byte else "recompute"
 
+    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            key: Any, name: str, state: Optional[_WrapState]) -> Any:
+        if not self.refine:
+            return super().run(fn, args, kwargs, key, name, state)
+        ctx = current_context()
+        key = key if key is not None else key_of(fn)
+        device = device_of(args, kwargs)
+        record = RegionRecord(key, name, None, device, "checkpoint",
+                              input_bytes=input_bytes(args))
+        if state is not None and not hasattr(state, "_selective_key"):
+            # one policy object may serve several models: their blocks share names
+            state._selective_key = id(state)  # type: ignore[union-attr]
+            weakref.finalize(state, self._forget, id(state))
+        slot = (state._selective_key if state is not None else 0, key)  # type: ignore[union-attr]
+        learned = self._saved.get(slot)
+        add = state.add_record if state is not None else None
+        if learned is None:
+            decider = self._decider(ctx)
+
+            def sink(rec: RegionRecord) -> None:
+                self._learn(slot, rec)
+                if add is not None:
+                    add(rec)
+        else:
+            decider = self._refined(ctx, learned)
+            sink = add  # type: ignore[assignment]
+        return _sac(fn, args, kwargs, _Run(decider, ctx, record, sink).contexts)
+
+    def _forget(self, owner: int) -> None:
+        for slot in [k for k in self._saved if k[0] == owner]:
+            del self._saved[slot]
+
+    def _learn(self, key: Any, rec: RegionRecord) -> None:
+        machine = self.machine or _planner.machine_for(rec.device)
+        why = _planner.worth_saving(rec, machine)
+        names = {o.index: o.name for o in rec.ops}
+        self._saved[key] = {i: (names[i], w) for i, w in why.items()}
+
+    def _refined(self, ctx: Any, learned: Dict[int, Tuple[str, str]]) -> Decider:
+        saved = "offload" if ctx is not None else "keep"
+        decide = self.decide
+
+        def decider(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
+            hit = learned.get(n)
+            if hit is not None and hit[0] == str(func):
+                return saved
+            return saved if decide(func, args, kwargs, out) == "save" else "recompute"
+
+        return decider
+
     def reason(self, op: OpRecord) -> str:
+        for learned in self._saved.values():
+            hit = learned.get(op.index)
+            if hit is not None and hit[0] == op.name and op.action in ("keep", "offload"):
+                return hit[1]
         if not op.compute_bound:
             return "memory-bound op: cheap to recompute"
         sign = ">=" if op.action in ("keep", "offload") else "<"
