@@ -15,7 +15,7 @@ peak memory of the whole step and step time, per mode, same run. For each kind i
   pinned threshold would make every large allocation page-fault and slow the modes that
   allocate most: with it, `none` ran slower than `full`). Each child runs its warm-up step
   (auto follows the plan tuned in the memory phase: this allocator would measure other
-  peaks), then the timed one; modes are interleaved round by
+  peaks), then --inner timed ones (their median); modes are interleaved round by
   round, --steps rounds, medians with the spread (fastest-slowest). Under glibc's default,
   tensors above 32 MiB (the explicit attention scores here) are fresh page-faulted mappings
   every time in every mode, and step times swing with what the previous mode left in the
@@ -159,8 +159,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--attn", choices=(*ATTENTION_KINDS, "both"), default="both",
                     help="attention kind; both: the whole table for each, one after the other")
     ap.add_argument("--steps", type=int, default=3,
-                    help="rounds; each times one step per mode, in a fresh process after its "
-                         "warm-up step (two for auto: it learns, then plans)")
+                    help="rounds; each times --inner steps per mode (their median), in a fresh "
+                         "process after its warm-up step")
+    ap.add_argument("--inner", type=int, default=3,
+                    help="timed steps per child process (their median is the round's time)")
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"comma-separated, from: {', '.join(ALL_MODES)}")
     ap.add_argument("--pool", default="64MiB", help="host pool of offload-nvme")
@@ -301,7 +303,7 @@ def measure(args: argparse.Namespace) -> None:
         with open(args.plan, "rb") as f:
             planners[mode][0].use_plan(pickle.load(f))
     step_once(mode, False)  # warm-up
-    dt, _, _ = step_once(mode, False)
+    dt = statistics.median(step_once(mode, False)[0] for _ in range(args.inner))
     with open(args.json, "w") as f:
         json.dump({"t": dt}, f)
 
@@ -340,7 +342,8 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
         for mode in modes:
             budget = (["--budget", str(budgets[mode]), "--plan", mem_run["plans"][mode]]
                       if mode in budgets else [])
-            dt = child(["--phase", "time", "--modes", mode, *shape, *budget])["t"]
+            dt = child(["--phase", "time", "--modes", mode, "--inner", str(args.inner), *shape,
+                        *budget])["t"]
             times[mode].append(dt)
             print(f"  time round {step} {mode:<13} {dt:6.2f} s", flush=True)
 
