@@ -10,6 +10,13 @@ The fingerprint covers what changes the numbers (host name, CPU model and count,
 and thread count, GPU names, swap directories), so a home directory shared between machines
 keeps one file per machine. ``calibrate(force=True)`` measures again.
 
+Note [stable calibration]
+    The planner's plan is a function of these numbers, and a machine's load moves them by
+    20-40 % from one measurement to the next. Each number is the median of repeats (5; 3 when
+    quick; the NVMe pass: the median of 3 passes), and measuring again keeps a cached number
+    when the new one is within ``KEEP_WITHIN`` (25 %) of it: two calibrations back to back
+    give the same numbers, hence the same plan, unless the machine really changed.
+
 What is measured (all seconds are medians of a few repeats, after one warm-up):
 
 ``matmul_flops``
@@ -191,16 +198,17 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
         for b in blocks:
             b.copy_from(fill.data_ptr(), chunk, 0)
         slots = [swap.alloc(chunk) for _ in range(n)]
-        best_w = best_r = float("inf")
-        for _ in range(2):  # the first round also warms the file's extents
+        ws, rs = [], []
+        for _ in range(4):  # the first pass warms the file's extents: not counted
             t0 = time.perf_counter()
             tickets = [swap.write(b, s) for b, s in zip(blocks, slots)]
             blocks = [t.wait() for t in tickets]
-            best_w = min(best_w, time.perf_counter() - t0)
+            ws.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             tickets = [swap.read(s, b) for b, s in zip(blocks, slots)]
             blocks = [t.wait() for t in tickets]
-            best_r = min(best_r, time.perf_counter() - t0)
+            rs.append(time.perf_counter() - t0)
+        best_w, best_r = statistics.median(ws[1:]), statistics.median(rs[1:])
         out = {
             "nvme_write_bytes_per_s": n * chunk / best_w,
             "nvme_read_bytes_per_s": n * chunk / best_r,
@@ -226,7 +234,7 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
 def measure_device(device: torch.device, quick: bool = False) -> Dict[str, Any]:
     """Throughput and link bandwidth of one device (not cached; see :func:`calibrate`)."""
     n = 512 if quick else 1024
-    repeats = 2 if quick else 3
+    repeats = 3 if quick else 5
     flops = {"float32": _matmul_flops(device, torch.float32, n, repeats)}
     if device.type == "cuda":
         n_half = 2048 if quick else 4096
@@ -240,6 +248,27 @@ def measure_device(device: torch.device, quick: bool = False) -> Dict[str, Any]:
     out.update(_link(device, (16 << 20) if quick else (64 << 20), repeats))
     if device.type == "cuda":
         out["name"] = torch.cuda.get_device_name(device)
+    return out
+
+
+#: Note [stable calibration]: a new measurement within this share of the cached one keeps it.
+KEEP_WITHIN = 0.25
+
+
+def _keep_close(old: Optional[Dict[str, Any]], new: Dict[str, Any]) -> Dict[str, Any]:
+    """``new``, where each rate (a positive number, also inside dicts such as matmul_flops)
+    within KEEP_WITHIN of ``old``'s is replaced by the old one."""
+    if not old:
+        return new
+    out = dict(new)
+    for k, v in new.items():
+        o = old.get(k)
+        if isinstance(v, dict) and isinstance(o, dict):
+            out[k] = _keep_close(o, v)
+        elif (isinstance(v, (int, float)) and not isinstance(v, bool)
+              and isinstance(o, (int, float)) and not isinstance(o, bool) and o > 0 and v > 0
+              and abs(v / o - 1) <= KEEP_WITHIN):
+            out[k] = o
     return out
 
 
@@ -275,15 +304,19 @@ def calibrate(
     dev = torch.device(device)
     key = _device_key(dev)
     path = cache_path(cfg)
-    data = None if force else load(cfg)
+    cached = load(cfg)
+    data = None if force else cached
     if data is not None and key in data.get("devices", {}) and "nvme_error" in data:
         return data
     data = data or {"version": FORMAT_VERSION, "fingerprint": fingerprint(cfg), "devices": {}}
     t0 = time.perf_counter()
-    data["devices"][key] = measure_device(dev, quick=quick)
+    old_dev = (cached or {}).get("devices", {}).get(key)
+    data["devices"][key] = _keep_close(old_dev, measure_device(dev, quick=quick))
     if force or "nvme_error" not in data:
         total, chunk = ((32 << 20), (4 << 20)) if quick else ((256 << 20), (8 << 20))
-        data.update(_nvme(cfg, total, chunk))
+        old_nvme = {k: (cached or {}).get(k)
+                    for k in ("nvme_write_bytes_per_s", "nvme_read_bytes_per_s")}
+        data.update(_keep_close(old_nvme, _nvme(cfg, total, chunk)))
     data["quick"] = bool(quick)
     data["measured_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"

@@ -528,3 +528,29 @@ def test_selective_learns_per_block_and_stays_bitwise(tiny_gpt):
     gpt_step(plain, batch)
     rows = {(r["op"], r["decision"]) for r in spillover.explain(plain, machine=slow).rows}
     assert ("aten._softmax.default", "recompute") in rows
+
+
+def test_calibrations_back_to_back_give_the_same_plan(tmp_path, monkeypatch):
+    """Note [stable calibration]: a re-measurement within 25 % keeps the cached numbers, so the
+    plan made from them does not move with the machine's load; a real change is taken."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rates = iter([1.0, 1.15, 0.85, 2.0])
+
+    def fake_device(device, quick=False):
+        f = next(rates)
+        return {"matmul_flops": {"float32": 1e11 * f}, "elementwise_bytes_per_s": 5e9 * f,
+                "d2h_bytes_per_s": 1e10 * f, "h2d_bytes_per_s": 1e10 * f}
+
+    monkeypatch.setattr(calibrate, "measure_device", fake_device)
+    monkeypatch.setattr(calibrate, "_nvme", lambda cfg, total, chunk: {
+        "nvme_write_bytes_per_s": 2e9, "nvme_read_bytes_per_s": 2e9, "nvme_error": None})
+    plans = []
+    for _ in range(4):
+        data = calibrate.calibrate(force=True, device="cpu")
+        m = Machine.from_calibration(data, "cpu")
+        recs = _step()
+        plan = make_plan(recs, m, budget=400 * MiB, outside_bytes=16 * MiB, peak_offset=0)
+        plans.append(([(r.mode, r.actions) for r in plan.regions], m))
+    # +15 %, -15 %: the numbers and the plan stay; x2: the machine changed, the numbers follow
+    assert plans[0] == plans[1] == plans[2]
+    assert plans[3][1].elementwise_bytes_per_s == 1e10
