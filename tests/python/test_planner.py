@@ -469,7 +469,7 @@ def test_peak_meter_measures_this_process():
     assert peak is not None and peak >= 60 * MiB
 
 
-# ---- Note [selective pays] ------------------------------------------------------------------------
+# ---- Note [selective pays] ------------------------------------------------------------------
 
 
 def test_selective_saves_a_chain_that_pays_less_than_full_recompute():
