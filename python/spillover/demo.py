@@ -387,6 +387,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{steps} steps per mode (the first is warm-up)", flush=True)
     for n in names:
         print(f"  {n:<9} {MODES[n]}")
+    if args.modes is None and device.type != "cuda":
+        print(f"  ({', '.join(GPU_ONLY_DEFAULTS)} left out: on a CPU-only machine the host tier "
+              "moves RAM to RAM; --modes runs them)")
     print(flush=True)
     tty = sys.stdout.isatty()
 
