@@ -5,7 +5,10 @@
 
 Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
 (torch.autograd.graph.save_on_cpu(pin_memory=True)); host / nvme / auto (spillover's
-offload_context with that tier). benches/gpu/run.sh runs each mode in a process of its own, so a
+offload_context with that tier); planned (spillover.wrap(policy=Planner) with full's measured peak
+as its budget, under offload_context("host"): the planner's learning and tuning steps run before
+the warm-up, Note [peak feedback] in planner.py; needs full's result in DIR, else a 1-byte
+budget). benches/gpu/run.sh runs each mode in a process of its own, so a
 mode's peak cannot include what another left on the device and one mode's crash or timeout loses
 only that mode.
 
@@ -41,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 import spillover
 
-MODES = ("none", "full", "save_on_cpu", "host", "nvme", "auto")
+MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto")
 GiB = 1 << 30
 
 
@@ -113,11 +116,11 @@ class Llama(nn.Module):
 def mode_context(mode: str, args: Any):
     if mode == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda")
-    if mode in ("host", "nvme", "auto"):
+    if mode in ("host", "nvme", "auto", "planned"):
         kw: Dict[str, Any] = {"host_pool_bytes": args.pool}
         if args.nvme_path:
             kw["nvme_path"] = args.nvme_path
-        return spillover.offload_context(mode, **kw)
+        return spillover.offload_context("host" if mode == "planned" else mode, **kw)
     return None
 
 
@@ -160,6 +163,8 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
                torch=torch.__version__, pool=args.pool)
     print(f"{args.mode}: Llama-style {res['params'] / 1e9:.2f}B params, {args.layers} layers, "
           f"d {args.d_model}, seq {args.seq}, batch {args.batch}, {dtype}, {dev}", flush=True)
+    if args.mode == "planned":
+        plan_steps(model, inp, tgt, args, res, cuda)
     for step in range(args.steps + 1):
         model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
         if cuda:
@@ -195,6 +200,43 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
         if path:
             write_json(path, res)
         del ctx
+
+
+def full_peak(out: str) -> Optional[int]:
+    """The median peak of full checkpointing's steps in this run, if it ran and measured."""
+    try:
+        with open(out_path(out, "full")) as f:
+            peaks = [s["peak_bytes"] for s in json.load(f)["steps"] if s.get("peak_bytes")]
+    except (OSError, ValueError, KeyError):
+        return None
+    return int(sorted(peaks)[len(peaks) // 2]) if peaks else None
+
+
+def plan_steps(model: nn.Module, inp: torch.Tensor, tgt: torch.Tensor, args: Any,
+               res: Dict[str, Any], cuda: bool) -> None:
+    """Wrap the layers with a planner budgeted at full's peak and run its learning and tuning
+    steps (not measured: a training run pays them once)."""
+    budget = full_peak(args.out)
+    res["budget_bytes"] = budget
+    planner = spillover.Planner(budget_bytes=budget or 1)
+    spillover.wrap(model, policy=planner)
+    print(f"  planner budget: {budget / GiB:.2f} GiB (full's peak)" if budget else
+          "  planner budget: 1 byte (no result of full in this run)", flush=True)
+    for i in range(planner.TUNING_STEPS + 2):
+        if planner.tuned:
+            break
+        model.zero_grad(set_to_none=False)
+        with mode_context("planned", args):
+            loss = model(inp, tgt)
+        loss.backward()
+        del loss
+        if cuda:
+            torch.cuda.synchronize()
+        plan = planner.plan
+        print(f"  planning step {i}: {plan.variant if plan else 'learning'}, measured peak "
+              f"{(planner.last_peak or 0) / GiB:.2f} GiB", flush=True)
+    res["plan"] = planner.plan.variant if planner.plan else None
+    res["tuned"] = planner.tuned
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 400 s, quick 165 s.
+# `timeout -k 10` adds at most 10 s to the last): full 440 s, quick 165 s.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
@@ -65,10 +65,11 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream tests run under the sanitizer in the full run
 else
     run_kind="full"
-    B_INSTALL=25 B_TESTS=95 B_SANITIZER=35 B_OTHERS=40 DEADLINE=400 TEST_TIMEOUT=60
+    B_INSTALL=25 B_TESTS=95 B_SANITIZER=35 B_OTHERS=40 DEADLINE=440 TEST_TIMEOUT=60
     BENCH_ARGS=(--steps 3)
-    BENCH_MODES=(none full save_on_cpu host nvme auto)
-    declare -A B_BENCH=([none]=30 [full]=30 [save_on_cpu]=30 [host]=35 [nvme]=40 [auto]=40)
+    BENCH_MODES=(none full planned save_on_cpu host nvme auto)
+    declare -A B_BENCH=([none]=30 [full]=30 [planned]=40 [save_on_cpu]=30 [host]=35 [nvme]=40
+                        [auto]=40)
 fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
