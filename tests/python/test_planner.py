@@ -531,7 +531,7 @@ def test_selective_learns_per_block_and_stays_bitwise(tiny_gpt):
 
 
 def test_calibrations_back_to_back_give_the_same_plan(tmp_path, monkeypatch):
-    """Note [stable calibration]: a re-measurement within 25 % keeps the cached numbers, so the
+    """Note [stable calibration]: a re-measurement within 40 % keeps the cached numbers, so the
     plan made from them does not move with the machine's load; a real change is taken."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rates = iter([1.0, 1.15, 0.85, 2.0])
