@@ -10,7 +10,9 @@ What it promises
     per step (Note [torch rounding] in ``rust/optim/kernel.rs``). State per parameter:
     ``exp_avg`` and ``exp_avg_sq`` in fp32, plus an fp32 master copy when the parameter is not
     itself one (bf16 parameters, parameters on a GPU). A parameter whose ``.grad`` is None is
-    skipped, step count included, as in torch.
+    skipped, step count included, as in torch, and has no state before its first gradient
+    (Note [lazy state]). ``torch.amp.GradScaler`` works as with torch's optimizers (Note
+    [GradScaler]).
 
 Where the state lives
     ``tier="host"``: in blocks of spillover's host pool (on the heap, with one warning, when
@@ -33,8 +35,9 @@ Note [staged gradients]
     With parameters on a GPU, a post-accumulate-grad hook copies each gradient into a pinned
     pool block on a side stream as soon as backward has produced it, so the copies overlap the
     rest of backward. ``step()`` uses a staged copy only if ``p.grad`` is still the tensor that
-    was copied and its version counter has not moved since (gradient clipping, unscaling or a
-    second backward all change it); otherwise it copies again. Parameters go back with
+    was copied and its version counter has not moved since (gradient clipping or a second
+    backward change it; GradScaler's unscaling does not: Note [GradScaler]); otherwise it
+    copies again. Parameters go back with
     asynchronous host-to-device copies per bucket (the CPU update of the next bucket overlaps
     them), and the compute stream waits for them, so the next forward sees the new values
     without a device-wide synchronize. The CPU tests run this path on CPU tensors
@@ -64,6 +67,53 @@ Note [sharding]
     the state 1/W per rank as FSDP2 sharded it. FSDP2 assigns the sharded gradients itself, so
     the post-accumulate-grad hooks do not fire and ``step()`` copies the local gradients then.
     This composition is designed, not tested (no FSDP2 run in this repository's tests).
+
+Note [lazy state]
+    As in torch, a parameter has no state until the first step at which it has a gradient: no
+    pool blocks, no swap slots, no ``state_dict`` entry. ``step()`` first gives the parameters
+    that have a gradient now and no state yet a state space of their own (one per dtype and
+    device, laid out over just them), then steps every space. In the usual loop every
+    trainable parameter joins at the first step, so there is one space per dtype and device;
+    frozen parameters, and parameters that never receive a gradient, cost a check per step and
+    nothing else. A parameter that starts receiving gradients later (unfrozen after a warm-up)
+    gets a new space then, at no cost to the existing ones. A parameter that stops receiving
+    them keeps its state and is skipped, as in torch. ``load_state_dict`` replaces the spaces
+    by new ones for exactly the parameters the checkpoint holds state for.
+
+    Under sharding every rank must build the same spaces, so the candidates are the parameters
+    without state that have ``requires_grad=True`` (it must agree across ranks, as DDP also
+    requires), and one MAX all-reduce over them decides which of them have a gradient on some
+    rank; those join together, sharded over a flat layout of just themselves (Note
+    [sharding]). A parameter whose ``requires_grad`` is switched on later joins at the first
+    step at which a rank has its gradient; one switched off keeps its state. A gradient
+    assigned by hand to a parameter with ``requires_grad=False`` and no state is refused with
+    a RuntimeError under sharding (the other ranks could not know of it).
+
+Note [GradScaler]
+    ``torch.amp.GradScaler`` skips a step whose gradients hold an inf/NaN, and a skipped step
+    touches neither parameters nor state, and creates no state (Note [lazy state]). With one
+    rank OffloadAdamW sets ``_step_supports_amp_scaling``, as torch's fused AdamW does:
+    ``scaler.step(opt)`` then only checks the gradients for inf/NaN (multiplying them by 1)
+    and calls ``opt.step()`` with ``opt.grad_scale`` and ``opt.found_inf`` set; ``step()``
+    returns at once when ``found_inf`` is set, else the kernel multiplies each gradient by
+    1/scale (computed as GradScaler's ``unscale_`` computes it, so the result is the same, and
+    equal to torch's fused AdamW's division for the power-of-two scales GradScaler uses). This
+    is needed on the staged path: GradScaler's in-place unscaling does not move a gradient's
+    version counter, so a copy the hooks took before it could not be told from a current one
+    (Note [staged gradients]); with the scale applied in the kernel the copies stay valid and
+    their overlap with backward is kept. When ``scaler.unscale_(opt)`` was called before
+    ``scaler.step(opt)`` (to clip), ``grad_scale`` is None and ``step()`` copies every
+    gradient again.
+
+    Under sharding with ``reduce_grads=True`` each rank holds its own gradients and the ranks
+    can disagree on inf: use ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``
+    (``device="cpu"`` for CPU parameters), whose ``unscale_`` all-reduces the inf flag, so the
+    ranks skip or step together. With a plain GradScaler the ranks that step would wait in a
+    collective for a rank that skipped. Next to DDP (``reduce_grads=False``) the gradients are
+    already averaged and a plain GradScaler decides the same on every rank. Sharded ranks do
+    not set ``_step_supports_amp_scaling`` (ShardedGradScaler all-reduces the inf flag only in
+    ``unscale_``, which that path skips): the scaler unscales the gradients before ``step()``,
+    which reads them afresh (no hooks when sharded).
 """
 
 from __future__ import annotations
@@ -114,6 +164,18 @@ _HOST_CHUNK_BYTES = 64 << 20
 _NVME_CHUNK_BYTES = 8 << 20
 _BUCKET_ELEMS = 8 << 20  # staged path: parameters go back per bucket of this many elements
 _UNIT_MAX = 16 << 20  # staged path: larger parameters are split into units of this many
+# OffloadAdamW.stats(): the counters of AdamState.stats(), and those that add up over time.
+_STATS = (
+    "steps",
+    "bytes_read",
+    "bytes_written",
+    "io_wait_seconds",
+    "compute_seconds",
+    "last_step_seconds",
+    "state_bytes",
+    "heap_chunks",
+)
+_CUMULATIVE = ("bytes_read", "bytes_written", "io_wait_seconds", "compute_seconds")
 _HYPER = np.dtype(
     [(n, "<f8") for n in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
 )
@@ -358,9 +420,16 @@ class _Space:
             self.hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def close(self) -> None:
+        """Remove the hooks and wait for the copies still in flight from or to the staging
+        buffers, so the buffers can be freed."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        if self.staged:
+            for ev in self.h2d_events + [e for v in self.staged_grads.values() for e in v[0]]:
+                self.copies.wait(ev)
+        self.h2d_events = []
+        self.staged_grads = {}
 
     # ---- the staged path (Note [staged gradients]) ----
 
@@ -640,12 +709,17 @@ class _Space:
         del flat
 
 
-def _flat_f32(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:
+def _check_numel(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:
     t = _local(t) if isinstance(t, torch.Tensor) else torch.as_tensor(t)
     if t.numel() != _local(p).numel():
         raise ValueError(
             f"state '{name}' has {t.numel()} elements, its parameter {_local(p).numel()}"
         )
+    return t
+
+
+def _flat_f32(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:
+    t = _check_numel(t, p, name)
     return t.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
 
 
@@ -718,7 +792,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._nvme_buffers = nvme_buffers
         self._reduce_grads = reduce_grads
         self._force_staging = _force_staging
-        self._spaces: List[_Space] = []
+        self._spaces: List[_Space] = []  # Note [lazy state]: grows as parameters get gradients
+        self._updates = 0  # steps that updated at least one parameter
+        self._past: Dict[str, float] = {}  # counters of the spaces load_state_dict dropped
         self._building = True
         defaults = dict(
             lr=lr,
@@ -736,7 +812,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             # Checks the directories (ConfigError) and warns once with the engine's warning.
             self._swap = _tiers.swap_for(self._cfg, self._pool)
         self._setup_distributed(shard, process_group)
-        self._build()
+        self._index()
+        # Note [GradScaler]: one rank unscales in the kernel; sharded ranks let the scaler do it.
+        self._step_supports_amp_scaling = self._world == 1
 
     # ---- construction ----
 
@@ -761,38 +839,82 @@ class OffloadAdamW(torch.optim.Optimizer):
         if shard and world > 1:
             self._world, self._rank = world, dist.get_rank(pg)
 
-    def _build(self) -> None:
-        for s in self._spaces:
-            s.close()
+    def _index(self) -> None:
+        """Global indices of the parameters, in group order. Parameters added by
+        ``add_param_group`` go at the end, so the indices the spaces hold stay valid."""
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of = np.array(
             [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]], dtype=np.int64
         )
-        old = getattr(self, "_steps", np.zeros(0))
-        steps = np.zeros(len(self._params), dtype=np.float64)
-        steps[: len(old)] = old
-        self._steps = steps
+        n = len(self._params)
+        old_steps = getattr(self, "_steps", np.zeros(0))
+        old_stateful = getattr(self, "_stateful", np.zeros(0, dtype=bool))
+        self._steps = np.zeros(n, dtype=np.float64)
+        self._steps[: len(old_steps)] = old_steps
+        self._stateful = np.zeros(n, dtype=bool)  # has a state space (Note [lazy state])
+        self._stateful[: len(old_stateful)] = old_stateful
+        for p in self._params:
+            if p.requires_grad:  # refused now rather than at the first step
+                _check_dtype(_local(p).dtype)
+
+    def _add_spaces(self, members: List[int]) -> None:
+        """New state spaces for `members` (global indices without state), one per kind."""
+        for (dt, dev), idx in self._kinds(members).items():
+            self._spaces.append(_Space(self, dt, dev, idx))
+            self._stateful[idx] = True
+
+    def _kinds(self, members: List[int]) -> Dict[Tuple[torch.dtype, torch.device], List[int]]:
         kinds: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
-        for i, p in enumerate(self._params):
-            lp = _local(p)
-            if lp.dtype not in _DTYPES:
-                raise TypeError(
-                    f"OffloadAdamW supports float32 and bfloat16 parameters, got {lp.dtype}"
-                )
+        for i in members:
+            lp = _local(self._params[i])
+            _check_dtype(lp.dtype)
             kinds.setdefault((lp.dtype, lp.device), []).append(i)
-        self._spaces = [_Space(self, dt, dev, idx) for (dt, dev), idx in kinds.items()]
+        return kinds
+
+    def _grow(self) -> None:
+        """Note [lazy state]: state for the parameters that have a gradient now and none yet."""
+        pending = np.nonzero(~self._stateful)[0].tolist()
+        if not pending:
+            return
+        if self._world == 1:
+            self._add_spaces([i for i in pending if self._params[i].grad is not None])
+            return
+        import torch.distributed as dist
+
+        candidates = []
+        for i in pending:
+            p = self._params[i]
+            if p.requires_grad:
+                candidates.append(i)
+            elif p.grad is not None:
+                raise RuntimeError(
+                    f"OffloadAdamW: parameter {i} has a gradient but requires_grad=False; "
+                    "sharded state is given only to parameters that require grad on every rank "
+                    "(Note [lazy state] in spillover/optim.py)"
+                )
+        for (_, dev), idx in self._kinds(candidates).items():
+            has = torch.tensor(
+                [self._params[i].grad is not None for i in idx], dtype=torch.int32, device=dev
+            )
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self._pg)
+            self._add_spaces([i for i, h in zip(idx, has.cpu().tolist()) if h])
+
+    def _drop_spaces(self) -> None:
+        """Free every space's state, keeping its I/O and time counters for ``stats()``."""
+        for s in self._spaces:
+            for k, v in s.state.stats().items():
+                if k in _CUMULATIVE:
+                    self._past[k] = self._past.get(k, 0) + v
+            s.close()
+        self._spaces = []
+        self._stateful[:] = False
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if param_group.get("amsgrad", False):
             raise ValueError("OffloadAdamW does not implement amsgrad")
-        if getattr(self, "_building", True):
-            super().add_param_group(param_group)
-            return
-        # New parameters go at the end, so the indices of the state kept here stay valid.
-        saved = self._gather_state()
         super().add_param_group(param_group)
-        self._build()
-        self._load_state(saved)
+        if not getattr(self, "_building", True):
+            self._index()  # the new parameters get state at their first gradient
 
     # ---- step ----
 
@@ -821,10 +943,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler: Note [GradScaler]
+        if found_inf is not None and _float(found_inf) != 0.0:
+            return loss
         hyper = self._hyper()
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:  # unscaled here, as GradScaler.unscale_ would
+            inv = torch.as_tensor(grad_scale).double().reciprocal().float()
+            hyper["grad_scale"] *= _float(inv)
+        elif found_inf is not None:  # unscale_ was called: the staged copies may be scaled
+            for space in self._spaces:
+                space.staged_grads = {}
+        self._grow()
+        stepped = False
         for space in self._spaces:
             updated = space.step(hyper)
             self._steps[updated] += 1
+            stepped = stepped or len(updated) > 0
+        self._updates += stepped
         return loss
 
     # ---- checkpoints ----
@@ -841,16 +977,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         return state
 
     def _load_state(self, state: Dict[int, Dict[str, Any]]) -> None:
-        for space in self._spaces:
-            mine = {}
-            for k, i in enumerate(space.members):
-                st = state.get(i)
-                if st is None or _float(st.get("step", 0)) <= 0:
-                    self._steps[i] = 0
-                    continue
-                self._steps[i] = _float(st["step"])
-                mine[k] = st
-            space.load(mine)
+        """Replace every space by new ones for the parameters `state` has (a positive step
+        count) for (Note [lazy state]); the others have no state afterwards."""
+        members = sorted(i for i, st in state.items() if _float(st.get("step", 0)) > 0)
+        for i in members:  # refuse a bad checkpoint before dropping the state there is
+            for name in ("exp_avg", "exp_avg_sq"):
+                _check_numel(state[i][name], self._params[i], name)
+        self._drop_spaces()
+        self._steps[:] = 0
+        for i in members:
+            self._steps[i] = _float(state[i]["step"])
+        first = len(self._spaces)
+        self._add_spaces(members)
+        for space in self._spaces[first:]:
+            space.load({k: state[i] for k, i in enumerate(space.members)})
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
@@ -899,16 +1039,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         raise TypeError("OffloadAdamW cannot be pickled; save its state_dict() instead")
 
     def stats(self) -> Dict[str, Any]:
-        """Counters summed over the optimizer's state spaces: steps, bytes_read, bytes_written
-        (NVMe), io_wait_seconds, compute_seconds, last_step_seconds, state_bytes, heap_chunks."""
-        total: Dict[str, Any] = {}
+        """steps (that updated a parameter), and counters summed over the optimizer's state
+        spaces: bytes_read, bytes_written (NVMe), io_wait_seconds, compute_seconds,
+        last_step_seconds, state_bytes (of the parameters that have state: Note [lazy state]),
+        heap_chunks. All zero before the first step."""
+        total: Dict[str, Any] = {k: 0 for k in _STATS}
+        total.update(self._past)
         for s in self._spaces:
             for k, v in s.state.stats().items():
-                if k == "steps":
-                    total[k] = max(total.get(k, 0), v)
-                else:
+                if k != "steps":
                     total[k] = total.get(k, 0) + v
+        total["steps"] = self._updates
         return total
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _DTYPES:
+        raise TypeError(f"OffloadAdamW supports float32 and bfloat16 parameters, got {dtype}")
 
 
 def _check_hyper(lr: Any, betas: Tuple[float, float], eps: float, wd: float, amsgrad: bool) -> None:

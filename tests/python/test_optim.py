@@ -243,9 +243,9 @@ def test_staged_path_splits_large_parameters(monkeypatch):
     monkeypatch.setattr(so, "_BUCKET_ELEMS", 100)
     ours, ref = make_model(), make_model()
     opt = offload(groups_of(ours), tier="nvme", chunk_bytes=4096, _force_staging=True)
-    assert len(opt._spaces[0].units) > 30 and len(opt._spaces[0].buckets) > 10
     ropt = torch.optim.AdamW(groups_of(ref), fused=True)
     train(ours, opt, torch.float32, steps=6)
+    assert len(opt._spaces[0].units) > 30 and len(opt._spaces[0].buckets) > 10
     train(ref, ropt, torch.float32, steps=6)
     assert_params(ours, ref, exact=FMA)
     sd, rsd = opt.state_dict()["state"], ropt.state_dict()["state"]
@@ -281,6 +281,8 @@ def test_errors_are_clear(tmp_path):
     with pytest.raises(spillover.ConfigError):
         offload(model.parameters(), tier="nvme", nvme_path=str(tmp_path / "missing"))
     opt = offload(model.parameters())
+    model(torch.randn(2, 33)).sum().backward()
+    opt.step()  # the state is made here (Note [lazy state]); a change after it is refused
     model.to(torch.bfloat16)
     model(torch.randn(2, 33, dtype=torch.bfloat16)).sum().backward()
     with pytest.raises(RuntimeError, match="after the optimizer was made"):
@@ -337,7 +339,6 @@ def test_nvme_optimizer_and_activations_share_one_engine(tmp_path, where):
     opt = offload(model.parameters(), tier="nvme", **settings)
     swap = spillover._tiers.opened_swap(opt._cfg)
     assert swap is not None and swap is opt._swap
-    assert opt._spaces[0].state.swap_engine == swap.engine
     files, threads = _swap_fds(swap.dirs), _engine_threads()
     assert len(files) == len(swap.dirs)
     x, y = torch.randn(16, 33), torch.randn(16, 5)
@@ -351,6 +352,7 @@ def test_nvme_optimizer_and_activations_share_one_engine(tmp_path, where):
         assert _swap_fds(swap.dirs) == files
         assert _engine_threads() == threads
     assert opt.stats()["bytes_written"] > 0
+    assert opt._spaces[0].state.swap_engine == swap.engine  # state exists from the first step
     if where == "given":
         assert [os.path.realpath(d) for d in swap.dirs] == [os.path.realpath(tmp_path)]
 
@@ -359,10 +361,10 @@ def test_full_pool_falls_back_to_heap_with_a_warning():
     _native_pool = spillover._runtime.host_pool(spillover.Config.load(host_pool_bytes=1 << 20))
     hog = [_native_pool.lease(256 << 10) for _ in range(4)]
     model, ref = make_model(), make_model()
-    with pytest.warns(RuntimeWarning, match="heap"):
-        opt = spillover.OffloadAdamW(model.parameters(), host_pool_bytes=1 << 20)
+    opt = spillover.OffloadAdamW(model.parameters(), host_pool_bytes=1 << 20)
+    with pytest.warns(RuntimeWarning, match="heap"):  # state is made at the first step
+        train(model, opt, torch.float32, steps=3)
     assert opt.stats()["heap_chunks"] > 0
-    train(model, opt, torch.float32, steps=3)
     train(ref, torch.optim.AdamW(ref.parameters(), fused=True), torch.float32, steps=3)
     assert_params(model, ref, exact=FMA)
     del hog
