@@ -1,0 +1,119 @@
+"""spillover inside the training stacks people use.
+
+``spillover.integrations.hf``
+    :func:`~spillover.integrations.hf.enable` puts spillover's recompute regions behind a
+    transformers model's own gradient-checkpointing switch (PEFT-wrapped or not), and
+    :class:`~spillover.integrations.hf.SpilloverCallback` runs one offload context around each
+    optimizer step of a ``transformers.Trainer``.
+``spillover.integrations.lightning``
+    :class:`~spillover.integrations.lightning.SpilloverCallback` runs one offload context around
+    each training batch of a Lightning ``Trainer``.
+
+This package imports neither framework; each submodule imports its own. :class:`StepContext`
+is what both callbacks share, and serves a hand-written loop too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from torch import nn
+
+from ..context import OffloadContext, offload_context
+from ..stats import OffloadStats
+
+__all__ = ["StepContext", "check_not_double_checkpointed"]
+
+
+class StepContext:
+    """One :func:`spillover.offload_context` entered around each training step.
+
+    ``begin()`` enters the context, ``end()`` leaves it and appends the step's counters to
+    :attr:`step_stats`. Backward may run before ``end()`` (a trainer's step) or after it (a
+    hand-written loop); either way the step's saved activations went through the context.
+
+    Args:
+        context: the context to enter each step (default: ``offload_context(tier, **overrides)``).
+        tier, **overrides: as :func:`spillover.offload_context`, when ``context`` is not given.
+    """
+
+    def __init__(self, context: Optional[OffloadContext] = None, *, tier: Optional[str] = None,
+                 **overrides: Any):
+        if context is not None and (tier is not None or overrides):
+            raise ValueError("pass either context= or tier=/options for a new one, not both")
+        self.context = context if context is not None else offload_context(tier, **overrides)
+        #: The counters of each finished step, in order.
+        self.step_stats: List[OffloadStats] = []
+        self._open: Optional[OffloadContext] = None
+
+    @property
+    def steps(self) -> int:
+        """Steps begun and ended."""
+        return len(self.step_stats)
+
+    @property
+    def active(self) -> bool:
+        """Whether a step has begun and not ended."""
+        return self._open is not None
+
+    def begin(self) -> None:
+        """Enter the context for one step (ending a step left open by an exception first)."""
+        if self._open is not None:
+            self.end()
+        ctx = self.context
+        try:
+            ctx.__enter__()
+        except RuntimeError as e:
+            # TEMPORARY (issue 13): an offload_context could be entered once until it became
+            # reusable; until then each step gets a fresh context with the same configuration.
+            # Remove this branch once context.py's reusable context is in.
+            if "entered once" not in str(e):
+                raise
+            ctx = self.context = _fresh_like(ctx)
+            ctx.__enter__()
+        self._open = ctx
+
+    def end(self) -> None:
+        """Leave the context; the step's counters go to :attr:`step_stats`. No-op outside a
+        step."""
+        ctx, self._open = self._open, None
+        if ctx is None:
+            return
+        ctx.__exit__(None, None, None)
+        self.step_stats.append(ctx.stats())  # the step just ended
+
+    def stats(self) -> OffloadStats:
+        """The last finished step's counters (an empty record before the first)."""
+        return self.step_stats[-1] if self.step_stats else OffloadStats()
+
+
+def _fresh_like(ctx: OffloadContext) -> OffloadContext:
+    # TEMPORARY (issue 13), see StepContext.begin.
+    fresh = OffloadContext(tier=ctx.config.tier)
+    fresh.config = ctx.config
+    return fresh
+
+
+
+
+def check_not_double_checkpointed(model: nn.Module) -> None:
+    """Raise ValueError when HuggingFace gradient checkpointing is on in ``model`` (a module
+    with ``gradient_checkpointing = True`` and a checkpoint function that is not spillover's).
+
+    ``spillover.wrap`` makes each block a recompute region; on a model whose blocks HF already
+    checkpoints, a block would be checkpointed twice (recomputed twice in backward, its inputs
+    saved twice). Needs no transformers import: HF's switch is plain attributes.
+    """
+    for name, m in model.named_modules():
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) is True and not getattr(
+            func, "is_spillover", False
+        ):
+            where = f" ({name})" if name else ""
+            raise ValueError(
+                f"HuggingFace gradient checkpointing is on in this model{where}: spillover.wrap "
+                "would checkpoint its blocks a second time. Either let spillover take HF's "
+                "switch over with spillover.integrations.hf.enable(model, policy=...) (works "
+                "with Trainer(gradient_checkpointing=True)), or turn HF's off first with "
+                "model.gradient_checkpointing_disable()."
+            )
