@@ -176,6 +176,22 @@ def test_enable_then_disable_restores_hf_checkpointing():
     assert hf.is_enabled(model)
 
 
+def test_use_cache_follows_hf():
+    """HF's own rule: a checkpointed layer in training runs without the KV cache; generation
+    (eval, no grad) keeps it."""
+    model = tiny_llama(lora=False)
+    hf.enable(model, policy="full")
+    ids = dataset(n=2)[0]["input_ids"][None, :8]
+    model.train()
+    model(input_ids=ids, labels=ids, use_cache=True).loss.backward()
+    state = model.__dict__["_spillover_state"]
+    assert len(state.last_records()) == 2  # both layers ran as regions
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 11)
+
+
 def test_enable_needs_a_transformers_model():
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hf.enable(torch.nn.Sequential(torch.nn.Linear(2, 2)))
