@@ -74,8 +74,9 @@ class StepContext:
         self._open = ctx
 
     def end(self) -> None:
-        """Leave the context; the step's counters go to :attr:`step_stats`. No-op outside a
-        step."""
+        """Leave the context; the step's counters as they are now go to :attr:`step_stats` (a
+        backward run after ``end()`` is not in them; ``context.stats()`` has it). No-op outside
+        a step."""
         ctx, self._open = self._open, None
         if ctx is None:
             return
