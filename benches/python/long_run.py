@@ -58,7 +58,6 @@ def main(argv=None) -> int:
     if args.optimizer == "offload" and hasattr(spillover, "OffloadAdamW"):
         opt = spillover.OffloadAdamW(model.parameters(), lr=1e-3, tier="nvme", nvme_path=swapdir)
         opt_name = "OffloadAdamW(tier='nvme')"
-        held = opt._swap.stats()["swap_in_use"]
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     print(f"{args.steps} steps, tier nvme, {opt_name}, swap dir {swapdir}", flush=True)
@@ -72,6 +71,8 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         del loss
+        if step == 1 and opt_name != "torch.optim.AdamW":
+            held = opt._swap.stats()["swap_in_use"]  # its state is made at the first step
         if step % args.every == 0 or step == 1:
             s = sample(ctx)
             samples.append((step, s))
