@@ -44,6 +44,45 @@ Note [storage identity]
     Views are deduplicated by (device, storage address), but an address can be reused once the
     storage is freed. A dedup entry therefore also holds a *weak* reference to the storage and
     matches only while that storage is alive (a freed storage cannot have more views saved).
+
+Note [one context, many steps]
+    One context object serves a whole training run: it is entered once per step (``with ctx:``
+    around each forward), any number of times in sequence. Each entry begins a *step*: a step
+    of the tier (its entries, pack order, counters and read-ahead forecast, taught by the step
+    before it) and a record of the step's counters. Every handle a step packs points at its
+    record, so the step's backward may run after its ``with`` block, and also after the context
+    was entered again for the next step (gradient accumulation: forward 1, backward 1, forward
+    2, backward 2; or forward 1, forward 2, then both backwards). A step's record and tier step
+    live as long as its entries; once no entry of a step is alive and a later step has begun,
+    its counters are folded into the context's total and the record goes. ``stats()`` is the
+    latest step's, ``stats(total=True)`` the sum over every step. Entering a context that is
+    already active on the same thread raises (a nested region takes an ``offload_context`` of
+    its own); another thread may enter it meanwhile, as a step of its own.
+
+Note [guardrails]
+    Offload that silently does nothing is the failure users cannot see, so four situations warn,
+    each once per process (``_runtime.warn_once``: a RuntimeWarning and the ``spillover`` logger
+    at WARNING, the one style of this package) and each naming the knob to change; every step
+    also lists those it tripped in ``report()``.
+    - *Pool full*: at the end of a forward, saved tensors stayed on the device because the host
+      pool had no room (the bytes are ``bytes_kept_pool_full``).
+    - *Optimizer room*: the same, while other users held a large share of the pool when the step
+      began (at least 1 MiB and 1/16 of it): the pool is shared per capacity, so an
+      ``OffloadAdamW(tier="host")`` with the same ``host_pool_bytes`` keeps its state in it.
+      "Others" are the pool's bytes in use minus the bytes in the pool of every activation tier
+      over it. When the kept bytes exceed what the others held, the pool-full warning fires too.
+    - *Compiled region*: an autograd node that is a compiled graph's backward (its name contains
+      "Compiled", as AOTAutograd's ``CompiledFunctionBackward`` does) unpacks two or more
+      offloaded storages that together are at least half of what its step offloaded. A compiled
+      graph's backward unpacks every tensor it saved before it computes anything, so they are
+      all back on the device at once and offload cannot lower the peak; eager nodes each unpack
+      their own few tensors as backward reaches them.
+    - *Slower than calibration*: once a step is over (at the end of its backward, or at its
+      exit when backward ran inside the ``with``), the seconds it stalled on copies and I/O
+      exceed ``stats.SLOW_FACTOR`` (3) times what its bytes take at the calibrated bandwidths
+      (``stats.predicted_seconds``), and ``stats.SLOW_MIN_STALL_S`` (0.1 s). The bandwidths are
+      the cached calibration (``spillover.calibrate.load``; never measured here, and the check
+      is skipped without one); a simulated link (``sim_link_bandwidth``) is its own calibration.
 """
 
 from __future__ import annotations
@@ -57,9 +96,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _runtime, _tiers
-from .config import Config
+from .config import Config, format_size
 from .errors import ConfigError, IntegrityError, PoolExhaustedError
-from .stats import OffloadStats
+from .stats import (
+    SLOW_FACTOR,
+    OffloadStats,
+    format_report,
+    predicted_seconds,
+    slower_than_predicted,
+)
 from .transfer import block_tensor, transfers_for
 
 __all__ = ["offload_context", "OffloadContext", "keep", "current_context"]
@@ -143,11 +188,12 @@ class _Stored:
     """One offloaded storage: its tier entry (a ``Handle``, or a ``Gathered`` of pieces) and the
     device->host copies that fill it."""
 
-    __slots__ = ("entry", "nbytes", "device", "copies", "seq", "views", "staged", "_lock",
-                 "_cached", "_cached_uses", "__weakref__")
+    __slots__ = ("record", "entry", "nbytes", "device", "copies", "seq", "views", "staged",
+                 "_lock", "_cached", "_cached_uses", "__weakref__")
 
-    def __init__(self, entry: Any, nbytes: int, device: torch.device, copies: List[Any],
-                 seq: int):
+    def __init__(self, record: Any, entry: Any, nbytes: int, device: torch.device,
+                 copies: List[Any], seq: int):
+        self.record = record  # its step (Note [one context, many steps]): lives as long as it
         self.entry = entry
         self.nbytes = nbytes
         self.device = device
@@ -204,36 +250,73 @@ class _Packed:
 
 # ---- the context ------------------------------------------------------------------------------
 
+#: Note [guardrails]: "others" in the pool count from this many bytes and this share of it.
+OTHERS_MIN_BYTES = 1 << 20
+OTHERS_MIN_SHARE = 1 / 16
+#: Note [guardrails]: a compiled node unpacking at least this share of its step's bytes.
+COMPILED_SHARE = 0.5
+
+
+class _StepRecord:
+    """One step of a context (Note [one context, many steps]): its tier step and counters,
+    what its forward deduplicated and marked, and what its guardrails found."""
+
+    __slots__ = ("index", "step", "stats", "stored", "by_seq", "dedup", "marked", "active",
+                 "tr_base", "tr_end", "devices", "others", "node", "compiled", "checked",
+                 "findings", "__weakref__")
+
+    def __init__(self, index: int, step: Any, others: int, tr_base: Dict[Any, Tuple]):
+        self.index = index
+        self.step = step
+        self.stats = OffloadStats(steps=1)
+        self.stored: Any = weakref.WeakSet()  # live _Stored of this step
+        self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
+        self.dedup: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
+        self.marked: set = set()
+        self.active = True
+        self.tr_base = tr_base  # per device: (stall seconds, forced waits) when it began
+        self.tr_end: Optional[Dict[Any, Tuple]] = None  # ... when the next step began
+        self.devices: set = set()
+        self.others = others  # pool bytes other users held when it began
+        self.node: Optional[List[Any]] = None  # [node key, storages, bytes] of the last unpack
+        self.compiled: Optional[Tuple[int, int, str]] = None  # most a compiled node unpacked
+        self.checked: set = set()
+        self.findings: List[str] = []
+
 
 class OffloadContext:
-    """The object ``offload_context`` returns; use it as a context manager.
+    """The object ``offload_context`` returns; use it as a context manager, once per step.
 
-    ``stats()`` reports what was packed and where it went. The context may be entered once; its
-    handles stay valid after exit, so backward can run outside the ``with`` block.
+    One object may be entered any number of times in sequence, one step each (Note [one
+    context, many steps]); entering it while it is active on the same thread raises
+    RuntimeError. Its handles stay valid after exit, so backward can run outside the ``with``
+    block, also after the next step has begun. ``stats()`` reports the latest step,
+    ``stats(total=True)`` every step; ``report()`` says in words where the step's memory went.
     """
 
     def __init__(self, tier: Optional[str] = None, **overrides: Any):
         self.config = Config.load(tier=tier, **overrides)
         _runtime.configure_logging(self.config)
         self.tier = self._resolve_tier(self.config.tier)
-        self._stats = OffloadStats()
         self._pool: Any = None
         self._tier: Any = None
-        self._step: Any = None
-        self._hooks: Any = None
-        self._entered = False
-        self._dedup: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
+        self._local = threading.local()  # .stack: [(record, hooks)] active on this thread
+        self._records: List[_StepRecord] = []  # steps not folded into the total yet
+        self._last: Optional[_StepRecord] = None
+        self._folded = OffloadStats()
+        self._steps = 0
+        self._pending_marks: set = set()  # keep() outside any step: for the next one
         self._param_ptrs: set = set()
-        self._marked_ptrs: set = set()
         self._seen_modules: set = set()
         self._pool_ranges: List[Tuple[int, int]] = []
         self._pool_starts: List[int] = []
         self._transfers: Dict[Any, Any] = {}
-        self._transfer_base: Dict[Any, Dict[str, float]] = {}
-        self._by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
+        self._transfer_base: Dict[Any, Tuple[float, int]] = {}
         self._chunk_above = 0
         self._chunk_bytes = 0
         self._in_backward = False
+        self._bwd_records: Dict[int, _StepRecord] = {}  # records unpacked in this backward
+        self._calibration: Any = None  # loaded once: dict, or False when there is none
         self._lock = threading.Lock()
 
     @staticmethod
@@ -247,24 +330,55 @@ class OffloadContext:
         """Whether this context spills to swap files (tier nvme, or auto with a swap open)."""
         return self._tier is not None and self._tier.has_swap
 
+    @property
+    def _step(self) -> Any:
+        """The latest step's tier step (``spillover._native.Step``), or None (tests)."""
+        rec = self._last
+        return rec.step if rec is not None else None
+
+    @property
+    def steps(self) -> int:
+        """How many times this context has been entered."""
+        return self._steps
+
     # -- context manager --
 
+    def _thread_stack(self) -> List[Tuple[_StepRecord, Any]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
     def __enter__(self) -> OffloadContext:
-        if self._entered:
-            raise RuntimeError("an offload_context can be entered once; make a new one per step")
-        self._entered = True
-        self._pool = _runtime.host_pool(self.config)
-        if torch.cuda.is_available():
-            _runtime.register_with_cuda(self._pool)
-        self._pool_ranges = sorted(_runtime.pool_ranges())
+        stack = self._thread_stack()
+        if stack:
+            raise RuntimeError(
+                f"this offload_context is already active on this thread (step {stack[-1][0].index}"
+                " has not exited its `with` block): exit it before entering it again -- one "
+                "`with ctx:` per step -- or use a second offload_context(...) for a nested "
+                "region"
+            )
+        if self._pool is None:
+            self._open()
+        self._pool_ranges = sorted(_runtime.pool_ranges())  # pools made since count too
         self._pool_starts = [a for a, _ in self._pool_ranges]
-        self._stats.pool_capacity = self._pool.capacity
-        self._tier = self._open_tier()
-        self._step = self._tier.begin_step()
-        if self.nvme:
-            self._chunk_above, self._chunk_bytes = _tiers.chunk_sizes(self._pool.capacity)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        others = self._pool_others()
+        with self._lock:
+            now = self._transfer_now()
+            if self._last is not None and self._last.tr_end is None:
+                self._last.tr_end = now
+            self._fold(keep_last=False)  # a new latest step begins
+            self._steps += 1
+            index = self._steps
+        rec = _StepRecord(index, self._tier.begin_step(), others, now)
+        rec.stats.pool_capacity = self._pool.capacity
+        with self._lock:
+            rec.marked, self._pending_marks = self._pending_marks, set()
+            self._records.append(rec)
+            self._last = rec
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        stack.append((rec, hooks))
         _active().append(self)
         _hook_acquire()
         return self
@@ -276,10 +390,25 @@ class OffloadContext:
             stack.pop()
         elif self in stack:
             stack.remove(self)
-        self._hooks.__exit__(*exc)
-        self._dedup.clear()
-        for tr in self._transfers.values():
+        rec, hooks = self._thread_stack().pop()
+        hooks.__exit__(*exc)
+        rec.active = False
+        rec.dedup.clear()
+        rec.marked.clear()
+        if exc[0] is None:
+            self._check_pool(rec)
+            self._check_compiled(rec)
+            self._check_speed(rec)  # when its backward ran inside the `with`
+        for tr in list(self._transfers.values()):
             tr.reap()  # copies done by now release their sources at once
+
+    def _open(self) -> None:
+        self._pool = _runtime.host_pool(self.config)
+        if torch.cuda.is_available():
+            _runtime.register_with_cuda(self._pool)
+        self._tier = self._open_tier()
+        if self.nvme:
+            self._chunk_above, self._chunk_bytes = _tiers.chunk_sizes(self._pool.capacity)
 
     def _open_tier(self) -> Any:
         if self.tier == "host":
@@ -299,40 +428,59 @@ class OffloadContext:
     # -- user API --
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Keep ``tensor``'s storage in place when it is saved in this context."""
-        self._marked_ptrs.add(self._storage_key(tensor))
+        """Keep ``tensor``'s storage in place when it is saved in this context's current step
+        (the one active on this thread; outside one, the next step)."""
+        key = self._storage_key(tensor)
+        stack = self._thread_stack()
+        with self._lock:
+            (stack[-1][0].marked if stack else self._pending_marks).add(key)
         return tensor
 
-    def stats(self) -> OffloadStats:
-        """A snapshot of the counters (a copy; later steps do not change it)."""
-        s = self._stats
-        with s._lock:
-            out = OffloadStats(**{k: v for k, v in s.as_dict().items() if hasattr(s, k)
-                                  and k not in ("bytes_kept", "bytes_offloaded")})
-        if self._step is not None:
-            st = self._step.stats()
-            out.bytes_offloaded_nvme = st["bytes_written"]
-            out.bytes_offloaded_host = st["bytes_put"] - st["bytes_written"]
-            out.prefetch_hits = st["prefetch_hits"]
-            out.prefetch_misses = st["prefetch_misses"]
-            out.host_cache_hits = st["host_cache_hits"]
-            out.overflow_reads = st["overflow_reads"]
-            out.stall_seconds += st["stall_seconds"]
+    def stats(self, total: bool = False) -> OffloadStats:
+        """A snapshot of the counters (a copy; later steps do not change it): of the latest
+        step (its forward and, once it has run, its backward), or with ``total=True`` the sum
+        over every step this context ran (``steps`` says how many). The pool and swap gauges
+        are read now."""
+        with self._lock:
+            if total:
+                self._fold()
+                out, recs = self._folded.copy(), list(self._records)
+            else:
+                out, recs = OffloadStats(), [self._last] if self._last is not None else []
+        for rec in recs:
+            out = out + self._step_stats(rec)
+        if self._tier is not None:
             ts = self._tier.stats()
             out.pool_in_use = ts["pool_in_use"]
             out.swap_in_use = ts["swap_in_use"]
-            out.pool_peak = ts["pool_peak"]
-        for dev, tr in self._transfers.items():
-            base = self._transfer_base.get(dev, {})
-            out.stall_seconds += tr.stall_seconds - base.get("stall_seconds", 0.0)
-            out.copy_waits_forced += tr.forced_waits - int(base.get("forced_waits", 0))
-            out.bytes_in_flight_peak = max(out.bytes_in_flight_peak, tr.peak_bytes_in_flight)
+            out.pool_peak = max(out.pool_peak, ts["pool_peak"])
+            out.pool_capacity = self._pool.capacity
         return out
+
+    def report(self, total: bool = False) -> str:
+        """In words, for the latest step (or every step, ``total=True``): where its device
+        memory went -- bytes kept and why (small, parameter, marked, pool full, unsupported),
+        bytes offloaded per tier --, the seconds it stalled, how read-ahead did, and the
+        guardrails it tripped (Note [guardrails])."""
+        s = self.stats(total=total)
+        with self._lock:
+            recs = list(self._records) if total else [self._last] if self._last else []
+        findings = [f for r in recs for f in r.findings]
+        if total:
+            title = (f"spillover: {s.steps} step{'' if s.steps == 1 else 's'} on the "
+                     f"{self.tier} tier")
+        elif self._last is None:
+            title = "spillover: no step yet (enter the context around a forward)"
+        else:
+            title = f"spillover: step {self._last.index} on the {self.tier} tier"
+        return format_report(s, title=title, min_offload_bytes=self.config.min_offload_bytes,
+                             findings=findings)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Offload ``tensor`` as this context's saved-tensor hook would; returns a handle for
         :meth:`unpack` (or the tensor itself when it is kept). For wrappers that save tensors
-        outside autograd's hooks, e.g. selective checkpointing's cached op outputs."""
+        outside autograd's hooks, e.g. selective checkpointing's cached op outputs. Counted in
+        the step active on this thread, else the latest step."""
         return self._pack(tensor)
 
     def unpack(self, handle: Any) -> torch.Tensor:
@@ -342,10 +490,199 @@ class OffloadContext:
     def synchronize(self) -> None:
         """Wait for every copy this context's devices have in flight and every write or read
         of the tier (tests, measurements). Raises the first I/O error one of them hit."""
-        for tr in self._transfers.values():
+        for tr in list(self._transfers.values()):
             tr.synchronize()
         if self._tier is not None:
             self._tier.wait_idle()
+
+    # -- steps --
+
+    def _current(self) -> _StepRecord:
+        stack = getattr(self._local, "stack", None)
+        if stack:
+            return stack[-1][0]
+        rec = self._last
+        if rec is None:
+            raise RuntimeError("offload_context: pack before the context was ever entered; "
+                               "enter it (`with ctx:`) around the forward first")
+        return rec
+
+    def _transfer_now(self) -> Dict[Any, Tuple[float, int]]:
+        return {dev: (tr.stall_seconds, tr.forced_waits) for dev, tr in self._transfers.items()}
+
+    def _fold(self, keep_last: bool = True) -> None:
+        """Under ``_lock``: fold into the total the steps that are over -- exited, no entry
+        alive, and (``keep_last``) not the latest (Note [one context, many steps])."""
+        keep = []
+        for rec in self._records:
+            if rec.active or (keep_last and rec is self._last) or len(rec.stored):
+                keep.append(rec)
+            else:
+                self._folded = self._folded + self._step_stats(rec)
+        self._records = keep
+
+    def _step_stats(self, rec: _StepRecord) -> OffloadStats:
+        out = rec.stats.copy()
+        st = rec.step.stats()
+        out.bytes_offloaded_nvme = st["bytes_written"]
+        out.bytes_offloaded_host = st["bytes_put"] - st["bytes_written"]
+        out.prefetch_hits = st["prefetch_hits"]
+        out.prefetch_misses = st["prefetch_misses"]
+        out.host_cache_hits = st["host_cache_hits"]
+        out.overflow_reads = st["overflow_reads"]
+        out.stall_seconds += st["stall_seconds"]
+        for dev, tr in list(self._transfers.items()):
+            if rec.tr_end is not None:
+                end = rec.tr_end.get(dev)
+                if end is None:
+                    continue  # first used after this step ended
+            else:
+                end = (tr.stall_seconds, tr.forced_waits)
+            base = rec.tr_base.get(dev) or self._transfer_base[dev]
+            out.stall_seconds += end[0] - base[0]
+            out.copy_waits_forced += end[1] - base[1]
+        return out
+
+    # -- guardrails (Note [guardrails]) --
+
+    def _pool_others(self) -> int:
+        """Bytes of the pool in use by others than this process's activation tiers."""
+        in_use = self._pool.stats()["in_use"]
+        ours = sum(t.stats()["bytes_in_pool"] for t in _tiers_over(self._pool))
+        return max(0, in_use - ours)
+
+    def _found(self, rec: _StepRecord, key: str, message: str) -> None:
+        rec.findings.append(message)
+        _runtime.warn_once(key, message)
+
+    def _check_pool(self, rec: _StepRecord) -> None:
+        kept = rec.stats.bytes_kept_pool_full
+        if not kept or "pool" in rec.checked:
+            return
+        rec.checked.add("pool")
+        cap = self._pool.capacity
+        others = rec.others
+        if others < max(OTHERS_MIN_BYTES, cap * OTHERS_MIN_SHARE):
+            others = 0
+        else:
+            self._found(rec, "guard-optimizer-pool", (
+                f"spillover: {format_size(others)} of the {format_size(cap)} host pool was held "
+                f"by others when step {rec.index} began, and {format_size(kept)} of saved "
+                "activations then found no room and stayed on the device. OffloadAdamW(tier="
+                "'host') keeps its state in the same pool when its host_pool_bytes is the same: "
+                "give it tier='nvme', or a pool of its own (another host_pool_bytes), or raise "
+                f"SPILLOVER_HOST_POOL_BYTES (host_pool_bytes=) to at least "
+                f"{format_size(cap + kept)}."
+            ))
+        if kept > others:
+            hint = ("; on the NVMe tier the pool must also hold the copies in flight and the "
+                    "largest saved tensor" if self.nvme else
+                    ", or use tier='nvme' so that what does not fit spills to disk")
+            self._found(rec, "guard-pool-full", (
+                f"spillover: the {format_size(cap)} host pool was full: {format_size(kept)} of "
+                f"saved activations stayed on the device in step {rec.index} (offload did not "
+                "lower their memory). Raise SPILLOVER_HOST_POOL_BYTES (host_pool_bytes=) to "
+                f"about {format_size(cap + kept)}{hint}."
+            ))
+
+    def _note_node(self, rec: _StepRecord, node: Any, s: _Stored) -> None:
+        """Count what a compiled graph's backward node unpacks (Note [guardrails])."""
+        try:
+            name = node.name()
+        except Exception:
+            return
+        if "Compiled" not in name:
+            return
+        try:
+            key: Any = (name, node._sequence_nr())
+        except Exception:
+            key = (name, id(node))
+        with self._lock:
+            if rec.node is None or rec.node[0] != key:
+                rec.node = [key, set(), 0]
+            if id(s) in rec.node[1]:
+                return
+            rec.node[1].add(id(s))
+            rec.node[2] += s.nbytes
+            seen = (rec.node[2], len(rec.node[1]), name)
+            if rec.compiled is None or seen > rec.compiled:
+                rec.compiled = seen
+
+    def _check_compiled(self, rec: _StepRecord) -> None:
+        if rec.compiled is None or "compiled" in rec.checked:
+            return
+        nbytes, n, name = rec.compiled
+        put = rec.step.stats()["bytes_put"]
+        if n < 2 or not put or nbytes < COMPILED_SHARE * put:
+            return
+        rec.checked.add("compiled")
+        self._found(rec, "guard-compiled", (
+            f"spillover: a compiled region's backward ({name}) unpacked {n} offloaded tensors "
+            f"({format_size(nbytes)}, {100 * nbytes // put}% of what step {rec.index} "
+            "offloaded) at once, before computing anything: they are all back on the device "
+            "together, so offload cannot lower the peak. Compile per block (torch.compile each "
+            "transformer block, e.g. after spillover.wrap(model)) instead of the whole model, or "
+            "run offload_context around an uncompiled model."
+        ))
+
+    def _check_speed(self, rec: _StepRecord) -> None:
+        if rec.active or "speed" in rec.checked or not rec.stats.tensors_unpacked:
+            return  # checked once, when the step is over: forward done, backward run
+        rec.checked.add("speed")
+        rates = self._rates(rec)
+        if rates is None:
+            return
+        s = self._step_stats(rec)
+        predicted = predicted_seconds(s, rates)
+        if not slower_than_predicted(s, predicted):
+            return
+        assert predicted is not None
+        self._found(rec, "guard-slow", (
+            f"spillover: step {rec.index} waited {s.stall_seconds:.2f} s for copies and I/O, "
+            f"over {SLOW_FACTOR:.0f}x the {predicted:.3f} s its bytes take at this machine's "
+            f"calibrated bandwidths ({format_size(s.bytes_offloaded)} offloaded, "
+            f"{format_size(s.bytes_offloaded_nvme)} of it to disk): the link or the disk runs "
+            "far below its calibration (another process using it, another drive than "
+            "calibrated, throttling). Re-calibrate with `python -m spillover bench --force`, "
+            "point SPILLOVER_NVME_PATH at a local NVMe drive, or raise "
+            "SPILLOVER_PREFETCH_BYTES so reads start earlier."
+        ))
+
+    def _rates(self, rec: _StepRecord) -> Optional[Dict[str, Optional[float]]]:
+        """The bandwidths a step's devices were calibrated at (the slowest of them), or None
+        when there is no calibration to compare with."""
+        if self._calibration is None:
+            try:
+                from . import calibrate
+
+                self._calibration = calibrate.load(self.config) or False
+            except Exception:
+                self._calibration = False
+        cal = self._calibration or {}
+        rates: Dict[str, Optional[float]] = {
+            "nvme_write": cal.get("nvme_write_bytes_per_s"),
+            "nvme_read": cal.get("nvme_read_bytes_per_s"),
+        }
+        slowest_d2h = slowest_h2d = float("inf")
+        for dev in list(rec.devices):
+            tr = self._transfers.get(dev)
+            if tr is None:
+                continue
+            bw = getattr(tr.dev, "bandwidth", None)
+            if bw:  # a simulated link: its bandwidth is its calibration
+                d2h = h2d = bw
+            else:
+                if not cal:
+                    return None
+                d = cal.get("devices", {}).get(_device_key(dev)) or {}
+                d2h, h2d = d.get("d2h_bytes_per_s"), d.get("h2d_bytes_per_s")
+                if not d2h or not h2d:
+                    return None
+            if tr.host_is_device:
+                h2d = float("inf")  # unpack views the block: nothing comes back
+            slowest_d2h, slowest_h2d = min(slowest_d2h, d2h), min(slowest_h2d, h2d)
+        rates["d2h"], rates["h2d"] = slowest_d2h, slowest_h2d
+        return rates
 
     # -- internals --
 
@@ -382,14 +719,15 @@ class OffloadContext:
         if tr is None:
             tr = transfers_for(device, sim_bandwidth=self.config.sim_link_bandwidth,
                                cap_bytes=self.config.copy_inflight_bytes)
-            self._transfers[device] = tr
-            self._transfer_base[device] = {"stall_seconds": tr.stall_seconds,
-                                           "forced_waits": tr.forced_waits}
+            with self._lock:
+                self._transfer_base[device] = (tr.stall_seconds, tr.forced_waits)
+                self._transfers[device] = tr
         return tr
 
     @torch._dynamo.disable  # type: ignore[misc]
     def _pack(self, t: torch.Tensor) -> Any:
-        stats = self._stats
+        rec = self._current()
+        stats = rec.stats
         if (
             t.layout != torch.strided
             or t.device.type not in ("cpu", "cuda")
@@ -411,14 +749,14 @@ class OffloadContext:
         if self._is_param(t, key):
             stats.add(bytes_kept_parameter=nbytes)
             return t
-        if key in self._marked_ptrs:
+        if key in rec.marked:
             stats.add(bytes_kept_marked=nbytes)
             return t
         if t.device.type == "cpu" and self._in_pool(key[2]):
             # Already a view of a pool block (e.g. an unpacked tensor saved again).
             stats.add(bytes_kept_unsupported=nbytes)
             return t
-        hit = self._dedup.get(key)
+        hit = rec.dedup.get(key)
         if hit is not None:
             stored = hit[0]()
             if stored is not None and (hit[1] is None or not hit[1].expired()):
@@ -428,43 +766,46 @@ class OffloadContext:
         tr.reap()
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         if self._chunk_above and nbytes > self._chunk_above:
-            stored = self._pack_pieces(tr, src, t, nbytes)
+            stored = self._pack_pieces(rec, tr, src, t, nbytes)
         else:
-            stored = self._pack_whole(tr, src, t, nbytes)
+            stored = self._pack_whole(rec, tr, src, t, nbytes)
         if stored is None:
             stats.add(bytes_kept_pool_full=nbytes)
             return t
+        stats.raise_to(bytes_in_flight_peak=tr.bytes_in_flight)
         wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
-        self._dedup[key] = (weakref.ref(stored), wref)
+        rec.dedup[key] = (weakref.ref(stored), wref)
+        rec.stored.add(stored)
+        rec.devices.add(t.device)
         stats.add(tensors_offloaded=1)
         if not tr.host_is_device:  # only a device's H2D copies are staged ahead
-            self._by_seq[stored.seq] = weakref.ref(stored)
+            rec.by_seq[stored.seq] = weakref.ref(stored)
         return _Packed(stored, t)
 
-    def _put(self, tr: Any, nbytes: int) -> Tuple[Any, Any]:
+    def _put(self, rec: _StepRecord, tr: Any, nbytes: int) -> Tuple[Any, Any]:
         """A staged tier entry of ``nbytes``. When every block is staged or viewed, the copies
         in flight are waited for (their entries become evictable) and the lease tried again;
         PoolExhaustedError when that frees nothing."""
         try:
-            return self._step.put(nbytes)
+            return rec.step.put(nbytes)
         except PoolExhaustedError:
             if not tr.bytes_in_flight:
                 raise
         t0 = time.perf_counter()
         tr.synchronize()
-        self._stats.add(stall_seconds=time.perf_counter() - t0)
-        return self._step.put(nbytes)
+        rec.stats.add(stall_seconds=time.perf_counter() - t0)
+        return rec.step.put(nbytes)
 
-    def _pack_whole(self, tr: Any, src: torch.Tensor, t: torch.Tensor,
+    def _pack_whole(self, rec: _StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
                     nbytes: int) -> Optional[_Stored]:
         try:
-            handle, view = self._put(tr, nbytes)
+            handle, view = self._put(rec, tr, nbytes)
         except PoolExhaustedError:
             return None
         copy = tr.to_host(src, block_tensor(view), watch=t, on_landed=handle.seal)
-        return _Stored(handle, nbytes, t.device, [copy], handle.seq)
+        return _Stored(rec, handle, nbytes, t.device, [copy], handle.seq)
 
-    def _pack_pieces(self, tr: Any, src: torch.Tensor, t: torch.Tensor,
+    def _pack_pieces(self, rec: _StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
                      nbytes: int) -> Optional[_Stored]:
         """Note [gathered storages] (rust/tier/gather.rs): a storage larger than half the pool
         goes in pieces, each an entry of its own, written out as the pool fills."""
@@ -472,57 +813,70 @@ class OffloadContext:
         try:
             for off in range(0, nbytes, self._chunk_bytes):
                 n = min(self._chunk_bytes, nbytes - off)
-                handle, view = self._put(tr, n)
+                handle, view = self._put(rec, tr, n)
                 copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
                                          on_landed=handle.seal))
                 handles.append(handle)
         except PoolExhaustedError:
             # The pieces go as their copies land (a staging view keeps its block until then).
             return None
-        self._stats.add(tensors_chunked=1)
-        return _Stored(self._step.gather(handles), nbytes, t.device, copies, handles[-1].seq)
+        rec.stats.add(tensors_chunked=1)
+        return _Stored(rec, rec.step.gather(handles), nbytes, t.device, copies, handles[-1].seq)
 
     @torch._dynamo.disable  # type: ignore[misc]
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         s = packed.stored
-        self._note_backward()
+        rec = s.record
+        node = self._note_backward(rec)
+        if node is not None:
+            self._note_node(rec, node, s)
         raw = self._materialize(s, packed)
         packed.check_version()
         out = torch.empty(0, dtype=packed.dtype, device=s.device)
         out.set_(raw.untyped_storage(), packed.offset, packed.size, packed.stride)
-        self._stats.add(tensors_unpacked=1, bytes_unpacked=s.nbytes)
+        rec.stats.add(tensors_unpacked=1, bytes_unpacked=s.nbytes)
         return out
 
-    def _note_backward(self) -> None:
-        """At the first unpack of a backward: run :meth:`_end_of_backward` when it ends."""
-        node = getattr(torch._C, "_current_autograd_node", None)
-        if node is not None and node() is None:
-            return  # unpacked outside a backward (e.g. a saved tensor read directly)
+    def _note_backward(self, rec: _StepRecord) -> Any:
+        """At the first unpack of a backward: run :meth:`_end_of_backward` when it ends.
+        Returns the autograd node unpacking (None outside a backward)."""
+        get_node = getattr(torch._C, "_current_autograd_node", None)
+        node = get_node() if get_node is not None else None
+        if get_node is not None and node is None:
+            return None  # unpacked outside a backward (e.g. a saved tensor read directly)
         with self._lock:
+            self._bwd_records[id(rec)] = rec
             if self._in_backward:
-                return
+                return node
             self._in_backward = True
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         except RuntimeError:  # unpacked outside a backward (e.g. a saved tensor read directly)
             with self._lock:
                 self._in_backward = False
+        return node
 
     def _end_of_backward(self) -> None:
         with self._lock:
             self._in_backward = False
-        for tr in self._transfers.values():
+            recs, self._bwd_records = list(self._bwd_records.values()), {}
+        for tr in list(self._transfers.values()):
             tr.end_of_backward()
+        for rec in recs:
+            self._check_pool(rec)  # packs of regions recomputed in backward count too
+            self._check_compiled(rec)
+            self._check_speed(rec)
 
     def _materialize(self, s: _Stored, packed: _Packed) -> torch.Tensor:
         """The storage's bytes as a uint8 tensor on its device."""
         tr = self._transfer(s.device)
+        stats = s.record.stats
         src = s.source()
         tr.release_sources()
         if src is not None:  # Note [source returned]
-            self._stats.add(unpacks_from_source=1)
+            stats.add(unpacks_from_source=1)
             s.entry.note_used()
             return src
         with s._lock:
@@ -548,7 +902,7 @@ class OffloadContext:
         t0 = time.perf_counter()
         for c in s.copies:  # the tier can give the bytes back only once they have landed
             c.wait()
-        self._stats.add(stall_seconds=time.perf_counter() - t0)
+        s.record.stats.add(stall_seconds=time.perf_counter() - t0)
         try:
             view = s.entry.get()
         except IntegrityError as e:
@@ -572,11 +926,12 @@ class OffloadContext:
         distance ahead, from blocks already in the pool (the tier reads the rest ahead)."""
         if tr.host_is_device:
             return
+        rec = s.record
         staged, nbytes = 0, 0
-        for seq in self._step.expected_after(s.seq, 4 * STAGE_AHEAD_ENTRIES):
+        for seq in rec.step.expected_after(s.seq, 4 * STAGE_AHEAD_ENTRIES):
             if staged >= STAGE_AHEAD_ENTRIES or nbytes >= STAGE_AHEAD_BYTES:
                 break
-            ref = self._by_seq.get(seq)
+            ref = rec.by_seq.get(seq)
             c = ref() if ref is not None else None
             if c is None or c.device != s.device or len(c.copies) != 1:
                 continue
@@ -593,6 +948,21 @@ class OffloadContext:
             nbytes += c.nbytes
 
 
+def _tiers_over(pool: Any) -> List[Any]:
+    """The process's activation tiers over ``pool`` (Note [guardrails]: what is not theirs in
+    the pool is someone else's)."""
+    with _tiers._lock:
+        return [t for key, t in _tiers._tiers.items() if key[0] == id(pool)]
+
+
+def _device_key(device: torch.device) -> str:
+    """A device's key in the calibration file (``spillover.calibrate``)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return device.type
+
+
 def offload_context(tier: Optional[str] = None, **overrides: Any) -> OffloadContext:
     """Offload the activations autograd saves inside the ``with`` block.
 
@@ -602,14 +972,20 @@ def offload_context(tier: Optional[str] = None, **overrides: Any) -> OffloadCont
             ``min_offload_bytes``, ``verify``, ``copy_inflight_bytes``, ...), overriding its
             SPILLOVER_* variable.
 
+    The object is reusable: make it once and enter it around each step's forward (Note [one
+    context, many steps]); ``stats()`` and ``report()`` describe the latest step,
+    ``stats(total=True)`` and ``report(total=True)`` every step so far.
+
     Raises:
         ConfigError: a bad value, or a SPILLOVER_* variable spillover does not know.
 
     Example::
 
-        with spillover.offload_context(tier="host") as ctx:
-            loss = model(batch).loss
-        loss.backward()
-        print(ctx.stats())
+        ctx = spillover.offload_context(tier="host")
+        for batch in loader:
+            with ctx:
+                loss = model(batch).loss
+            loss.backward()            # outside the `with`: fine
+        print(ctx.stats(), ctx.report(), sep="\n")
     """
     return OffloadContext(tier=tier, **overrides)

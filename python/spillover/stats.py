@@ -1,21 +1,32 @@
-"""Counters of one ``offload_context``: what was packed, where it went, what stayed and why."""
+"""Counters of an ``offload_context``, per step and in total: what was packed, where it went,
+what stayed and why; the text of ``ctx.report()``; and the arithmetic of the guardrails that
+say when offload is not working (Note [guardrails] in context.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from .config import format_size
 
-__all__ = ["OffloadStats"]
+__all__ = ["OffloadStats", "format_report", "predicted_seconds"]
+
+#: Gauges read from the pool and tier when stats() is read (a total takes the latest) and
+#: peaks (a total takes the largest); every other field is a counter (a total adds them).
+_LATEST = ("pool_in_use", "pool_capacity", "swap_in_use")
+_PEAKS = ("pool_peak", "bytes_in_flight_peak")
 
 
 @dataclasses.dataclass
 class OffloadStats:
-    """Counters of one context. Byte counts are storage bytes (a storage saved through several
-    views is counted once, under ``bytes_deduplicated`` for the repeats)."""
+    """Counters of one step of a context (``ctx.stats()``), or of all its steps
+    (``ctx.stats(total=True)``, the sum: ``steps`` says how many). Byte counts are storage bytes
+    (a storage saved through several views is counted once, under ``bytes_deduplicated`` for
+    the repeats)."""
 
+    #: Steps these counters cover (1 for one step's stats).
+    steps: int = 0
     tensors_packed: int = 0
     bytes_packed: int = 0
     tensors_offloaded: int = 0
@@ -28,6 +39,9 @@ class OffloadStats:
     bytes_offloaded_nvme: int = 0
     storages_deduplicated: int = 0
     bytes_deduplicated: int = 0
+    #: Bytes that stayed where they were, by reason: below SPILLOVER_MIN_OFFLOAD_BYTES; a
+    #: parameter or buffer; marked with ``spillover.keep``; no room in the host pool; a layout,
+    #: device or tensor subclass spillover does not offload (or CUDA graph capture).
     bytes_kept_small: int = 0
     bytes_kept_parameter: int = 0
     bytes_kept_marked: int = 0
@@ -51,7 +65,7 @@ class OffloadStats:
     #: Packs that made the compute stream wait for an older copy because the bytes of copies in
     #: flight passed SPILLOVER_COPY_INFLIGHT_BYTES (Note [back-pressure] in transfer.py).
     copy_waits_forced: int = 0
-    #: Most bytes of device->host copies in flight at once (this device's transfers).
+    #: Most bytes of device->host copies in flight at once after one of the step's packs.
     bytes_in_flight_peak: int = 0
     #: The host pool: its peak use (all steps of the process), its use when stats() was read.
     pool_peak: int = 0
@@ -68,6 +82,37 @@ class OffloadStats:
         with self._lock:
             for k, v in deltas.items():
                 setattr(self, k, getattr(self, k) + v)
+
+    def raise_to(self, **values: Any) -> None:
+        """Each named field becomes the larger of its value and the one given."""
+        with self._lock:
+            for k, v in values.items():
+                if v > getattr(self, k):
+                    setattr(self, k, v)
+
+    def copy(self) -> OffloadStats:
+        with self._lock:
+            return OffloadStats(**self._fields())
+
+    def _fields(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "_lock"}
+
+    def __add__(self, other: OffloadStats) -> OffloadStats:
+        """Counters added, peaks the larger, gauges (pool and swap in use) ``other``'s: the
+        total of two steps, the later one on the right."""
+        if not isinstance(other, OffloadStats):
+            return NotImplemented
+        a, b = self.copy()._fields(), other.copy()._fields()
+        out = {}
+        for k, v in a.items():
+            if k in _LATEST:
+                out[k] = b[k]
+            elif k in _PEAKS:
+                out[k] = max(v, b[k])
+            else:
+                out[k] = v + b[k]
+        return OffloadStats(**out)
 
     @property
     def bytes_kept(self) -> int:
@@ -89,7 +134,7 @@ class OffloadStats:
         return self.prefetch_hits / n if n else float("nan")
 
     def as_dict(self) -> Dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
+        d = self._fields()
         d["bytes_kept"] = self.bytes_kept
         d["bytes_offloaded"] = self.bytes_offloaded
         return d
@@ -102,3 +147,100 @@ class OffloadStats:
             f"{format_size(self.bytes_kept)}; deduplicated {self.storages_deduplicated}; "
             f"pool peak {format_size(self.pool_peak)}"
         )
+
+
+# ---- guardrail arithmetic (Note [guardrails] in context.py) ----------------------------------
+
+#: A step is "slower than calibration" when it stalled more than this many times the seconds
+#: its bytes take at the calibrated bandwidths ...
+SLOW_FACTOR = 3.0
+#: ... and at least this long (below it, timer noise and one-off latencies dominate).
+SLOW_MIN_STALL_S = 0.1
+
+
+def predicted_seconds(s: OffloadStats, rates: Dict[str, Optional[float]]) -> Optional[float]:
+    """Seconds the bytes ``s`` moved take at ``rates`` (bytes/s: ``d2h``, ``h2d``,
+    ``nvme_write``, ``nvme_read``), if every link were busy with nothing else; None when a rate
+    the step needs is unknown. Over-counts on purpose (every unpack as a copy back, every
+    byte written as read back once), so the guardrail errs towards silence."""
+    need = {"d2h": s.bytes_offloaded, "h2d": s.bytes_unpacked,
+            "nvme_write": s.bytes_offloaded_nvme, "nvme_read": s.bytes_offloaded_nvme}
+    total = 0.0
+    for k, nbytes in need.items():
+        if not nbytes:
+            continue
+        rate = rates.get(k)
+        if not rate or rate <= 0:
+            return None
+        total += nbytes / rate
+    return total
+
+
+def slower_than_predicted(s: OffloadStats, predicted: Optional[float]) -> bool:
+    """Whether ``s`` stalled over SLOW_FACTOR times ``predicted`` seconds (and at least
+    SLOW_MIN_STALL_S); False when nothing was predicted or nothing moved."""
+    return (predicted is not None and predicted > 0 and s.stall_seconds >= SLOW_MIN_STALL_S
+            and s.stall_seconds > SLOW_FACTOR * predicted)
+
+
+# ---- ctx.report() -----------------------------------------------------------------------------
+
+
+def _share(n: int, whole: int) -> str:
+    return f"{100.0 * n / whole:.0f}%" if whole else "-"
+
+
+def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
+                  findings: List[str]) -> str:
+    """The text of ``ctx.report()``: where the step's device memory went (kept, and why;
+    offloaded, per tier), what waiting it cost, how read-ahead did, and the guardrails the step
+    tripped (``findings``)."""
+    kept = s.bytes_kept
+    whole = s.bytes_packed
+    lines = [
+        title,
+        f"  saved by autograd: {s.tensors_packed} tensors, {format_size(whole)} of storage"
+        + (f" (+{s.storages_deduplicated} views of storages already saved, "
+           f"{format_size(s.bytes_deduplicated)})" if s.storages_deduplicated else ""),
+        f"  offloaded: {format_size(s.bytes_offloaded)} ({_share(s.bytes_offloaded, whole)}) "
+        f"in {s.tensors_offloaded} storages -- host {format_size(s.bytes_offloaded_host)}, "
+        f"nvme {format_size(s.bytes_offloaded_nvme)}"
+        + (f"; {s.tensors_chunked} in pieces" if s.tensors_chunked else ""),
+        f"  kept on the device: {format_size(kept)} ({_share(kept, whole)}), by reason:",
+    ]
+    reasons = [
+        ("small", s.bytes_kept_small,
+         f"under min_offload_bytes ({format_size(min_offload_bytes)}, "
+         "SPILLOVER_MIN_OFFLOAD_BYTES)"),
+        ("parameter", s.bytes_kept_parameter, "parameters and buffers (never offloaded)"),
+        ("marked", s.bytes_kept_marked, "marked with spillover.keep() or by the planner"),
+        ("pool full", s.bytes_kept_pool_full,
+         "no room in the host pool (SPILLOVER_HOST_POOL_BYTES)"),
+        ("unsupported", s.bytes_kept_unsupported,
+         "layout/device/subclass not offloaded, CUDA graph capture, already pooled"),
+    ]
+    for name, n, why in reasons:
+        lines.append(f"    {name:<12}{format_size(n):>12}  {why}")
+    lines.append(
+        f"  stalls: {s.stall_seconds * 1e3:.1f} ms waiting for copies and I/O"
+        f" ({s.copy_waits_forced} forced by the in-flight cap; copies in flight peaked at "
+        f"{format_size(s.bytes_in_flight_peak)})"
+    )
+    reads = s.prefetch_hits + s.prefetch_misses
+    lines.append(
+        f"  unpacked: {s.tensors_unpacked} ({format_size(s.bytes_unpacked)}); "
+        f"{s.unpacks_from_source} served by the tensor still on the device, "
+        f"{s.host_cache_hits} from the pool"
+        + (f", {s.prefetch_hits} prefetch hits / {s.prefetch_misses} misses from disk "
+           f"({_share(s.prefetch_hits, reads)})" if reads else "")
+        + (f", {s.overflow_reads} read through a temporary buffer (pool full)"
+           if s.overflow_reads else "")
+    )
+    lines.append(
+        f"  host pool: {format_size(s.pool_in_use)} in use of {format_size(s.pool_capacity)}, "
+        f"peak {format_size(s.pool_peak)}; swap in use {format_size(s.swap_in_use)}"
+    )
+    if findings:
+        lines.append("  warnings:")
+        lines.extend(f"    - {f}" for f in findings)
+    return "\n".join(lines)

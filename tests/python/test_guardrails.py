@@ -1,0 +1,241 @@
+"""The guardrails (Note [guardrails] in context.py): each fires once per process in the
+situation it names, naming the knob, and not in a normal run; ``report()`` says where a step's
+memory went."""
+
+import time
+import warnings
+
+import pytest
+import torch
+from conftest import assert_bitwise, gpt_step
+
+import spillover
+from spillover import _runtime
+from spillover import calibrate as _calibrate
+from spillover import transfer as _transfer
+
+#: A distinctive phrase of each guardrail's message.
+POOL_FULL = "host pool was full"
+OPTIMIZER = "was held by others"
+COMPILED = "compiled region"
+SLOW = "calibrated bandwidths"
+ALL = (POOL_FULL, OPTIMIZER, COMPILED, SLOW)
+
+FAST_CALIBRATION = {
+    "version": 1,
+    "devices": {"cpu": {"d2h_bytes_per_s": 1e12, "h2d_bytes_per_s": 1e12}},
+    "nvme_write_bytes_per_s": 1e12,
+    "nvme_read_bytes_per_s": 1e12,
+}
+
+
+@pytest.fixture
+def caught(monkeypatch):
+    """Every warning issued in the test; the guardrails' once-per-process memory starts empty
+    (other tests in this process may have tripped them already)."""
+    monkeypatch.setattr(_runtime, "_warned", set())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        yield record
+
+
+def fired(record, phrase):
+    return [str(w.message) for w in record if phrase in str(w.message)]
+
+
+def assert_quiet(record):
+    for phrase in ALL:
+        assert not fired(record, phrase), fired(record, phrase)
+
+
+def small_pool(private_pool_bytes, mib):
+    return (mib << 20) + private_pool_bytes % (1 << 16)
+
+
+#: Roomy for the tiny GPT; one capacity for the file (pools are kept per capacity).
+ROOMY = (64 << 20) + 6 * 4096
+
+
+# ---- a normal run -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_normal_run_is_quiet(tier, tiny_gpt, caught, monkeypatch, tmp_path):
+    monkeypatch.setattr(_calibrate, "load", lambda cfg=None: FAST_CALIBRATION)
+    model, batch = tiny_gpt
+    ref = gpt_step(model, batch)
+    ctx = spillover.offload_context(tier, min_offload_bytes=0,
+                                    host_pool_bytes=ROOMY, nvme_path=str(tmp_path))
+    for _ in range(3):
+        assert_bitwise(ref, gpt_step(model, batch, ctx))
+    assert ctx.stats().bytes_offloaded > 0
+    assert_quiet(caught)
+    assert "warnings:" not in ctx.report()
+
+
+# ---- (a) the pool filled --------------------------------------------------------------------
+
+
+def test_pool_full_fires_once(tiny_gpt, caught, private_pool_bytes):
+    model, batch = tiny_gpt
+    ref = gpt_step(model, batch)
+    ctx = spillover.offload_context("host", min_offload_bytes=0,
+                                    host_pool_bytes=small_pool(private_pool_bytes, 1))
+    for _ in range(3):
+        assert_bitwise(ref, gpt_step(model, batch, ctx))
+    kept = ctx.stats().bytes_kept_pool_full
+    assert kept > 0
+    msgs = fired(caught, POOL_FULL)
+    assert len(msgs) == 1, msgs
+    assert "SPILLOVER_HOST_POOL_BYTES" in msgs[0] and "MiB" in msgs[0]
+    assert not fired(caught, OPTIMIZER)
+    report = ctx.report()
+    assert POOL_FULL in report  # each step lists what it tripped
+    line = next(ln for ln in report.splitlines() if ln.strip().startswith("pool full"))
+    assert spillover.format_size(kept) in line
+
+
+# ---- (b) the optimizer's state took the room --------------------------------------------------
+
+
+def test_optimizer_state_in_the_pool_fires_once(caught, private_pool_bytes):
+    """OffloadAdamW(tier="host") with the context's host_pool_bytes shares its pool: its 16 MiB
+    of state leaves 8 MiB of a 24 MiB pool for 12 MiB of activations."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 1024))
+    pool = small_pool(private_pool_bytes, 24)
+    opt = spillover.OffloadAdamW(model.parameters(), lr=1e-3, tier="host", host_pool_bytes=pool,
+                                 chunk_bytes=1 << 20)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=pool)
+    x = torch.randn(1024, 1024)
+    for _ in range(3):
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert ctx.stats().bytes_kept_pool_full > 0
+    msgs = fired(caught, OPTIMIZER)
+    assert len(msgs) == 1, msgs
+    assert "OffloadAdamW" in msgs[0] and "SPILLOVER_HOST_POOL_BYTES" in msgs[0]
+    assert not fired(caught, POOL_FULL)  # the activations would have fit without the state
+    assert OPTIMIZER in ctx.report()
+
+
+# ---- (c) a compiled region unpacks everything at once -----------------------------------------
+
+
+def compiled_fn():
+    w = torch.randn(256, 256, requires_grad=True)
+
+    def f(x):
+        h = x @ w
+        h = h.sin() * h.cos()
+        h = (h @ w).tanh()
+        return (h @ w).sigmoid().sum()
+
+    return f, w
+
+
+def test_compiled_region_fires_once(caught):
+    f, w = compiled_fn()
+    x = torch.randn(256, 256, requires_grad=True)
+    f(x).backward()
+    ref = [x.grad.clone(), w.grad.clone()]
+    cf = torch.compile(f, backend="aot_eager")
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY)
+    for _ in range(3):
+        x.grad = w.grad = None
+        with ctx:
+            loss = cf(x)
+        loss.backward()
+        assert_bitwise(ref, [x.grad, w.grad])
+    if ctx.stats().bytes_offloaded == 0:
+        pytest.skip("this torch does not run saved-tensor hooks on compiled graphs")
+    msgs = fired(caught, COMPILED)
+    assert len(msgs) == 1, msgs
+    assert "CompiledFunction" in msgs[0] and "torch.compile each" in msgs[0]
+    assert COMPILED in ctx.report()
+
+
+def test_eager_region_does_not_fire(caught):
+    f, w = compiled_fn()
+    x = torch.randn(256, 256, requires_grad=True)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY)
+    for _ in range(2):
+        with ctx:
+            loss = f(x)
+        loss.backward()
+    assert ctx.stats().bytes_offloaded > 0
+    assert_quiet(caught)
+
+
+# ---- (d) slower than calibration --------------------------------------------------------------
+
+
+@pytest.fixture
+def slow_link(monkeypatch):
+    """Every wait for a device->host copy takes 50 ms longer: a link far slower than the fake
+    calibration's 1 TB/s."""
+    wait = _transfer.Copy.wait
+
+    def slow(self):
+        time.sleep(0.05)
+        return wait(self) + 0.05
+
+    monkeypatch.setattr(_transfer.Copy, "wait", slow)
+
+
+def test_slower_than_calibration_fires_once(tiny_gpt, caught, monkeypatch, slow_link):
+    monkeypatch.setattr(_calibrate, "load", lambda cfg=None: FAST_CALIBRATION)
+    model, batch = tiny_gpt
+    ref = gpt_step(model, batch)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY)
+    for _ in range(3):
+        assert_bitwise(ref, gpt_step(model, batch, ctx))
+    assert ctx.stats().stall_seconds > 0.1
+    msgs = fired(caught, SLOW)
+    assert len(msgs) == 1, msgs
+    assert "python -m spillover bench --force" in msgs[0]
+    assert SLOW in ctx.report()
+
+
+def test_no_calibration_no_speed_check(tiny_gpt, caught, monkeypatch, slow_link):
+    monkeypatch.setattr(_calibrate, "load", lambda cfg=None: None)
+    model, batch = tiny_gpt
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY)
+    gpt_step(model, batch, ctx)
+    assert ctx.stats().stall_seconds > 0.1
+    assert not fired(caught, SLOW)
+
+
+# ---- report() ---------------------------------------------------------------------------------
+
+
+def test_report_names_every_category(tiny_gpt, tmp_path, private_pool_bytes):
+    model, (idx, tgt) = tiny_gpt
+    ctx = spillover.offload_context("nvme", min_offload_bytes="64KiB",
+                                    host_pool_bytes=small_pool(private_pool_bytes, 1),
+                                    nvme_path=str(tmp_path))
+    assert "no step yet" in ctx.report()
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        x = spillover.keep(model.tok(idx) + model.pos(torch.arange(idx.shape[1])))
+        for block in model.blocks:
+            x = block(x)
+        loss = torch.nn.functional.cross_entropy(
+            model.head(model.ln_f(x)).flatten(0, 1), tgt.flatten())
+    ctx._tier.spill_all()  # every entry on disk only: backward reads them back
+    loss.backward()
+    s = ctx.stats()
+    assert s.bytes_kept_small and s.bytes_kept_parameter and s.bytes_kept_marked, s
+    assert s.bytes_offloaded_nvme > 0 and s.prefetch_hits + s.prefetch_misses > 0, s
+    r = ctx.report()
+    assert r.startswith("spillover: step 1 on the nvme tier")
+    for word in ("offloaded:", "host", "nvme", "kept on the device", "small", "parameter",
+                 "marked", "pool full", "unsupported", "stalls", "prefetch hits"):
+        assert word in r, (word, r)
+    assert spillover.format_size(s.bytes_kept_marked) in r
+    total = ctx.report(total=True)
+    assert total.startswith("spillover: 1 step on the nvme tier")
