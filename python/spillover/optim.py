@@ -97,7 +97,8 @@ Note [GradScaler]
     and calls ``opt.step()`` with ``opt.grad_scale`` and ``opt.found_inf`` set; ``step()``
     returns at once when ``found_inf`` is set, else the kernel multiplies each gradient by
     1/scale (computed as GradScaler's ``unscale_`` computes it, so the result is the same, and
-    equal to torch's fused AdamW's division for the power-of-two scales GradScaler uses). This
+    equal to torch's fused AdamW's division for the power-of-two scales GradScaler uses); the
+    ``.grad`` tensors stay scaled, as with torch's fused AdamW. This
     is needed on the staged path: GradScaler's in-place unscaling does not move a gradient's
     version counter, so a copy the hooks took before it could not be told from a current one
     (Note [staged gradients]); with the scale applied in the kernel the copies stay valid and
