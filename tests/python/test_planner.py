@@ -463,8 +463,11 @@ def test_peak_meter_measures_this_process():
     meter = PeakMeter("cpu")
     if not meter.start():
         pytest.skip("/proc/self/clear_refs is not writable here")
-    x = torch.ones(64 * MiB // 4)  # touched: 64 MiB of RSS at once
-    del x
+    import mmap
+
+    m = mmap.mmap(-1, 64 * MiB)  # fresh pages (a tensor could reuse a heap other tests grew)
+    m.write(b"\1" * (64 * MiB))  # touched: 64 MiB of RSS at once
+    m.close()
     peak = meter.read()
     assert peak is not None and peak >= 60 * MiB
 
