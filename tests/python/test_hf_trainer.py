@@ -88,19 +88,6 @@ def assert_bitwise(a, b):
         assert torch.equal(a[k], b[k]), f"{k}: max |d| = {(a[k] - b[k]).abs().max()}"
 
 
-def _reusable_context():
-    """Whether an offload_context may be entered more than once (issue 13)."""
-    ctx = spillover.offload_context(**OPTS)
-    with ctx:
-        pass
-    try:
-        with ctx:
-            pass
-    except RuntimeError:
-        return False
-    return True
-
-
 # ---- Trainer + PEFT ---------------------------------------------------------------------------
 
 
@@ -108,7 +95,6 @@ def _reusable_context():
 def test_trainer_lora_bitwise_and_offloads_every_step(tmp_path, monkeypatch, policy):
     _, ref = train(tmp_path / "ref")
 
-    reusable = _reusable_context()
     entered = []
     enter = OffloadContext.__enter__
     monkeypatch.setattr(OffloadContext, "__enter__",
@@ -124,10 +110,7 @@ def test_trainer_lora_bitwise_and_offloads_every_step(tmp_path, monkeypatch, pol
     for s in cb.step_stats:
         assert s.bytes_offloaded > 0, s
         assert s.tensors_unpacked > 0, s  # backward ran inside the step
-    if reusable:
-        assert cb.context is ctx and entered == [ctx] * 3
-    else:  # TEMPORARY (issue 13): a fresh context per step until contexts are reusable
-        assert len(entered) == 3
+    assert cb.context is ctx and entered == [ctx] * 3 and ctx.steps == 3
     # every layer ran as a spillover region; HF's switch still holds spillover's function
     state = model.__dict__["_spillover_state"]
     assert {r.name for r in state.last_records()} == {"model.layers.0", "model.layers.1"}
@@ -357,7 +340,5 @@ def test_readme_hf_trainer_peft(tmp_path, monkeypatch):
 
 
 def test_readme_plain_loop(tmp_path, monkeypatch):
-    if not _reusable_context():
-        pytest.xfail("TEMPORARY (issue 13): the snippet enters one context every step")
     ns = run_snippet("Plain loop", tmp_path, monkeypatch)
     assert ns["ctx"].stats().tensors_packed > 0

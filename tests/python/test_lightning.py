@@ -17,7 +17,6 @@ from test_hf_trainer import (  # noqa: E402
     OPTS,
     POOL,
     _hf_gc_on,
-    _reusable_context,
     assert_bitwise,
     dataset,
     run_snippet,
@@ -67,7 +66,6 @@ def fit(callbacks=(), setup=None):
 def test_lightning_lora_bitwise_and_offloads_every_batch(monkeypatch):
     _, ref = fit(setup=_hf_gc_on)
 
-    reusable = _reusable_context()
     entered = []
     enter = OffloadContext.__enter__
     monkeypatch.setattr(OffloadContext, "__enter__",
@@ -83,10 +81,7 @@ def test_lightning_lora_bitwise_and_offloads_every_batch(monkeypatch):
     for s in cb.step_stats:
         assert s.bytes_offloaded > 0, s
         assert s.tensors_unpacked > 0, s  # backward ran inside the batch
-    if reusable:
-        assert cb.context is ctx and entered == [ctx] * 6
-    else:  # TEMPORARY (issue 13): a fresh context per batch until contexts are reusable
-        assert len(entered) == 6
+    assert cb.context is ctx and entered == [ctx] * 6 and ctx.steps == 6
     assert not cb.steps.active
 
 

@@ -60,18 +60,8 @@ class StepContext:
         """Enter the context for one step (ending a step left open by an exception first)."""
         if self._open is not None:
             self.end()
-        ctx = self.context
-        try:
-            ctx.__enter__()
-        except RuntimeError as e:
-            # TEMPORARY (issue 13): an offload_context could be entered once until it became
-            # reusable; until then each step gets a fresh context with the same configuration.
-            # Remove this branch once context.py's reusable context is in.
-            if "entered once" not in str(e):
-                raise
-            ctx = self.context = _fresh_like(ctx)
-            ctx.__enter__()
-        self._open = ctx
+        self.context.__enter__()  # Note [one context, many steps] in context.py
+        self._open = self.context
 
     def end(self) -> None:
         """Leave the context; the step's counters as they are now go to :attr:`step_stats` (a
@@ -86,13 +76,6 @@ class StepContext:
     def stats(self) -> OffloadStats:
         """The last finished step's counters (an empty record before the first)."""
         return self.step_stats[-1] if self.step_stats else OffloadStats()
-
-
-def _fresh_like(ctx: OffloadContext) -> OffloadContext:
-    # TEMPORARY (issue 13), see StepContext.begin.
-    fresh = OffloadContext(tier=ctx.config.tier)
-    fresh.config = ctx.config
-    return fresh
 
 
 
