@@ -147,11 +147,13 @@ def wrap(
         policy: see :mod:`spillover.recompute`; ``"auto"`` makes a :class:`Planner` for this
             model.
         check_fn: picks the blocks instead of the largest ``ModuleList``.
-        budget_bytes: device-memory budget of ``"auto"`` (default
+        budget_bytes: the peak budget of ``"auto"`` (Note [peak feedback]; default
             SPILLOVER_DEVICE_BUDGET_BYTES, else half of free memory).
 
     Raises:
-        ValueError: no blocks found, or the model is already wrapped.
+        ValueError: no blocks found, the model is already wrapped, or HuggingFace gradient
+            checkpointing is on in it (its blocks would be checkpointed twice: use
+            ``spillover.integrations.hf.enable`` to take it over, or turn it off first).
 
     HuggingFace models: training with ``use_cache=True`` would update the KV cache again
     during recomputation; as HF's own gradient checkpointing does, ``wrap`` turns
@@ -159,6 +161,9 @@ def wrap(
     """
     if "_spillover_state" in model.__dict__:
         raise ValueError("this model is already wrapped; call spillover.unwrap(model) first")
+    from ..integrations import check_not_double_checkpointed
+
+    check_not_double_checkpointed(model)  # never HF's checkpoint and ours around one block
     if isinstance(policy, str) and policy.strip().lower() == "auto":
         pol: RegionPolicy = _Auto(Planner(budget_bytes=budget_bytes))
     else:
