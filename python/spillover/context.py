@@ -281,7 +281,7 @@ class _StepRecord:
         self.node: Optional[List[Any]] = None  # [node key, storages, bytes] of the last unpack
         self.compiled: Optional[Tuple[int, int, str]] = None  # most a compiled node unpacked
         self.checked: set = set()
-        self.findings: List[str] = []
+        self.findings: List[Tuple[str, str]] = []  # (guardrail, message)
 
 
 class OffloadContext:
@@ -304,6 +304,7 @@ class OffloadContext:
         self._records: List[_StepRecord] = []  # steps not folded into the total yet
         self._last: Optional[_StepRecord] = None
         self._folded = OffloadStats()
+        self._folded_findings: Dict[str, List[Any]] = {}  # guardrail -> [first message, steps]
         self._steps = 0
         self._pending_marks: set = set()  # keep() outside any step: for the next one
         self._param_ptrs: set = set()
@@ -464,8 +465,15 @@ class OffloadContext:
         guardrails it tripped (Note [guardrails])."""
         s = self.stats(total=total)
         with self._lock:
-            recs = list(self._records) if total else [self._last] if self._last else []
-        findings = [f for r in recs for f in r.findings]
+            if total:  # each guardrail once, with the steps that tripped it
+                found = {k: list(v) for k, v in self._folded_findings.items()}
+                for rec in self._records:
+                    for key, message in rec.findings:
+                        found.setdefault(key, [message, 0])[1] += 1
+                findings = [f"{m} (in {n} step{'' if n == 1 else 's'})"
+                            for m, n in found.values()]
+            else:
+                findings = [m for _, m in self._last.findings] if self._last else []
         if total:
             title = (f"spillover: {s.steps} step{'' if s.steps == 1 else 's'} on the "
                      f"{self.tier} tier")
@@ -519,6 +527,8 @@ class OffloadContext:
                 keep.append(rec)
             else:
                 self._folded = self._folded + self._step_stats(rec)
+                for key, message in rec.findings:
+                    self._folded_findings.setdefault(key, [message, 0])[1] += 1
         self._records = keep
 
     def _step_stats(self, rec: _StepRecord) -> OffloadStats:
@@ -552,7 +562,7 @@ class OffloadContext:
         return max(0, in_use - ours)
 
     def _found(self, rec: _StepRecord, key: str, message: str) -> None:
-        rec.findings.append(message)
+        rec.findings.append((key, message))
         _runtime.warn_once(key, message)
 
     def _check_pool(self, rec: _StepRecord) -> None:

@@ -93,6 +93,7 @@ def test_pool_full_fires_once(tiny_gpt, caught, private_pool_bytes):
     assert POOL_FULL in report  # each step lists what it tripped
     line = next(ln for ln in report.splitlines() if ln.strip().startswith("pool full"))
     assert spillover.format_size(kept) in line
+    assert "(in 3 steps)" in ctx.report(total=True)  # all three steps tripped it
 
 
 # ---- (b) the optimizer's state took the room --------------------------------------------------
