@@ -263,7 +263,7 @@ class _StepRecord:
 
     __slots__ = ("index", "step", "stats", "stored", "by_seq", "dedup", "marked", "active",
                  "tr_base", "tr_end", "devices", "others", "node", "compiled", "checked",
-                 "findings", "__weakref__")
+                 "findings", "errors", "__weakref__")
 
     def __init__(self, index: int, step: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
@@ -282,6 +282,8 @@ class _StepRecord:
         self.compiled: Optional[Tuple[int, int, str]] = None  # most a compiled node unpacked
         self.checked: set = set()
         self.findings: List[Tuple[str, str]] = []  # (guardrail, message)
+        #: errors of this step's copies nobody waited for (Note [errors go to their owner])
+        self.errors: List[BaseException] = []
 
 
 class OffloadContext:
@@ -401,7 +403,7 @@ class OffloadContext:
             self._check_compiled(rec)
             self._check_speed(rec)  # when its backward ran inside the `with`
         for tr in list(self._transfers.values()):
-            tr.reap()  # copies done by now release their sources at once
+            tr.reap(rec.errors)  # copies done by now release their sources at once
 
     def _open(self) -> None:
         self._pool = _runtime.host_pool(self.config)
@@ -499,7 +501,11 @@ class OffloadContext:
         """Wait for every copy this context's devices have in flight and every write or read
         of the tier (tests, measurements). Raises the first I/O error one of them hit."""
         for tr in list(self._transfers.values()):
-            tr.synchronize()
+            tr.synchronize()  # waits for every copy; raises errors no step owns
+        with self._lock:  # then the first of this context's steps' (Note [errors go to ...])
+            error = next((rec.errors.pop(0) for rec in self._records if rec.errors), None)
+        if error is not None:
+            raise error
         if self._tier is not None:
             self._tier.wait_idle()
 
@@ -773,7 +779,7 @@ class OffloadContext:
                 stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
                 return _Packed(stored, t)
         tr = self._transfer(t.device)
-        tr.reap()
+        tr.reap(rec.errors)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         if self._chunk_above and nbytes > self._chunk_above:
             stored = self._pack_pieces(rec, tr, src, t, nbytes)
@@ -802,7 +808,7 @@ class OffloadContext:
             if not tr.bytes_in_flight:
                 raise
         t0 = time.perf_counter()
-        tr.synchronize()
+        tr.synchronize(rec.errors)
         rec.stats.add(stall_seconds=time.perf_counter() - t0)
         return rec.step.put(nbytes)
 
@@ -812,7 +818,8 @@ class OffloadContext:
             handle, view = self._put(rec, tr, nbytes)
         except PoolExhaustedError:
             return None
-        copy = tr.to_host(src, block_tensor(view), watch=t, on_landed=handle.seal)
+        copy = tr.to_host(src, block_tensor(view), watch=t, on_landed=handle.seal,
+                          errors=rec.errors)
         return _Stored(rec, handle, nbytes, t.device, [copy], handle.seq)
 
     def _pack_pieces(self, rec: _StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
@@ -825,7 +832,7 @@ class OffloadContext:
                 n = min(self._chunk_bytes, nbytes - off)
                 handle, view = self._put(rec, tr, n)
                 copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
-                                         on_landed=handle.seal))
+                                         on_landed=handle.seal, errors=rec.errors))
                 handles.append(handle)
         except PoolExhaustedError:
             # The pieces go as their copies land (a staging view keeps its block until then).

@@ -391,7 +391,8 @@ class Copy:
     and re-raises what the copy or its ``on_landed`` raised. Both see ``on_landed`` finished."""
 
     __slots__ = ("nbytes", "modified", "_tr", "_event", "_stream", "_src", "_dst", "_watch",
-                 "_version", "_on_landed", "_finished", "_landed", "_error", "__weakref__")
+                 "_version", "_on_landed", "_finished", "_landed", "_error", "_sink",
+                 "__weakref__")
 
     def __init__(self, tr: Transfers, event: Any, stream: Any, src: torch.Tensor,
                  dst: torch.Tensor, watch: Optional[torch.Tensor],
@@ -409,6 +410,8 @@ class Copy:
         self._finished = False  # observed complete (under the policy's lock)
         self._landed = threading.Event()  # ... and on_landed has returned
         self._error: Optional[BaseException] = None
+        # where an error nobody waited for goes (Note [errors go to their owner])
+        self._sink: Optional[List[BaseException]] = None
 
     def source(self) -> Optional[torch.Tensor]:
         """The device source while the policy still holds it, else None."""
@@ -427,7 +430,7 @@ class Copy:
             self._sync()
             dt = time.perf_counter() - t0
         if self._error is not None:
-            self._tr._forget(self._error)
+            self._tr._forget(self._error, self._sink)
             raise self._error
         return dt
 
@@ -485,10 +488,13 @@ class Transfers:
     # -- device -> host --
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, *, watch: Optional[torch.Tensor] = None,
-                on_landed: Optional[Callable[[], Any]] = None) -> Copy:
+                on_landed: Optional[Callable[[], Any]] = None,
+                errors: Optional[List[BaseException]] = None) -> Copy:
         """Start copying ``src`` (1-D uint8 on the device) into ``dst`` (1-D uint8 on the CPU,
         same length). ``on_landed`` runs once when the copy is observed complete (on any
-        thread); what it raises comes out of the next ``reap()`` or ``wait()``."""
+        thread); what it raises comes out of ``wait()``, else out of the next ``reap(errors)``
+        given the same ``errors`` list (Note [errors go to their owner]), or of any ``reap()``
+        when ``errors`` is None."""
         if (src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1
                 or dst.dim() != 1 or dst.numel() != src.numel() or dst.device.type != "cpu"):
             raise ValueError("to_host: src and dst must be 1-D uint8 of one length, dst on cpu")
@@ -498,6 +504,7 @@ class Transfers:
         dev.track(src)
         dev.copy(dst, src, self._d2h)
         c = Copy(self, dev.record(self._d2h), compute, src, dst, watch, on_landed)
+        c._sink = errors
         n = c.nbytes
         with self._lock:
             self.copies += 1
@@ -581,22 +588,25 @@ class Transfers:
                 c.modified = watched._version != c._version
             c._watch = None
             landed, c._on_landed = c._on_landed, None
+            sink = c._sink if c._sink is not None else self._errors
             if error is not None:
                 c._error, landed = error, None
-                self._errors.append(error)
+                sink.append(error)
         try:
             if landed is not None:
                 landed()
         except Exception as e:
             with self._lock:
                 c._error = e
-                self._errors.append(e)
+                sink.append(e)
         finally:
             c._landed.set()
 
-    def _forget(self, error: BaseException) -> None:
+    def _forget(self, error: BaseException,
+                sink: Optional[List[BaseException]] = None) -> None:
         with self._lock:
-            self._errors = [e for e in self._errors if e is not error]
+            for errs in (self._errors, sink) if sink is not None else (self._errors,):
+                errs[:] = [e for e in errs if e is not error]
 
     def _poll(self) -> None:
         while True:  # the front of the FIFO: a copy stream finishes in issue order
@@ -619,16 +629,25 @@ class Transfers:
                 self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
         self.dev.poll()
 
-    def reap(self) -> None:
-        """Drop what copies seen complete held; cheap when none is. Raises the first error a
-        copy or its on_landed raised that nobody has seen yet."""
+    def reap(self, errors: Optional[List[BaseException]] = None) -> None:
+        """Drop what copies seen complete held; cheap when none is. Raises the first error,
+        nobody has seen yet, of a copy (or its on_landed) started without an ``errors`` list or
+        with this one.
+
+        Note [errors go to their owner]
+            One Transfers serves every context of the process. An error of a copy whose step
+            was abandoned (its forward raised: a full disk, a failed write) must not come out
+            of another context's next pack: each step hands its own list to ``to_host`` and
+            reaps only that one; an abandoned step's list goes with it."""
         self._poll()
         with self._lock:
             error = self._errors.pop(0) if self._errors else None
+            if error is None and errors:
+                error = errors.pop(0)
         if error is not None:
             raise error
 
-    def synchronize(self) -> None:
+    def synchronize(self, errors: Optional[List[BaseException]] = None) -> None:
         """Wait for every copy in flight (tests, measurements, a full pool); raises as reap()."""
         with self._lock:
             pending, h2d = list(self._fifo), [ev for ev, _ in self._h2d_fifo]
@@ -636,7 +655,7 @@ class Transfers:
             c._sync()
         for ev in h2d:
             self.dev.synchronize(ev)
-        self.reap()
+        self.reap(errors)
 
     # -- host -> device --
 

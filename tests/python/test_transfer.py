@@ -202,6 +202,30 @@ def test_on_landed_error_is_raised_by_next_reap():
         c.wait()
 
 
+def test_an_error_goes_to_the_step_that_owns_the_copy():
+    """Note [errors go to their owner]: one Transfers serves every context of the process; a
+    copy of an abandoned step (here: its seal fails, as on a full disk) must not raise out of
+    another step's reap, and does out of its own."""
+    _, tr = _sim(bandwidth=4e9)
+
+    def boom():
+        raise OSError("disk full")
+
+    abandoned: list = []
+    c = tr.to_host(_bytes(MiB), torch.empty(MiB, dtype=torch.uint8), on_landed=boom,
+                   errors=abandoned)
+    while not c.done():
+        time.sleep(1e-4)
+    other: list = []
+    tr.reap(other)  # another context's step: nothing of its own failed
+    tr.reap()
+    tr.synchronize(other)
+    with pytest.raises(OSError, match="disk full"):
+        tr.reap(abandoned)
+    tr.reap(abandoned)  # reported once
+    assert not abandoned
+
+
 def test_failed_copy_skips_on_landed_and_raises():
     class Failing(_PollSim):
         def copy(self, dst, src, stream):
