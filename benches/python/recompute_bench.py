@@ -73,12 +73,14 @@ import sys
 import tempfile
 import time
 
-import psutil
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import spillover
 from spillover import calibrate
+from spillover._peak import high_water as peak_rss
+from spillover._peak import reset_high_water as reset_peak_rss
+from spillover._peak import rss
 from spillover.config import format_size
 from spillover.demo import PEAK_MARGIN, TIME_MARGIN
 from spillover.models import ATTENTION_KINDS, GPT, GPTConfig, synthetic_batch
@@ -104,24 +106,6 @@ ALL_MODES = DEFAULT_MODES.split(",") + ["auto-sel"]
 TORCH_MODES = ("none", "torch-full", "torch-sac")  # the plain model, no spillover
 WRAP_POLICY = {"full": "full", "selective": "selective", "offload-nvme": "offload"}
 AUTO_MODES = ("auto", "auto-sel")
-
-
-def rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def reset_peak_rss() -> None:
-    """Start a new RSS high-water mark (Linux >= 4.0: "5" to clear_refs resets VmHWM)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _sac_policy(ctx, op, *args, **kwargs):

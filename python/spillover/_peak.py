@@ -23,20 +23,29 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PeakMeter"]
+__all__ = ["PeakMeter", "rss", "high_water", "reset_high_water"]
 
 
-def _rss() -> int:
+def rss() -> int:
+    """This process's resident set size, bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _hwm() -> int:
+def high_water() -> int:
+    """The kernel's RSS high-water mark of this process (VmHWM), bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) << 10
     raise OSError("no VmHWM in /proc/self/status")
+
+
+def reset_high_water() -> None:
+    """Start a new high-water mark at the current RSS (Linux >= 4.0: "5" to clear_refs);
+    OSError where /proc/self/clear_refs cannot be written."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 class PeakMeter:
@@ -58,9 +67,8 @@ class PeakMeter:
                 torch.cuda.reset_peak_memory_stats(dev)
                 self.base = torch.cuda.memory_allocated(dev)
             else:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                self.base = _rss()
+                reset_high_water()
+                self.base = rss()
         except (OSError, RuntimeError):
             self.available = False  # e.g. a read-only /proc: plan from the model alone
             return False
@@ -73,7 +81,7 @@ class PeakMeter:
             if self.device.startswith("cuda"):
                 peak = torch.cuda.max_memory_allocated(torch.device(self.device))
             else:
-                peak = _hwm()
+                peak = high_water()
         except (OSError, RuntimeError):
             return None
         return max(0, peak - self.base)

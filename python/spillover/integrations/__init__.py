@@ -80,6 +80,23 @@ class StepContext:
 
 
 
+class _StepCallback:
+    """What the HF and Lightning callbacks share: a :class:`StepContext` in ``steps``, its
+    context and the counters of each step it ran."""
+
+    steps: StepContext
+
+    @property
+    def context(self) -> OffloadContext:
+        """The context entered at each step."""
+        return self.steps.context
+
+    @property
+    def step_stats(self) -> List[OffloadStats]:
+        """The counters of each step, in order."""
+        return self.steps.step_stats
+
+
 def check_not_double_checkpointed(model: nn.Module) -> None:
     """Raise ValueError when HuggingFace gradient checkpointing is on in ``model`` (a module
     with ``gradient_checkpointing = True`` and a checkpoint function that is not spillover's).

@@ -47,8 +47,7 @@ from ..planner import Planner
 from ..recompute.blocks import _WrappedBlock, _WrapState
 from ..recompute.policies import Policy, RegionPolicy, SelectivePolicy, _Auto, resolve_policy
 from ..recompute.region import _checkpoint
-from ..stats import OffloadStats
-from . import StepContext, check_not_double_checkpointed
+from . import StepContext, _StepCallback, check_not_double_checkpointed
 
 try:
     from transformers import TrainerCallback as _TrainerCallback
@@ -258,7 +257,7 @@ def disable(model: nn.Module) -> nn.Module:
     return model
 
 
-class SpilloverCallback(_TrainerCallback):  # type: ignore[misc,valid-type]
+class SpilloverCallback(_StepCallback, _TrainerCallback):  # type: ignore[misc,valid-type]
     """A ``transformers.TrainerCallback`` that runs one offload context around each optimizer
     step (Note [Trainer steps]): every forward and backward of the step's micro-batches, so
     with gradient accumulation too. The same context object is entered at every step.
@@ -278,16 +277,6 @@ class SpilloverCallback(_TrainerCallback):  # type: ignore[misc,valid-type]
     def __init__(self, context: Optional[OffloadContext] = None, *, tier: Optional[str] = None,
                  **overrides: Any):
         self.steps = StepContext(context, tier=tier, **overrides)
-
-    @property
-    def context(self) -> OffloadContext:
-        """The context entered at each step."""
-        return self.steps.context
-
-    @property
-    def step_stats(self) -> List[OffloadStats]:
-        """The counters of each optimizer step, in order."""
-        return self.steps.step_stats
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        **kwargs: Any) -> None:

@@ -19,11 +19,10 @@ Note [Lightning steps]
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 from ..context import OffloadContext
-from ..stats import OffloadStats
-from . import StepContext
+from . import StepContext, _StepCallback
 
 try:
     import lightning.pytorch as _pl
@@ -33,7 +32,7 @@ except ImportError:  # the standalone package
 __all__ = ["SpilloverCallback"]
 
 
-class SpilloverCallback(_pl.Callback):  # type: ignore[misc,name-defined]
+class SpilloverCallback(_StepCallback, _pl.Callback):  # type: ignore[misc,name-defined]
     """A Lightning ``Callback`` that runs one offload context around each training batch
     (Note [Lightning steps]). The same context object is entered at every batch.
 
@@ -54,16 +53,6 @@ class SpilloverCallback(_pl.Callback):  # type: ignore[misc,name-defined]
                  **overrides: Any):
         super().__init__()
         self.steps = StepContext(context, tier=tier, **overrides)
-
-    @property
-    def context(self) -> OffloadContext:
-        """The context entered at each batch."""
-        return self.steps.context
-
-    @property
-    def step_stats(self) -> List[OffloadStats]:
-        """The counters of each training batch, in order."""
-        return self.steps.step_stats
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
