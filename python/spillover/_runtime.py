@@ -21,7 +21,7 @@ from .config import Config, format_size
 log = logging.getLogger("spillover")
 
 _lock = threading.Lock()
-_pools: Dict[int, _native.Pool] = {}
+_pools: Dict[Tuple[str, int], _native.Pool] = {}
 _warned: set = set()
 _cuda_registered: set = set()
 
@@ -49,15 +49,18 @@ def default_pool_bytes() -> int:
     return max(MIN_POOL, min(total // 4, DEFAULT_POOL_CAP))
 
 
-def host_pool(cfg: Config) -> _native.Pool:
-    """The process's pool of ``cfg.host_pool_bytes`` (made on first use)."""
-    capacity = cfg.host_pool_bytes or default_pool_bytes()
+def host_pool(cfg: Config, purpose: str = "activations") -> _native.Pool:
+    """The process's pool for ``purpose`` (made on first use): ``"activations"`` (every
+    ``offload_context``; ``cfg.host_pool_bytes``) or ``"optim"`` (every ``OffloadAdamW``;
+    ``cfg.optim_pool_bytes``). The two never share a pool, so one cannot starve the other."""
+    size = cfg.optim_pool_bytes if purpose == "optim" else cfg.host_pool_bytes
+    capacity = size or default_pool_bytes()
     with _lock:
-        pool = _pools.get(capacity)
+        pool = _pools.get((purpose, capacity))
         if pool is None:
-            log.info("mapping a %s host pool", format_size(capacity))
+            log.info("mapping a %s host pool for %s", format_size(capacity), purpose)
             pool = _native.Pool(capacity)
-            _pools[capacity] = pool
+            _pools[(purpose, capacity)] = pool
             lock_warning = pool.lock_warning
         else:
             lock_warning = None

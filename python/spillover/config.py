@@ -132,7 +132,12 @@ def _level(value: Any, name: str) -> str:
 _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "tier": (_choice("host", "nvme", "auto"), "auto", "where offloaded activations go"),
     "nvme_path": (_paths, None, "swap directories, comma-separated (default: private temp dir)"),
-    "host_pool_bytes": (_opt_size, None, "pinned host pool size (default: RAM/4, max 8 GiB)"),
+    "host_pool_bytes": (_opt_size, None,
+                        "activation pool per process (default: the rank's share of RAM / 4, "
+                        "max 8 GiB)"),
+    "optim_pool_bytes": (_opt_size, None,
+                         "OffloadAdamW's pool per process (default: the rank's share of RAM / "
+                         "4, max 8 GiB)"),
     "min_offload_bytes": (_size, 1 << 20, "saved tensors smaller than this stay put"),
     "prefetch_bytes": (_opt_size, None, "read-ahead window (default: derived from bandwidth)"),
     "io_engine": (_choice("io_uring", "threads", "auto"), "auto", "swap I/O engine"),
@@ -159,6 +164,7 @@ class Config:
     tier: str = "auto"
     nvme_path: Optional[Tuple[str, ...]] = None
     host_pool_bytes: Optional[int] = None
+    optim_pool_bytes: Optional[int] = None
     min_offload_bytes: int = 1 << 20
     prefetch_bytes: Optional[int] = None
     io_engine: str = "auto"

@@ -761,7 +761,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             MiB of pool while a step runs, none between steps). Enough I/O must stay queued
             while the kernel runs: measured here with 8 MiB chunks, 8 buffers gave 1.2x the
             engine's bound, 12 gave 1.02x, 16 gave 0.98x.
-        **config: any knob of :class:`spillover.Config` (``host_pool_bytes``, ``io_engine``, ...).
+        **config: any knob of :class:`spillover.Config` (``optim_pool_bytes``, ``io_engine``,
+            ...). The optimizer's state and staging buffers use a pool of their own, never the
+            activations' (``SPILLOVER_OPTIM_POOL_BYTES``); ``host_pool_bytes=`` given here is
+            read as ``optim_pool_bytes``.
     """
 
     def __init__(
@@ -787,6 +790,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         _check_hyper(lr, betas, eps, weight_decay, amsgrad)
         if tier not in ("host", "nvme"):
             raise ValueError(f"OffloadAdamW: tier must be 'host' or 'nvme', got {tier!r}")
+        if "host_pool_bytes" in config:  # the optimizer's pool is its own: optim_pool_bytes
+            alias = config.pop("host_pool_bytes")
+            if config.get("optim_pool_bytes") is None:
+                config["optim_pool_bytes"] = alias
         self._cfg = Config.load(nvme_path=nvme_path, **config)
         self._tier = tier
         self._chunk_bytes = chunk_bytes
@@ -807,7 +814,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._building = False
-        self._pool = _runtime.host_pool(self._cfg)
+        self._pool = _runtime.host_pool(self._cfg, purpose="optim")
         self._swap: Any = None
         if tier == "nvme":
             # Checks the directories (ConfigError) and warns once with the engine's warning.

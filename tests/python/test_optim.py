@@ -358,7 +358,9 @@ def test_nvme_optimizer_and_activations_share_one_engine(tmp_path, where):
 
 
 def test_full_pool_falls_back_to_heap_with_a_warning():
-    _native_pool = spillover._runtime.host_pool(spillover.Config.load(host_pool_bytes=1 << 20))
+    _native_pool = spillover._runtime.host_pool(
+        spillover.Config.load(optim_pool_bytes=1 << 20), purpose="optim"
+    )
     hog = [_native_pool.lease(256 << 10) for _ in range(4)]
     model, ref = make_model(), make_model()
     opt = spillover.OffloadAdamW(model.parameters(), host_pool_bytes=1 << 20)
