@@ -1,22 +1,43 @@
 """Process-wide resources shared by every context: host pools, logging, one-time warnings.
 
 A pool is expensive to make (it maps and pre-faults its arenas) and cheap to share (leases are
-thread-safe), so each distinct capacity is made once per process and reused by every
-``offload_context`` and optimizer that asks for it.
+thread-safe), so each distinct capacity is made once per process and purpose and reused: one
+for activations (every ``offload_context``), one for the optimizer (every ``OffloadAdamW``).
+
+Note [node budget]
+    Pools are pre-faulted, so their size is RAM taken at once, and eight ranks on one node take
+    it eight times. A pool is sized and checked against the node, once, when it is made:
+    - the node's memory is the host's, or its memory cgroup's limit when lower (the lowest
+      limit on the path from the process's cgroup to the root, v1 or v2); this rank's *share*
+      is that divided by the local world size (``LOCAL_WORLD_SIZE``, set by torchrun);
+    - by default each of the two pools (activations: ``SPILLOVER_HOST_POOL_BYTES``; the
+      optimizer's state and staging: ``SPILLOVER_OPTIM_POOL_BYTES``) is a quarter of the share,
+      at most 8 GiB, and at most half of the memory available now; never below 64 MiB;
+    - a size given by the user that is larger than the share (less what this process already
+      holds in pools) or than the memory available now raises ``ConfigError`` before anything
+      is mapped, naming the size, the share, what is available and the variable to change:
+      pre-faulting it would only end in the kernel's OOM killer, which may pick another rank;
+    - a size that fits but leaves less than an eighth of the share (at least 1 GiB) available
+      to the rest of the process warns once.
+    The two pools are separate so that neither can starve the other: an optimizer's state
+    filling its pool falls back to heap memory with a warning; activations that do not fit
+    theirs stay on the device (guardrail: Note [guardrails] in context.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import psutil
 
 from . import _native
 from .config import Config, format_size
+from .errors import ConfigError
 
 log = logging.getLogger("spillover")
 
@@ -44,9 +65,161 @@ def warn_once(key: str, message: str, category: type = RuntimeWarning) -> None:
     log.warning(message)
 
 
-def default_pool_bytes() -> int:
-    total = psutil.virtual_memory().total
-    return max(MIN_POOL, min(total // 4, DEFAULT_POOL_CAP))
+#: Note [node budget]: a process should keep at least this share of its room after its pools.
+LOW_ROOM_SHARE = 8
+LOW_ROOM_MIN = 1 << 30
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge page-rounded number
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeMemory:
+    """What this process may use of its node's memory: Note [node budget]."""
+
+    host_total: int
+    host_available: int
+    cgroup_limit: Optional[int]  # None: no limit on this process's memory cgroup
+    cgroup_usage: int
+    local_world: int  # processes of this job on this node (LOCAL_WORLD_SIZE)
+    in_pools: int  # bytes this process already holds in spillover's pools
+
+    @property
+    def total(self) -> int:
+        """The node memory this job may use: the host's, or its cgroup's limit when lower."""
+        if self.cgroup_limit is None:
+            return self.host_total
+        return min(self.host_total, self.cgroup_limit)
+
+    @property
+    def room(self) -> int:
+        """Bytes that can be allocated now: the host's available memory, or the cgroup's room
+        when lower."""
+        room = self.host_available
+        if self.cgroup_limit is not None:
+            room = min(room, max(0, self.cgroup_limit - self.cgroup_usage))
+        return room
+
+    @property
+    def share(self) -> int:
+        """This rank's share of the node: ``total / local_world``."""
+        return self.total // max(1, self.local_world)
+
+    def describe(self) -> str:
+        where = ("the host's" if self.cgroup_limit is None or self.cgroup_limit >= self.host_total
+                 else "this cgroup's")
+        ranks = (f" / {self.local_world} local ranks (LOCAL_WORLD_SIZE)"
+                 if self.local_world > 1 else "")
+        return (f"this rank's share is {format_size(self.share)} ({format_size(self.total)} of "
+                f"{where} memory{ranks}), {format_size(self.room)} is available now")
+
+
+def local_world_size(environ: Optional[Mapping[str, str]] = None) -> int:
+    """Processes of this job on this node: torchrun's LOCAL_WORLD_SIZE (Open MPI's
+    OMPI_COMM_WORLD_LOCAL_SIZE), else 1."""
+    env = os.environ if environ is None else environ
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        v = env.get(name, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    return 1
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            v = f.read().strip()
+    except OSError:
+        return None
+    if v == "max":
+        return _UNLIMITED
+    try:
+        return int(v)
+    except ValueError:
+        return None
+
+
+def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup",
+                  root: str = "/sys/fs/cgroup") -> Tuple[Optional[int], int]:
+    """(limit, usage) of this process's memory cgroup: the lowest limit on the path from its
+    cgroup up to the root (v2 ``memory.max``/``memory.current``, v1 ``memory.limit_in_bytes``/
+    ``memory.usage_in_bytes``), None when nothing limits it."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, 0
+    candidates = []  # (directory of the cgroup, limit file, usage file)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            candidates.append((root, path, "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            candidates.append((os.path.join(root, "memory"), path, "memory.limit_in_bytes",
+                               "memory.usage_in_bytes"))
+    best: Tuple[Optional[int], int] = (None, 0)
+    for base, path, limit_name, usage_name in candidates:
+        rel = path.strip("/")
+        levels = [rel]
+        while rel:
+            rel = os.path.dirname(rel)
+            levels.append(rel)
+        for level in levels:  # a container sees its own cgroup as the root: try every level
+            d = os.path.join(base, level) if level else base
+            limit = _read_int(os.path.join(d, limit_name))
+            if limit is None or limit >= _UNLIMITED:
+                continue
+            usage = _read_int(os.path.join(d, usage_name)) or 0
+            if best[0] is None or limit - usage < best[0] - best[1]:
+                best = (limit, usage)
+    return best
+
+
+def node_memory() -> NodeMemory:
+    vm = psutil.virtual_memory()
+    limit, usage = cgroup_memory()
+    with _lock:
+        in_pools = sum(p.capacity for p in _pools.values())
+    return NodeMemory(vm.total, vm.available, limit, usage, local_world_size(), in_pools)
+
+
+def default_pool_bytes(mem: Optional[NodeMemory] = None) -> int:
+    """Note [node budget]: a quarter of this rank's share of the node (at most 8 GiB), and no
+    more than half of what is available now."""
+    mem = mem or node_memory()
+    size = min(mem.share // 4, DEFAULT_POOL_CAP, mem.room // 2)
+    return max(MIN_POOL, size // (1 << 20) * (1 << 20))
+
+
+_VARIABLES = {"activations": ("SPILLOVER_HOST_POOL_BYTES", "host_pool_bytes"),
+              "optim": ("SPILLOVER_OPTIM_POOL_BYTES", "optim_pool_bytes")}
+
+
+def check_pool_size(capacity: int, purpose: str, mem: NodeMemory) -> None:
+    """Note [node budget]: refuse a pool this rank cannot hold, warn when it leaves too little."""
+    env, kw = _VARIABLES[purpose]
+    what = "activation" if purpose == "activations" else "optimizer"
+    held = (f"; this process already holds {format_size(mem.in_pools)} in spillover's other "
+            "pools" if mem.in_pools else "")
+    fits = min(mem.share - mem.in_pools, mem.room)
+    if capacity > fits:
+        advice = (f"set {env} ({kw}=) to at most {format_size(max(0, fits))}"
+                  if fits >= MIN_POOL else "free memory, or run fewer ranks on this node")
+        raise ConfigError(
+            f"spillover: a {format_size(capacity)} {what} pool does not fit: "
+            f"{mem.describe()}{held}. Pre-faulting it would run into the kernel's OOM "
+            f"killer (which may end another process); {advice}"
+            f" (unset, it defaults to {format_size(default_pool_bytes(mem))})."
+        )
+    left = mem.room - capacity
+    if left < max(LOW_ROOM_MIN, mem.share // LOW_ROOM_SHARE):
+        warn_once(
+            "pool-low-room",
+            f"spillover: the {format_size(capacity)} {what} pool leaves {format_size(left)} "
+            f"of memory for everything else in this process ({mem.describe()}); if the "
+            f"process is killed for memory, lower {env} ({kw}=).",
+        )
 
 
 def host_pool(cfg: Config, purpose: str = "activations") -> _native.Pool:
@@ -54,7 +227,17 @@ def host_pool(cfg: Config, purpose: str = "activations") -> _native.Pool:
     ``offload_context``; ``cfg.host_pool_bytes``) or ``"optim"`` (every ``OffloadAdamW``;
     ``cfg.optim_pool_bytes``). The two never share a pool, so one cannot starve the other."""
     size = cfg.optim_pool_bytes if purpose == "optim" else cfg.host_pool_bytes
-    capacity = size or default_pool_bytes()
+    with _lock:
+        known = {c for (p, c) in _pools if p == purpose}
+    if size is None and len(known) == 1:  # the default is computed once, then reused
+        size = next(iter(known))
+    if size is None or size not in known:
+        mem = node_memory()
+        if size is None:
+            size = default_pool_bytes(mem)
+        check_pool_size(size, purpose, mem)
+        log.info("%s pool of %s: %s", purpose, format_size(size), mem.describe())
+    capacity = size
     with _lock:
         pool = _pools.get((purpose, capacity))
         if pool is None:

@@ -108,6 +108,37 @@ def _opt_size(value: Any, name: str) -> Optional[int]:
     return parse_size(value, name)
 
 
+_PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
+_RANK_RE = re.compile(r"^\s*(local_rank|rank)\s*(?:%\s*(\d+)\s*)?$")
+
+
+def rank_placeholders(path: str, name: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """``/mnt/nvme{local_rank}/spill`` → ``/mnt/nvme3/spill`` on local rank 3 (LOCAL_RANK, as
+    torchrun sets it; RANK for ``{rank}``; 0 when unset). ``{local_rank % 2}`` spreads 8 ranks
+    over 2 drives."""
+    env = os.environ if environ is None else environ
+
+    def sub(m: re.Match) -> str:
+        r = _RANK_RE.match(m.group(1))
+        if r is None:
+            raise ConfigError(
+                f"{name}={path!r}: unknown placeholder {m.group(0)}; use {{local_rank}}, "
+                "{rank} or {local_rank % N} (N drives)"
+            )
+        var = "LOCAL_RANK" if r.group(1) == "local_rank" else "RANK"
+        raw = env.get(var, "0").strip() or "0"
+        if not raw.isdigit():
+            raise ConfigError(f"{name}={path!r}: {var}={raw!r} is not a rank number")
+        value = int(raw)
+        if r.group(2) is not None:
+            if int(r.group(2)) == 0:
+                raise ConfigError(f"{name}={path!r}: {m.group(0)} divides by zero")
+            value %= int(r.group(2))
+        return str(value)
+
+    return _PLACEHOLDER_RE.sub(sub, path)
+
+
 def _paths(value: Any, name: str) -> Optional[Tuple[str, ...]]:
     if value is None:
         return None
@@ -115,7 +146,7 @@ def _paths(value: Any, name: str) -> Optional[Tuple[str, ...]]:
         parts = [str(p) for p in value]
     else:
         parts = [p for p in str(value).split(",")]
-    parts = [os.path.expanduser(p.strip()) for p in parts if p.strip()]
+    parts = [os.path.expanduser(rank_placeholders(p.strip(), name)) for p in parts if p.strip()]
     if not parts:
         return None
     return tuple(parts)
@@ -131,7 +162,8 @@ def _level(value: Any, name: str) -> str:
 # field name -> (parser, default). The env name is SPILLOVER_<FIELD NAME UPPERCASED>.
 _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "tier": (_choice("host", "nvme", "auto"), "auto", "where offloaded activations go"),
-    "nvme_path": (_paths, None, "swap directories, comma-separated (default: private temp dir)"),
+    "nvme_path": (_paths, None, "swap directories, comma-separated; {local_rank}, {rank} and "
+                  "{local_rank % N} are replaced per rank (default: private temp dir)"),
     "host_pool_bytes": (_opt_size, None,
                         "activation pool per process (default: the rank's share of RAM / 4, "
                         "max 8 GiB)"),

@@ -66,11 +66,12 @@ Note [guardrails]
     also lists those it tripped in ``report()``.
     - *Pool full*: at the end of a forward, saved tensors stayed on the device because the host
       pool had no room (the bytes are ``bytes_kept_pool_full``).
-    - *Optimizer room*: the same, while other users held a large share of the pool when the step
-      began (at least 1 MiB and 1/16 of it): the pool is shared per capacity, so an
-      ``OffloadAdamW(tier="host")`` with the same ``host_pool_bytes`` keeps its state in it.
-      "Others" are the pool's bytes in use minus the bytes in the pool of every activation tier
-      over it. When the kept bytes exceed what the others held, the pool-full warning fires too.
+    - *Others in the pool*: the same, while other users held a large share of the pool when the
+      step began (at least 1 MiB and 1/16 of it): code that leases blocks of the process's
+      activation pool (``spillover._runtime.host_pool``). ``OffloadAdamW`` never does: its
+      state has a pool of its own (Note [node budget] in _runtime.py). "Others" are the pool's
+      bytes in use minus the bytes in the pool of every activation tier over it. When the kept
+      bytes exceed what the others held, the pool-full warning fires too.
     - *Compiled region*: an autograd node that is a compiled graph's backward (its name contains
       "Compiled", as AOTAutograd's ``CompiledFunctionBackward`` does) unpacks two or more
       offloaded storages that together are at least half of what its step offloaded. A compiled
@@ -581,14 +582,13 @@ class OffloadContext:
         if others < max(OTHERS_MIN_BYTES, cap * OTHERS_MIN_SHARE):
             others = 0
         else:
-            self._found(rec, "guard-optimizer-pool", (
+            self._found(rec, "guard-pool-others", (
                 f"spillover: {format_size(others)} of the {format_size(cap)} host pool was held "
                 f"by others when step {rec.index} began, and {format_size(kept)} of saved "
-                "activations then found no room and stayed on the device. OffloadAdamW(tier="
-                "'host') keeps its state in the same pool when its host_pool_bytes is the same: "
-                "give it tier='nvme', or a pool of its own (another host_pool_bytes), or raise "
-                f"SPILLOVER_HOST_POOL_BYTES (host_pool_bytes=) to at least "
-                f"{format_size(cap + kept)}."
+                "activations then found no room and stayed on the device. Something other than "
+                "spillover's activation tier leases blocks of the activation pool: release "
+                f"them before the step, or raise SPILLOVER_HOST_POOL_BYTES (host_pool_bytes=) to "
+                f"at least {format_size(cap + kept)}."
             ))
         if kept > others:
             hint = ("; on the NVMe tier the pool must also hold the copies in flight and the "

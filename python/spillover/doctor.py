@@ -6,18 +6,19 @@ Each line is ✓ (fine), ! (works, degraded) or ✗ (broken), followed by what t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import shutil
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from . import _native
 from .config import Config, format_size
-from .errors import SpilloverError
+from .errors import ConfigError, SpilloverError
 
 OK, WARN, BAD = "✓", "!", "✗"
 
@@ -44,6 +45,20 @@ def _cap_ipc_lock() -> bool:
     except OSError:
         pass
     return False
+
+
+def check_node_budget(r: Report, mem: Any, act: int, optim: int) -> None:
+    """Note [node budget] in _runtime.py, as the pools would be made now."""
+    from ._runtime import check_pool_size
+
+    try:
+        check_pool_size(act, "activations", mem)
+        check_pool_size(optim, "optim", dataclasses.replace(mem, in_pools=act))
+    except ConfigError as e:
+        r.add(BAD, str(e))
+        return
+    r.add(OK, f"node budget: {mem.describe()}; activation pool {format_size(act)}, optimizer "
+              f"pool {format_size(optim)} (each made only when used)")
 
 
 def check_memlock(r: Report, pool_bytes: int) -> None:
@@ -181,10 +196,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SpilloverError as e:
         r.add(BAD, f"configuration: {e}")
         return 1
-    from ._runtime import default_pool_bytes
+    from ._runtime import default_pool_bytes, node_memory
 
-    pool_bytes = cfg.host_pool_bytes or default_pool_bytes()
+    mem = node_memory()
+    pool_bytes = cfg.host_pool_bytes or default_pool_bytes(mem)
+    optim_bytes = cfg.optim_pool_bytes or default_pool_bytes(mem)
     print("spillover doctor\n")
+    check_node_budget(r, mem, pool_bytes, optim_bytes)
     check_memlock(r, pool_bytes)
     check_thp(r)
     probe_pool = _native.Pool(256 << 20, lock=False)
