@@ -34,15 +34,82 @@ Note [cpu parameters in place]
 Note [staged gradients]
     With parameters on a GPU, a post-accumulate-grad hook copies each gradient into a pinned
     pool block on a side stream as soon as backward has produced it, so the copies overlap the
-    rest of backward. ``step()`` uses a staged copy only if ``p.grad`` is still the tensor that
-    was copied and its version counter has not moved since (gradient clipping or a second
-    backward change it; GradScaler's unscaling does not: Note [GradScaler]); otherwise it
-    copies again. Parameters go back with
-    asynchronous host-to-device copies per bucket (the CPU update of the next bucket overlaps
-    them), and the compute stream waits for them, so the next forward sees the new values
-    without a device-wide synchronize. The CPU tests run this path on CPU tensors
+    rest of backward. ``step()`` uses a staged copy only when it provably holds the gradient's
+    current bytes; otherwise it copies again. Two checks, the cheap one first:
+
+    - ``p.grad`` must still be the tensor that was copied, at the same version counter (a new
+      tensor, clipping, a second backward, ``zero_()`` move it: copied again, nothing hashed);
+    - the gradient's fingerprint now must equal the one taken right after the copy (Note
+      [gradient fingerprint]). Version counters are not enough: measured with torch 2.15,
+      ``dist.all_reduce(g)`` (SUM, gloo) leaves ``g._version`` where it was, as does
+      ``dist.broadcast``; writes through ``g.data`` (``g.data.mul_``, ``.copy_``, item
+      assignment) leave it too; ``all_reduce(op=AVG)`` on gloo happened to move it by one
+      (a division in place after the sum), which is not a promise. GradScaler's in-place
+      unscaling does not move it either (Note [GradScaler]). A step after any of these uses the
+      new bytes (``grad_stale_copies`` in ``stats()`` counts the copies the fingerprint
+      caught); tested with a ``.data`` write and with an in-place all-reduce on two gloo ranks.
+
+    Parameters go back with asynchronous host-to-device copies per bucket (the CPU update of the
+    next bucket overlaps them), and the compute stream waits for them, so the next forward sees
+    the new values without a device-wide synchronize. The CPU tests run this path on CPU tensors
     (``_force_staging=True``, synchronous copies); the CUDA streams and events themselves are
-    exercised only by the ``gpu``-marked tests, which have not run on a device yet.
+    exercised only by the ``gpu``-marked tests.
+
+Note [gradient fingerprint]
+    Two integers modulo 2**64 over the bytes of a gradient read as int16 words w_i: in chunks c
+    of ``_FP_WORDS`` (2**20) words, F_s = sum_c K_s(c) * sum_j w_{c,j} * r_s[j] for s = 0, 1,
+    where r_0, r_1 are fixed pseudo-random odd 64-bit weights and K_s(c) pseudo-random odd
+    per-chunk weights (splitmix64 of c).
+    torch's int64 products and sums wrap modulo 2**64 (checked against exact integers in
+    tests/python/test_optim_staged.py; modular sums do not depend on the reduction order, so
+    every device and every run agree), and the chunks' partial sums are combined on the host in
+    numpy uint64. Both fingerprints are taken on the gradient's device by the same function: the
+    staged one on the copy stream right after the copy (the same bytes the copy read), the
+    current one at ``step()`` after everything queued before it (all gradients in one batch,
+    one transfer back).
+
+    What it proves: equal fingerprints mean equal bytes unless the change happens to satisfy
+    two relations modulo 2**64 in the weights. For a change made without knowledge of the
+    weights (a collective, a clip, a write: anything but an adversary) each holds with a
+    probability of about 2**-48 if the weights were drawn at random (a 16-bit word's difference
+    has at most 15 trailing zero bits), both together about 2**-96: a 128-bit fingerprint with
+    about 96 bits of strength against accidents, and none against an adversary (it is linear;
+    not a cryptographic hash). Pseudo-random weights catch permutations, sign flips of balanced
+    values and swapped chunks, which a plain or index-weighted sum can miss.
+
+    Cost: per gradient, two passes on its device (one at the hook, one at ``step()``), each
+    about 3 integer kernels per chunk and 24 bytes of temporaries per word (24 MiB per chunk).
+    Memory-bound; measured on this repository's 2-core CPU host with torch CPU ops: 0.9 GiB/s,
+    which is why it runs on the device (a GPU's bandwidth is three orders of magnitude higher)
+    and not on the host copy. A stale copy costs one more copy of that gradient at ``step()``,
+    not overlapped with backward.
+
+Note [gradient accumulation]
+    Post-accumulate-grad hooks fire at every backward, so with N micro-batches per step a hook
+    that copied each time would copy every gradient N times. Each space counts, per parameter,
+    how many times its hook fired before the last ``step()`` (also a skipped one) and stages a
+    copy only from that firing on: once per step in a steady loop. The count is only a guess
+    about when to copy: a step with more micro-batches moves the version after the copy (copied
+    again at ``step()``), one with fewer never stages (copied at ``step()``). While the count
+    is unknown (the first step with hooks) every firing copies, as a loop without accumulation
+    wants. The first ``step()`` of all makes the state (Note [lazy state]), so its gradients are
+    all copied at ``step()``.
+
+Note [step in arrival order]
+    Backward produces the last layers' gradients first. ``step()`` takes the buckets (units
+    of up to ``_BUCKET_ELEMS`` elements, in parameter order, one pinned block each) in the order
+    their last staged gradient arrived this step — the hooks number their copies — and buckets
+    whose gradients were not staged last, in parameter order. For each bucket it decides, and
+    starts, the copies the next bucket needs (a stale or missing gradient, a first master copy)
+    before running its own CPU update, which waits only for its own copies; the parameters go
+    back per bucket. ``.order`` on a space records the last step's order.
+
+    The CPU updates start at ``step()``, not during backward: until ``step()`` is called the
+    user may still clip, unscale (GradScaler), all-reduce or edit gradients, change the learning
+    rate (schedulers), or skip the step (GradScaler on inf/NaN), and every one of these decides
+    what the update computes. An update started during backward would have to be undone or
+    would be wrong in each case, so it is not offered; what overlaps backward is the copying,
+    and (with the fingerprint) all of it is kept unless the user changed the gradient.
 
 Note [sharding]
     Under ``torch.distributed`` with world size W > 1 (unless ``shard=False``), the parameters
@@ -119,6 +186,7 @@ Note [GradScaler]
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -180,6 +248,16 @@ _CUMULATIVE = ("bytes_read", "bytes_written", "io_wait_seconds", "compute_second
 _HYPER = np.dtype(
     [(n, "<f8") for n in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
 )
+# The staged path's gradient counters (Python-side, per space): device-to-host gradient copies
+# (one per unit), their bytes, and those made because a staged copy's fingerprint no longer
+# matched the gradient (Note [staged gradients]).
+_GRAD_STATS = ("grad_copies", "grad_bytes_copied", "grad_stale_copies")
+# Note [gradient fingerprint]: words per chunk (temporaries: 3 x 8 bytes per word), the two
+# weight sequences' seed, and the constants seeding each chunk's weight.
+_FP_WORDS = 1 << 20
+_FP_SEED = 0x5EED_F1A6
+_FP_CHUNK_K = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
+_FP_CACHE: Dict[Any, torch.Tensor] = {}
 
 def _bf16_flag(dtype: torch.dtype, bit: int) -> int:
     return bit if dtype == torch.bfloat16 else 0
@@ -203,6 +281,66 @@ def _float(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
+def _fp_weights(device: torch.device) -> torch.Tensor:
+    """Note [gradient fingerprint]: the two sequences of odd 64-bit weights, (2, _FP_WORDS)
+    int64 on `device` (made once per device and chunk size)."""
+    key = (str(device), _FP_WORDS)
+    w = _FP_CACHE.get(key)
+    if w is None:
+        rng = np.random.default_rng(_FP_SEED)
+        r = rng.integers(0, 1 << 64, size=(2, _FP_WORDS), dtype=np.uint64, endpoint=False)
+        w = torch.from_numpy((r | np.uint64(1)).view(np.int64)).to(device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # used from the side streams too
+        _FP_CACHE[key] = w
+    return w
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _fp_chunk_multiplier(s: int, c: int) -> int:
+    """The odd pseudo-random weight of chunk c's sum in sequence s (splitmix64 of c)."""
+    m = (1 << 64) - 1
+    z = (c * _FP_CHUNK_K[0] + _FP_CHUNK_K[1] * (s + 1)) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) | 1
+
+
+def _fingerprint_parts(t: torch.Tensor) -> torch.Tensor:
+    """Per chunk of ``_FP_WORDS`` int16 words of `t`'s bytes, the two weighted sums modulo
+    2**64: a (chunks, 2) int64 tensor on `t`'s device (Note [gradient fingerprint])."""
+    t = _local(t).detach()
+    words = t.reshape(-1).contiguous().view(torch.int16)
+    r = _fp_weights(words.device)
+    if words.numel() == 0:
+        return torch.zeros((1, 2), dtype=torch.int64, device=words.device)
+    parts = []
+    for lo in range(0, words.numel(), _FP_WORDS):
+        x = words[lo : lo + _FP_WORDS].to(torch.int64)
+        parts.append((x * r[:, : x.numel()]).sum(dim=1))  # wraps modulo 2**64
+    return torch.stack(parts)
+
+
+def _fp_chunks(numel: int, dtype: torch.dtype) -> int:
+    words = numel * torch.empty((), dtype=dtype).element_size() // 2
+    return max(1, -(-words // _FP_WORDS))
+
+
+def _fp_combine(parts: np.ndarray) -> Tuple[int, int]:
+    """The fingerprint from a (chunks, 2) int64 array of `_fingerprint_parts`."""
+    u = np.ascontiguousarray(parts).view(np.uint64).reshape(-1, 2)
+    out = []
+    for s in range(2):
+        m = np.array([_fp_chunk_multiplier(s, c) for c in range(len(u))], dtype=np.uint64)
+        out.append(int((u[:, s] * m).sum(dtype=np.uint64)))  # uint64 arrays wrap
+    return out[0], out[1]
+
+
+def _fingerprint(t: torch.Tensor) -> Tuple[int, int]:
+    """Note [gradient fingerprint] of `t`'s bytes: two integers modulo 2**64."""
+    return _fp_combine(_fingerprint_parts(t).cpu().numpy())
+
+
 class _Copies:
     """Device <-> pinned host copies for the staged path; synchronous on CPU (tests)."""
 
@@ -211,6 +349,7 @@ class _Copies:
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
+            _fp_weights(device)  # made here, on the compute stream, before any use
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         if not self.cuda:
@@ -239,10 +378,34 @@ class _Copies:
         compute.wait_event(ev)  # Note [staged gradients]: the next forward sees the new values
         return ev
 
+    def fingerprint(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Note [gradient fingerprint]: `src`'s per-chunk sums into the host tensor `dst`,
+        ordered after the copies started from `src` (same stream: the same bytes)."""
+        if not self.cuda:
+            dst.copy_(_fingerprint_parts(src))
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(_fingerprint_parts(src), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        src.record_stream(self.d2h)
+        return ev
+
     @staticmethod
     def wait(ev: Any) -> None:
         if ev is not None:
             ev.synchronize()
+
+
+class _Staged:
+    """A gradient copy a hook started (Note [staged gradients]): the copies' events (one per
+    unit), the event after its fingerprint, the gradient tensor and its version then."""
+
+    __slots__ = ("events", "fp_event", "grad", "version")
+
+    def __init__(self, events: List[Any], fp_event: Any, grad: torch.Tensor, version: int):
+        self.events, self.fp_event, self.grad, self.version = events, fp_event, grad, version
 
 
 class _Space:
@@ -291,8 +454,16 @@ class _Space:
                     f"{device} is larger than one staging unit ({_UNIT_MAX}); make it contiguous"
                 )
         self.hooks: List[Any] = []
-        self.h2d_events: List[Any] = []
-        self.staged_grads: Dict[int, Tuple[List[Any], torch.Tensor, int]] = {}
+        # Note [staged gradients]: per bucket, the copies of the last step's parameters back to
+        # the device (they read its output buffer); per member, the copy the hooks staged.
+        self.h2d_events: Dict[int, List[Any]] = {}
+        self.staged_grads: Dict[int, _Staged] = {}
+        self.fired = np.zeros(len(self.params), dtype=np.int64)  # hook calls this step
+        self.expect = np.zeros(len(self.params), dtype=np.int64)  # ... last step (0: unknown)
+        self.arrival: Dict[int, int] = {}  # member -> sequence number of its staging this step
+        self.seq = 0
+        self.order: List[int] = []  # buckets in the order the last step processed them
+        self.counters = {k: 0 for k in _GRAD_STATS}
         self._alloc_buffers()
         self.state = self._make_state([u[2] for u in self.units])
         if self.staged and not self.sharded:
@@ -371,6 +542,17 @@ class _Space:
                 self.out_view.append(o[at - f_lo : at - f_lo + n])
                 self.grad_addr[ui] = self.grad_view[ui].data_ptr()
                 self.out_addr[ui] = self.out_view[ui].data_ptr()
+        # Members with units in each bucket (a large parameter spans several buckets).
+        self.bucket_members = [sorted({self.units[ui][0] for ui in b[0]}) for b in self.buckets]
+        if self.sharded:
+            return
+        # Note [gradient fingerprint]: the staged copies' fingerprints, one row per chunk.
+        counts = [_fp_chunks(n, self.dtype) for n in self.numels]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.fp_rows = [(int(starts[k]), int(starts[k + 1])) for k in range(len(counts))]
+        self.fp_host = torch.zeros(
+            (int(starts[-1]), 2), dtype=torch.int64, pin_memory=dev.type == "cuda"
+        )
 
     def _pinned(self, n: int) -> torch.Tensor:
         opt = self.opt
@@ -427,26 +609,53 @@ class _Space:
             h.remove()
         self.hooks = []
         if self.staged:
-            for ev in self.h2d_events + [e for v in self.staged_grads.values() for e in v[0]]:
+            pending = [e for evs in self.h2d_events.values() for e in evs]
+            for st in self.staged_grads.values():
+                pending += st.events + [st.fp_event]
+            for ev in pending:
                 self.copies.wait(ev)
-        self.h2d_events = []
+        self.h2d_events = {}
         self.staged_grads = {}
 
     # ---- the staged path (Note [staged gradients]) ----
 
     def _copy_grad(self, k: int, g: torch.Tensor) -> List[Any]:
-        """Start copying member k's gradient into its units' staging buffers."""
+        """Start copying member k's gradient into its units' staging buffers; one event per
+        unit, in the order of ``units_of[k]``."""
         flat = _local(g).reshape(-1)
         events = []
         for ui in self.units_of.get(k, []):
             _, start, n, _ = self.units[ui]
             events.append(self.copies.to_host(self.grad_view[ui], flat[start : start + n]))
+            self.counters["grad_copies"] += 1
+            self.counters["grad_bytes_copied"] += n * self.esize
         return events
 
     def _stage_grad(self, k: int, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: Note [gradient accumulation]."""
+        self.fired[k] += 1
         g = p.grad
-        if g is not None:
-            self.staged_grads[k] = (self._copy_grad(k, g), g, g._version)
+        if g is None or (self.expect[k] and self.fired[k] < self.expect[k]):
+            return
+        events = self._copy_grad(k, g)
+        lo, hi = self.fp_rows[k]
+        fp_event = self.copies.fingerprint(self.fp_host[lo:hi], g)
+        self.staged_grads[k] = _Staged(events, fp_event, g, g._version)
+        self.seq += 1
+        self.arrival[k] = self.seq  # the last staging counts: its copy lands last
+
+    def end_step(self) -> None:
+        """Learn how many times each hook fires per step (Note [gradient accumulation]) and
+        start counting afresh; called after every step, skipped ones included."""
+        fired = self.fired > 0
+        self.expect[fired] = self.fired[fired]
+        self.fired[:] = 0
+        self.arrival = {}
+
+    def _wait_h2d(self, b: int) -> None:
+        """Bucket b's output buffer is about to be overwritten: its copies back must be done."""
+        for ev in self.h2d_events.pop(b, []):
+            self.copies.wait(ev)
 
     # ---- step ----
 
@@ -535,40 +744,76 @@ class _Space:
         return self.unit_global[idx]
 
     def _step_staged(self, hyper: np.ndarray) -> np.ndarray:
-        """One rank, parameters on a device: Note [staged gradients]."""
-        for ev in self.h2d_events:  # the output buffers are about to be overwritten
-            self.copies.wait(ev)
-        self.h2d_events = []
+        """One rank, parameters on a device: Note [staged gradients]. Buckets go in the order
+        their gradients arrived (Note [step in arrival order]); each bucket's CPU update waits
+        only for its own copies, and the next bucket's copies are decided and started before
+        it, so they overlap it."""
         staged, self.staged_grads = self.staged_grads, {}
-        initialized = self.state.initialized()
-        active = np.zeros(len(self.units), dtype=bool)
+        arrival = self.arrival
+        self.end_step()
+        grads: Dict[int, torch.Tensor] = {}
         for k, p in enumerate(self.params):
-            g = p.grad
-            if g is None:
-                continue
-            lp = _local(p)
-            self._check(lp)
-            entry = staged.get(k)
-            if entry is not None and entry[1] is g and g._version == entry[2]:
-                events = entry[0]
-            else:  # not staged, or changed since (clipping, unscaling, another backward)
-                events = self._copy_grad(k, g)
-            flat = lp.detach().reshape(-1)
-            for ui in self.units_of.get(k, []):
-                if not initialized[ui]:  # the master starts from the parameter's value
-                    _, start, n, _ = self.units[ui]
-                    events.append(self.copies.to_host(self.out_view[ui], flat[start : start + n]))
-                active[ui] = True
-            for ev in events:
-                self.copies.wait(ev)
-        if not active.any():
+            if p.grad is not None:
+                self._check(_local(p))
+                grads[k] = p.grad
+        if not grads:
             return np.zeros(0, dtype=np.int64)
-        for bucket, *_ in self.buckets:
-            rows = np.asarray([ui for ui in bucket if active[ui]], dtype=np.int64)
+        # Cheap filter first: a staged copy of another tensor, or of this one at an older
+        # version, is stale without hashing; the rest are fingerprinted now, in one batch.
+        fresh_candidates = [
+            k
+            for k, g in grads.items()
+            if k in staged and staged[k].grad is g and g._version == staged[k].version
+        ]
+        now = self._fingerprints_now({k: grads[k] for k in fresh_candidates})
+        order = self._bucket_order(arrival, grads)
+        self.order = order
+        initialized = self.state.initialized()
+        events: Dict[int, List[Any]] = {}
+        decided: set = set()
+
+        def prepare(b: int) -> None:
+            """Decide and start the copies bucket b needs (gradients, first masters)."""
+            self._wait_h2d(b)
+            for k in self.bucket_members[b]:
+                if k not in grads or k in decided:
+                    continue
+                decided.add(k)
+                st = staged.get(k)
+                if k in now:
+                    self.copies.wait(st.fp_event)
+                    lo, hi = self.fp_rows[k]
+                    if _fp_combine(self.fp_host[lo:hi].numpy()) == now[k]:
+                        evs = st.events
+                    else:  # the same tensor and version, other bytes: Note [staged gradients]
+                        self.counters["grad_stale_copies"] += len(self.units_of.get(k, []))
+                        evs = self._copy_grad(k, grads[k])
+                else:  # not staged, or replaced or changed in place since (version moved)
+                    evs = self._copy_grad(k, grads[k])
+                for ui, ev in zip(self.units_of.get(k, []), evs):
+                    events[ui] = [ev]
+            for ui in self.buckets[b][0]:
+                k, start, n, _ = self.units[ui]
+                if k in grads and not initialized[ui]:  # the master starts from the parameter
+                    flat = _local(self.params[k]).detach().reshape(-1)[start : start + n]
+                    events[ui].append(self.copies.to_host(self.out_view[ui], flat))
+
+        updated: List[int] = []
+        if order:
+            prepare(order[0])
+        for i, b in enumerate(order):
+            if i + 1 < len(order):
+                prepare(order[i + 1])
+            rows = np.asarray([ui for ui in self.buckets[b][0] if ui in events], dtype=np.int64)
             if not len(rows):
                 continue
+            for ui in rows.tolist():
+                for ev in events[ui]:
+                    self.copies.wait(ev)
             self._fill_hyper(rows, hyper)
             self.state.step(self._flat_records(rows))
+            updated.extend(rows.tolist())
+            back = []
             with torch.no_grad():
                 for ui in rows.tolist():
                     k, start, n, _ = self.units[ui]
@@ -577,8 +822,35 @@ class _Space:
                         dst, src = p, self.out_view[ui].view(p.shape)
                     else:  # a piece of a large parameter (contiguous: checked at build)
                         dst, src = p.view(-1)[start : start + n], self.out_view[ui]
-                    self.h2d_events.append(self.copies.to_device(dst, src))
-        return np.unique(self.unit_global[active])
+                    back.append(self.copies.to_device(dst, src))
+            self.h2d_events[b] = back
+        return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
+
+    def _fingerprints_now(self, grads: Dict[int, torch.Tensor]) -> Dict[int, Tuple[int, int]]:
+        """Note [gradient fingerprint] of each gradient as it is now: computed on its device
+        after everything queued before ``step()``, brought back in one copy."""
+        if not grads:
+            return {}
+        keys = list(grads)
+        parts = [_fingerprint_parts(grads[k]) for k in keys]
+        host = torch.cat(parts).cpu().numpy()
+        out, at = {}, 0
+        for k, part in zip(keys, parts):
+            out[k] = _fp_combine(host[at : at + len(part)])
+            at += len(part)
+        return out
+
+    def _bucket_order(self, arrival: Dict[int, int], grads: Dict[int, torch.Tensor]) -> List[int]:
+        """Note [step in arrival order]: the buckets with a gradient, ordered by when their last
+        staged member's gradient arrived; buckets with a gradient the hooks did not stage (it
+        is copied now) come after, in parameter order."""
+        late = float("inf")
+        keys = []
+        for b, members in enumerate(self.bucket_members):
+            mine = [k for k in members if k in grads]
+            if mine:
+                keys.append((max(arrival.get(k, late) for k in mine), b))
+        return [b for _, b in sorted(keys)]
 
     def _step_sharded(self, hyper: np.ndarray) -> np.ndarray:
         """Note [sharding]."""
@@ -609,10 +881,8 @@ class _Space:
             self.param_shard[at : at + n].copy_(src[start : start + n])
         active = np.array([has_np[u[0]] for u in self.units], dtype=bool)
         if self.staged:
-            for ev in self.h2d_events:
-                self.copies.wait(ev)
-            self.h2d_events = []
-            for bucket, f_lo, f_hi, g, o in self.buckets:
+            for b, (bucket, f_lo, f_hi, g, o) in enumerate(self.buckets):
+                self._wait_h2d(b)
                 rows = np.asarray([ui for ui in bucket if active[ui]], dtype=np.int64)
                 if not len(rows):
                     continue
@@ -620,7 +890,7 @@ class _Space:
                 self.copies.wait(self.copies.to_host(o, self.param_shard[f_lo:f_hi]))
                 self._fill_hyper(rows, hyper, scale)
                 self.state.step(self._flat_records(rows))
-                self.h2d_events.append(self.copies.to_device(self.param_shard[f_lo:f_hi], o))
+                self.h2d_events[b] = [self.copies.to_device(self.param_shard[f_lo:f_hi], o)]
         elif active.any():
             rows = np.nonzero(active)[0]
             self._fill_hyper(rows, hyper, scale)
@@ -913,6 +1183,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for k, v in s.state.stats().items():
                 if k in _CUMULATIVE:
                     self._past[k] = self._past.get(k, 0) + v
+            for k, v in s.counters.items():
+                self._past[k] = self._past.get(k, 0) + v
             s.close()
         self._spaces = []
         self._stateful[:] = False
@@ -953,6 +1225,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler: Note [GradScaler]
         if found_inf is not None and _float(found_inf) != 0.0:
+            for space in self._spaces:  # the next step's hooks count afresh
+                space.staged_grads = {}
+                space.end_step()
             return loss
         hyper = self._hyper()
         grad_scale = getattr(self, "grad_scale", None)
@@ -1050,13 +1325,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         """steps (that updated a parameter), and counters summed over the optimizer's state
         spaces: bytes_read, bytes_written (NVMe), io_wait_seconds, compute_seconds,
         last_step_seconds, state_bytes (of the parameters that have state: Note [lazy state]),
-        heap_chunks. All zero before the first step."""
-        total: Dict[str, Any] = {k: 0 for k in _STATS}
+        heap_chunks; on the staged path (parameters on a GPU, one rank), grad_copies and
+        grad_bytes_copied (device-to-host gradient copies, one per unit of at most
+        ``_UNIT_MAX`` elements) and grad_stale_copies (those made again because the staged
+        copy's fingerprint no longer matched: Note [staged gradients]). All zero before the
+        first step."""
+        total: Dict[str, Any] = {k: 0 for k in _STATS + _GRAD_STATS}
         total.update(self._past)
         for s in self._spaces:
             for k, v in s.state.stats().items():
                 if k != "steps":
                     total[k] = total.get(k, 0) + v
+            for k, v in s.counters.items():
+                total[k] += v
         total["steps"] = self._updates
         return total
 

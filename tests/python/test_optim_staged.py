@@ -1,0 +1,357 @@
+"""OffloadAdamW's staged-gradient path (Note [staged gradients] in spillover/optim.py), run on
+CPU tensors with ``_force_staging=True`` (the GPU path's staging buffers, hooks and copies,
+synchronous): a gradient changed without moving its version counter — a write through
+``p.grad.data``, an in-place c10d all-reduce on two gloo ranks — is copied again (the
+fingerprint), never used stale; gradient accumulation copies each gradient once per step;
+buckets are stepped in the order their gradients arrived. Every result equals torch's fused
+AdamW (bitwise where the CPU has FMA, as in test_optim.py).
+
+Run as a script, this file is one rank of the two-rank test (torchrun's environment)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from dist_optim_worker import make_model
+
+import spillover
+from spillover import _native
+from spillover import optim as so
+
+POOL = 72 << 20  # this file's own pool (pools are shared per capacity)
+FMA = _native.AdamState.fma_available()
+F = torch.nn.functional
+
+
+def offload(params, **kw):
+    kw.setdefault("host_pool_bytes", POOL)
+    kw.setdefault("_force_staging", True)
+    return spillover.OffloadAdamW(params, **kw)
+
+
+def assert_params(a, b, exact=FMA):
+    for i, (x, y) in enumerate(zip(a.parameters(), b.parameters())):
+        if exact:
+            assert torch.equal(x, y), f"param {i}: max |d| = {(x - y).abs().max()}"
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"param {i}")
+
+
+def data(step, n=16, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(n, 33, generator=g), torch.randn(n, 5, generator=g)
+
+
+# ---- the fingerprint ----
+
+
+def _reference_fingerprint(t: torch.Tensor) -> tuple:
+    """The same function in Python integers, modulo 2**64 (no wrapping arithmetic at all)."""
+    words = t.detach().reshape(-1).contiguous().view(torch.int16).numpy().astype(np.int64)
+    r = so._fp_weights(torch.device("cpu")).numpy().view(np.uint64)
+    out = []
+    for s in range(2):
+        total = 0
+        for c, lo in enumerate(range(0, len(words), so._FP_WORDS)):
+            chunk = words[lo : lo + so._FP_WORDS]
+            part = sum(int(w) * int(x) for w, x in zip(chunk, r[s, : len(chunk)]))
+            total += part * so._fp_chunk_multiplier(s, c)
+        out.append(total % (1 << 64))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fingerprint_wraps_like_exact_integers(monkeypatch, dtype):
+    """torch's int64 products and sums wrap modulo 2**64 (checked here against Python's exact
+    integers), over several chunks, so the function is well defined on every device."""
+    monkeypatch.setattr(so, "_FP_WORDS", 64)
+    so._FP_CACHE.clear()
+    try:
+        t = (torch.randn(301) * 1e30).to(dtype)  # large words: products overflow int64
+        t[::7] = float("-inf")
+        assert so._fingerprint(t) == _reference_fingerprint(t)
+    finally:
+        so._FP_CACHE.clear()
+
+
+def test_fingerprint_sees_small_and_structured_changes(monkeypatch):
+    monkeypatch.setattr(so, "_FP_WORDS", 1024)
+    g = torch.randn(4099)
+    base = so._fingerprint(g)
+    changed = [
+        g.neg(),  # every sign bit
+        g.roll(1),  # a permutation
+        torch.cat([g[2048:], g[:2048]]),  # two halves swapped
+        g * 2,  # every exponent
+        torch.zeros_like(g),
+    ]
+    one = g.clone()
+    one.view(torch.int32)[17] ^= 1  # one bit
+    changed.append(one)
+    for ratio in (1, 3, 5):  # the same word of two chunks, changed by -ratio and +1
+        pair = g.clone()
+        pair.view(torch.int16)[5] -= ratio
+        pair.view(torch.int16)[1024 + 5] += 1
+        changed.append(pair)
+    swap = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    assert so._fingerprint(swap) != so._fingerprint(swap.neg())
+    for c in changed:
+        assert so._fingerprint(c) != base
+    assert so._fingerprint(g.clone()) == base
+
+
+# ---- never stale ----
+
+
+def _train_with_edit(model, opt, edit, steps=6, zero_to_none=True):
+    for s in range(steps):
+        x, y = data(s)
+        opt.zero_grad(set_to_none=zero_to_none)
+        F.mse_loss(model(x), y).backward()
+        edit(model, s)
+        opt.step()
+
+
+@pytest.mark.parametrize("zero_to_none", [True, False], ids=["none", "zeroed"])
+def test_writes_through_data_are_not_missed(zero_to_none):
+    """A write through ``p.grad.data`` does not move the version counter; the staged copy is
+    found stale by the fingerprint and copied again."""
+
+    def edit(model, s):
+        for i, p in enumerate(model.parameters()):
+            if (i + s) % 2 == 0:
+                p.grad.data.mul_(0.25)
+            if i == 1 and s % 3 == 0:
+                p.grad.data.copy_(torch.full_like(p.grad, 0.5))
+
+    ours, ref = make_model(), make_model()
+    opt = offload(ours.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    _train_with_edit(ours, opt, edit, zero_to_none=zero_to_none)
+    _train_with_edit(ref, ropt, edit, zero_to_none=zero_to_none)
+    assert_params(ours, ref)
+    st = opt.stats()
+    assert st["grad_stale_copies"] > 0  # the fingerprint, not the version, caught them
+
+
+def test_unchanged_staged_gradients_are_reused():
+    """No edit: every gradient is copied once, by its hook, and reused at step()."""
+    ours, ref = make_model(), make_model()
+    opt = offload(ours.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    _train_with_edit(ours, opt, lambda m, s: None)
+    _train_with_edit(ref, ropt, lambda m, s: None)
+    assert_params(ours, ref)
+    st = opt.stats()
+    n_units = len(opt._spaces[0].units)
+    assert st["grad_copies"] == 6 * n_units and st["grad_stale_copies"] == 0
+    nbytes = sum(p.numel() * 4 for p in ours.parameters())
+    assert st["grad_bytes_copied"] == 6 * nbytes
+
+
+# ---- gradient accumulation ----
+
+
+def _train_accumulating(model, opt, micro, on_step=None):
+    for s, n in enumerate(micro):
+        opt.zero_grad()
+        for m in range(n):
+            x, y = data(s * 10 + m, n=8)
+            (F.mse_loss(model(x), y) / n).backward()
+        opt.step()
+        if on_step is not None:
+            on_step(s)
+
+
+def test_accumulation_copies_once_per_step():
+    """4 micro-batches per step. Step 1 makes the state (Note [lazy state]) and copies every
+    gradient at step(); step 2's hooks copy at every backward, not knowing yet how many come;
+    from then on each gradient is copied once per step, by the last micro-batch's hook. The
+    result equals torch's fused AdamW."""
+    ours, ref = make_model(), make_model()
+    opt = offload(ours.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    copies = []
+    _train_accumulating(ours, opt, [4] * 5, lambda s: copies.append(opt.stats()["grad_copies"]))
+    _train_accumulating(ref, ropt, [4] * 5)
+    assert_params(ours, ref)
+    n_units = len(opt._spaces[0].units)
+    per_step = np.diff([0] + copies).tolist()
+    assert per_step == [n_units, 4 * n_units] + [n_units] * 3, per_step
+    assert opt.stats()["grad_stale_copies"] == 0
+
+
+def test_accumulation_count_changing_stays_correct():
+    """Steps with fewer or more micro-batches than the last one: the guess only decides when
+    to copy; a copy staged too early is seen to be stale (its version moved) and copied again,
+    one never staged is copied at step()."""
+    micro = [4, 4, 2, 5, 5, 1, 3]
+    ours, ref = make_model(), make_model()
+    opt = offload(ours.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    _train_accumulating(ours, opt, micro)
+    _train_accumulating(ref, ropt, micro)
+    assert_params(ours, ref)
+
+
+# ---- buckets in arrival order ----
+
+
+class Arrivals:
+    """Records the order of the post-accumulate-grad hooks (registered after the optimizer's,
+    so each fires right after the optimizer's hook of the same parameter)."""
+
+    def __init__(self, params):
+        self.order = []
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.order.append(i))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["params", "reversed"])
+def test_buckets_step_in_arrival_order(monkeypatch, reverse):
+    """One bucket per parameter: from the second step on (the first makes the state and copies
+    at step(), in parameter order), each step processes the buckets in the order backward
+    produced their gradients (the last layer's first), whatever the parameters' order in the
+    optimizer; equal to torch's fused AdamW either way."""
+    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+    ours, ref = make_model(), make_model()
+    params = list(ours.parameters())[::-1] if reverse else list(ours.parameters())
+    opt = offload(params, lr=1e-2)
+    arrivals = Arrivals(params)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    orders = []
+    for s in range(4):
+        x, y = data(s)
+        opt.zero_grad()
+        arrivals.order = []
+        F.mse_loss(ours(x), y).backward()
+        opt.step()
+        # bucket b holds parameter b; the first step makes the state and copies at step()
+        assert opt._spaces[0].order == (arrivals.order if s else [0, 1, 2, 3])
+        orders.append(list(opt._spaces[0].order))
+        ropt.zero_grad()
+        F.mse_loss(ref(*data(s)[:1]), data(s)[1]).backward()
+        ropt.step()
+    assert_params(ours, ref)
+    last_layer = {id(p) for p in ours[2].parameters()}
+    first_two = {id(params[b]) for b in orders[-1][:2]}
+    assert first_two == last_layer  # backward produces the last layer's gradients first
+
+
+def test_gradients_set_by_hand_step_in_parameter_order(monkeypatch):
+    """Gradients assigned without backward (no hook fires): copied at step(), buckets in
+    parameter order; equal to torch's fused AdamW."""
+    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+    ours, ref = make_model(), make_model()
+    opt = offload(ours.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for a, b in zip(ours.parameters(), ref.parameters()):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        opt.step()
+        ropt.step()
+        assert opt._spaces[0].order == [0, 1, 2, 3]
+    assert_params(ours, ref)
+
+
+# ---- two ranks: an in-place all-reduce between backward and step ----
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_all_reduce_in_place_gloo(tmp_path):
+    """``dist.all_reduce(p.grad)`` (SUM, in place: c10d does not move the version counter)
+    between backward and ``step()`` on two gloo ranks, ``shard=False``: the parameters equal
+    those of torch's fused AdamW fed the same all-reduced gradients."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, str(tmp_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out.decode(errors="replace"))
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for res in (r0, r1):
+        assert res["equal"], res["max_diff"]
+        assert res["stats"]["grad_stale_copies"] > 0
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)  # the ranks agree
+
+
+def _rank_main(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        ours, ref = make_model(), make_model()
+        opt = offload(ours.parameters(), lr=1e-2, shard=False)
+        assert opt._world == 1  # shard=False: each rank keeps the full state
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        for s in range(5):
+            x, y = data(s, seed=rank + 1)  # each rank its own batch: the sums differ
+            for model, o in ((ours, opt), (ref, ropt)):
+                o.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                for p in model.parameters():
+                    v = p.grad._version
+                    dist.all_reduce(p.grad)  # in place, SUM
+                    assert p.grad._version == v, "c10d moved the version: update the Note"
+                o.step()
+        diffs = [(a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters())]
+        equal = all(
+            torch.equal(a, b) if FMA else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+            for a, b in zip(ours.parameters(), ref.parameters())
+        )
+        torch.save(
+            {
+                "params": [p.detach().clone() for p in ours.parameters()],
+                "equal": equal,
+                "max_diff": max(diffs),
+                "stats": opt.stats(),
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])
