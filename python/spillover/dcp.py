@@ -578,7 +578,7 @@ def _make_writer_class() -> type:
         ``file_bytes`` (Note [DCP's writer holds a file's tensors]), items resolved in plan
         order. Other arguments as torch's."""
 
-        def __init__(self, path: Any, *, file_bytes: int = 256 << 20, **kwargs: Any):
+        def __init__(self, path: Any, *, file_bytes: int = 64 << 20, **kwargs: Any):
             kwargs.setdefault("per_thread_copy_ahead", 0)
             if kwargs.get("single_file_per_rank") is False:
                 raise ValueError(
