@@ -18,6 +18,18 @@ before the step (parameters and gradients: the activations' peak), and a fingerp
 gradients. DIR/bench-MODE.json is rewritten after every step, so a mode that runs out of time
 still leaves what it measured.
 
+Mode optim (not an activation mode; its own table): a GPT from spillover.models (fp32
+parameters, bf16 autocast, ~134M parameters: AdamW's state is 1 GiB on the device) trained
+--steps steps (+1 warm-up) three ways in one process, one after the other: forward + backward
+alone, torch.optim.AdamW(fused=True) with its state on the device, and OffloadAdamW(tier="host")
+(gradients staged by hooks during backward, CPU update, parameters back per bucket). Per way: the
+step's seconds (forward to the device's last kernel), max_memory_allocated over the step, and
+for the optimizers the time not hidden behind backward (their step minus forward + backward
+alone) and step()'s own wall time after backward returned; OffloadAdamW's gradient copies per
+step, stale copies (0 unless gradients change after backward), the gradient fingerprint's
+throughput on the device (Note [gradient fingerprint] in spillover/optim.py) and the largest
+parameter difference from torch's AdamW after the run.
+
 Gradients: the fingerprints of a mode's steps must agree with each other, and with `none`'s.
 `none` is the control: when its own steps differ, the model's kernels are not deterministic on
 this GPU (flash attention's backward, for one) and no mode's gradients can be compared bitwise;
@@ -44,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 import spillover
 
-MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto")
+MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto", "optim")
 GiB = 1 << 30
 
 
@@ -202,6 +214,119 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
         del ctx
 
 
+def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
+    """Mode optim (the module docstring); returns its summary lines."""
+    import gc
+
+    from spillover import optim as so
+    from spillover.models import GPT, GPTConfig
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if args.tiny:
+        cfg, batch = GPTConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq=64), 2
+    else:
+        cfg, batch = GPTConfig(vocab=32000, d_model=768, n_heads=12, n_layers=12, seq=512), 8
+    cfg.attn = "sdpa"
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g).to(dev)
+            for _ in range(args.steps + 1)]
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    finals: Dict[str, List[torch.Tensor]] = {}
+    for way in ("fwd+bwd only", "torch AdamW(fused)", "OffloadAdamW(host)"):
+        torch.manual_seed(0)
+        with dev:
+            model = GPT(cfg)
+        n = sum(p.numel() for p in model.parameters())
+        res.update(params=n, seq=cfg.seq, batch=batch, layers=cfg.n_layers,
+                   d_model=cfg.d_model, device=str(dev), torch=torch.__version__,
+                   gpu=torch.cuda.get_device_name() if cuda else "cpu")
+        opt: Any = None
+        if way.startswith("torch"):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        elif way.startswith("Offload"):
+            opt = spillover.OffloadAdamW(model.parameters(), lr=1e-4, tier="host",
+                                         optim_pool_bytes=int(n * 22) + (256 << 20),
+                                         _force_staging=not cuda)
+        rows = []
+        for step, idx in enumerate(data):
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            t1 = time.perf_counter()  # backward returned (the device may still run it)
+            if opt is not None:
+                opt.step()
+            t2 = time.perf_counter()
+            sync()
+            t3 = time.perf_counter()
+            row = {"step": step, "seconds": t3 - t0, "step_call_s": t2 - t1,
+                   "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+            if isinstance(opt, spillover.OffloadAdamW):
+                row["stats"] = opt.stats()
+            rows.append(row)
+            print(f"  {way} step {step}{' (warm-up)' if step == 0 else ''}: {t3 - t0:.3f} s, "
+                  f"step() {t2 - t1:.3f} s after backward returned", flush=True)
+        res.setdefault("ways", {})[way] = rows
+        if path:
+            write_json(path, res)
+        if isinstance(opt, spillover.OffloadAdamW):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            nbytes = sum(gr.numel() * gr.element_size() for gr in grads)
+            sync()
+            t0 = time.perf_counter()
+            for gr in grads:
+                so._fingerprint_parts(gr)
+            sync()
+            res["fingerprint_gib_s"] = nbytes / (1 << 30) / (time.perf_counter() - t0)
+        if opt is not None:
+            finals[way] = [p.detach().float().cpu() for p in model.parameters()]
+        del model, opt
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    a, b = finals["torch AdamW(fused)"], finals["OffloadAdamW(host)"]
+    res["max_param_diff"] = max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+    def med(way: str, key: str) -> float:
+        vals = [r[key] for r in res["ways"][way][1:] if r[key] is not None]
+        return sorted(vals)[len(vals) // 2] if vals else float("nan")
+
+    base_t, base_m = med("fwd+bwd only", "seconds"), med("fwd+bwd only", "peak_bytes")
+    lines = [f"GPT {n / 1e6:.1f}M fp32 parameters (bf16 autocast), batch {batch} x seq "
+             f"{cfg.seq}, {args.steps} measured steps, {dev}", "",
+             "| way | step s | optimizer s not hidden | step() s after backward | peak GiB "
+             "| optimizer GiB on device |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    def gib(x: float) -> str:
+        return "–" if x != x else f"{x / GiB:.2f}"  # NaN: no memory counter on the CPU
+
+    for way in res["ways"]:
+        t, m = med(way, "seconds"), med(way, "peak_bytes")
+        if way.startswith("fwd"):
+            lines.append(f"| {way} | {t:.3f} | | | {gib(m)} | |")
+            continue
+        lines.append(f"| {way} | {t:.3f} | {t - base_t:.3f} | {med(way, 'step_call_s'):.3f} "
+                     f"| {gib(m)} | {gib(m - base_m)} |")
+    st = [r["stats"] for r in res["ways"]["OffloadAdamW(host)"]]
+    copies = [b["grad_copies"] - a["grad_copies"] for a, b in zip(st, st[1:])]
+    lines += ["", f"OffloadAdamW: gradient copies per measured step {copies} (units), stale "
+              f"{st[-1]['grad_stale_copies']}; fingerprint {res['fingerprint_gib_s']:.1f} GiB/s "
+              f"on {dev}; max |param - torch's| after {args.steps + 1} steps "
+              f"{res['max_param_diff']:.2e}"]
+    return lines
+
+
 def full_peak(out: str) -> Optional[int]:
     """The median peak of full checkpointing's steps in this run, if it ran and measured."""
     try:
@@ -269,8 +394,12 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         path = out_path(args.out, args.mode)
     code = 0
+    lines: List[str] = []
     try:
-        run(args, res, path)
+        if args.mode == "optim":
+            lines = run_optim(args, res, path)
+        else:
+            run(args, res, path)
         res["complete"] = True
     except Exception as e:  # the row says what broke; the other modes run in their own processes
         traceback.print_exc()
@@ -280,6 +409,14 @@ def main() -> None:
     res["wall_s"] = time.perf_counter() - t0
     if path:
         write_json(path, res)
+    if args.mode == "optim":
+        if res.get("error"):
+            lines.append(f"- ✗ {res['error'][:200]}")
+        print("\n".join(lines), flush=True)
+        if args.summary:
+            with open(args.summary, "a", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+        sys.exit(code)
     row = summary_row(res, load_ref(args.out) if args.mode != "none" else None)
     print(HEADER, row, sep="\n", flush=True)
     if args.summary:

@@ -2,7 +2,7 @@
 # The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
 # the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
 #
-#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 8 minutes on an H200
 #     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, one benchmark
 #                                                          # pair: under 3 minutes
 #     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
@@ -16,6 +16,8 @@
 #   sanitizer its stream-ordering tests again under TORCH_CUDA_SANITIZER=1
 #   bench     benches/gpu/bench.py, each mode in a process of its own; bench/bench-MODE.json is
 #             written as the mode runs
+#   optimizer benches/gpu/bench.py --mode optim: torch's fused AdamW against OffloadAdamW on a
+#             GPT (device memory, time not hidden behind backward); full run only
 #   others    the gpu-marked tests of test_recompute.py and test_optim.py
 # Everything lands under $OUT (default ./gpu-out): summary.md (each check ✓/✗ with its figure,
 # appended the moment it is known), run.log, tests-*.xml, bench/*.json. Exit status 0 when every
@@ -54,18 +56,18 @@ trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 440 s, quick 165 s.
+# `timeout -k 10` adds at most 10 s to the last): full 465 s, quick 165 s.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
-    B_INSTALL=25 B_TESTS=85 B_SANITIZER=0 B_OTHERS=0 DEADLINE=165 TEST_TIMEOUT=45
+    B_INSTALL=25 B_TESTS=85 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 DEADLINE=165 TEST_TIMEOUT=45
     BENCH_ARGS=(--steps 2)
     BENCH_MODES=(none host)
     declare -A B_BENCH=([none]=25 [host]=30)
     TEST_K=(-k "not stream")  # the stream tests run under the sanitizer in the full run
 else
     run_kind="full"
-    B_INSTALL=25 B_TESTS=95 B_SANITIZER=35 B_OTHERS=40 DEADLINE=440 TEST_TIMEOUT=60
+    B_INSTALL=25 B_TESTS=95 B_SANITIZER=35 B_OTHERS=40 B_OPTIM=30 DEADLINE=465 TEST_TIMEOUT=60
     BENCH_ARGS=(--steps 3)
     BENCH_MODES=(none full planned save_on_cpu host nvme auto)
     declare -A B_BENCH=([none]=30 [full]=30 [planned]=40 [save_on_cpu]=30 [host]=35 [nvme]=40
@@ -74,9 +76,10 @@ fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
     run_kind="DRY RUN ($run_kind) on the CPU: tiny sizes, the figures are not GPU results"
-    B_INSTALL=60 B_TESTS=150 DEADLINE=$((DEADLINE < 300 ? 240 : 330)) TEST_TIMEOUT=60
+    B_INSTALL=60 B_TESTS=150 DEADLINE=$((DEADLINE < 300 ? 240 : 390)) TEST_TIMEOUT=60
     ((B_SANITIZER > 0)) && B_SANITIZER=60
     ((B_OTHERS > 0)) && B_OTHERS=90
+    ((B_OPTIM > 0)) && B_OPTIM=60
     BENCH_ARGS=(--tiny --device cpu --steps 2)
     for m in "${BENCH_MODES[@]}"; do B_BENCH[$m]=40; done
 fi
@@ -274,10 +277,22 @@ for m in "${BENCH_MODES[@]}"; do
     esac
 done
 
+# ---- optimizer ---------------------------------------------------------------------------------
+if [ "$B_OPTIM" -gt 0 ]; then
+    budget=$(budget_left $B_OPTIM)
+    if section "optimizer: torch AdamW(fused) against OffloadAdamW(host), \`${BENCH_ARGS[*]}\`" "$budget"; then
+        t0=$SECONDS
+        timeout -k 10 "$budget" "$PY" benches/gpu/bench.py --mode optim --out "$OUT/bench" \
+            --summary "$SUMMARY" "${BENCH_ARGS[@]}"
+        verdict $? $((SECONDS - t0)) "$budget"
+    fi
+fi
+
 # ---- the other gpu-marked tests ----------------------------------------------------------------
 if [ "$B_OTHERS" -gt 0 ]; then
-    pytest_step "tests: the gpu-marked tests of test_recompute.py and test_optim.py" $B_OTHERS others \
-        tests/python/test_recompute.py tests/python/test_optim.py -m gpu
+    pytest_step "tests: the gpu-marked tests of test_recompute.py, test_optim.py, test_optim_staged.py" \
+        $B_OTHERS others tests/python/test_recompute.py tests/python/test_optim.py \
+        tests/python/test_optim_staged.py -m gpu
 fi
 
 say "" "## total: $([ $status = 0 ] && echo "✓ every step passed" || echo "✗ a step failed") in ${SECONDS} s (deadline ${DEADLINE} s)"

@@ -1,7 +1,8 @@
 """OffloadAdamW step time against torch's CPU AdamW recipes, same run, interleaved.
 
     python benches/python/optim_bench.py [--params 100e6] [--tensors 64] [--rounds 12]
-                                         [--nvme-params 25e6] [--parts fp32,bf16,nvme,gpu]
+                                         [--nvme-params 25e6] [--staged-params 16e6]
+                                         [--parts fp32,bf16,nvme,staged,gpu]
                                          [--nvme-path DIR]
 
 fp32: 100M fp32 parameters in `--tensors` tensors (sizes vary, none a multiple of 16), the
@@ -17,6 +18,13 @@ nvme: the NVMe tier's step against (state bytes read + written) / the swap engin
 measured in the same run by writing and reading the same bytes through a swap engine with the
 same options (all writes, then all reads, 8 MiB requests, 8 in flight; the optimizer streams
 8 MiB chunks through 16 buffers, reads and writes interleaved).
+
+staged: the GPU path's staging (Note [staged gradients] in spillover/optim.py) on CPU tensors
+(``_force_staging=True``): a backward whose hooks copy each gradient to staging buffers and
+fingerprint it, then ``step()``, which fingerprints the gradients again and reuses the copies —
+or copies again when a write through ``p.grad.data`` changed them — against the in-place CPU
+step and backward alone; and the fingerprint alone, in GiB/s of gradient. On a GPU host the
+fingerprints run on the device; here they run on the CPU and show their cost per byte.
 
 gpu (CUDA hosts only): forward + backward + step of an MLP stack on the GPU: torch AdamW with
 its state on the GPU, OffloadAdamW (gradients copied to pinned pool blocks by hooks while
@@ -243,6 +251,82 @@ def bench_nvme(args, pool_bytes: int) -> List[str]:
     return out
 
 
+def bench_staged(args, pool_bytes: int) -> List[str]:
+    from spillover import optim as so
+
+    szs = sizes(int(args.staged_params), 16)
+    n = sum(szs)
+    # Three optimizers in one pool (pools are shared per capacity): 20 B/param each for the
+    # master, the two moments and the two staging buffers, plus slack.
+    own_pool = 3 * n * 20 + (96 << 20) + 4096
+
+    def setup(staged: bool):
+        ps = params_like(szs, torch.float32, 0)
+        g = torch.Generator().manual_seed(1)
+        coef = [torch.randn(p.shape, generator=g) * 1e-2 for p in ps]
+        opt = spillover.OffloadAdamW(
+            ps, lr=1e-3, tier="host", host_pool_bytes=own_pool, _force_staging=staged
+        )
+        return ps, coef, opt
+
+    def train(ps, coef, opt, edit: bool, step: bool = True):
+        def run():
+            for p in ps:
+                p.grad = None
+            sum((p * c).sum() for p, c in zip(ps, coef)).backward()
+            if edit:  # moves no version counter: only the fingerprint sees it
+                for p in ps:
+                    p.grad.data.mul_(0.5)
+            if step:
+                opt.step()
+
+        return run
+
+    direct = setup(False)
+    reused = setup(True)
+    stale = setup(True)
+    methods = {
+        "backward only": train(*direct, edit=False, step=False),
+        "in place (not staged)": train(*direct, edit=False),
+        "staged, copies reused": train(*reused, edit=False),
+        "staged, .data write: copied again": train(*stale, edit=True),
+    }
+    t = race(methods, args.rounds)
+    grads = [p.grad for p in reused[0]]
+    fp_times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for gr in grads:
+            so._fingerprint_parts(gr)
+        fp_times.append(time.perf_counter() - t0)
+    fp = min(fp_times)
+    gib = n * 4 / (1 << 30)
+    bwd = t["backward only"]
+    st = reused[2].stats(), stale[2].stats()
+    out = [
+        f"\n### staged path on CPU tensors, {n / 1e6:.0f}M fp32 parameters in {len(szs)} "
+        f"tensors ({gib:.2f} GiB of gradients; optimizer time = step time - backward only)\n",
+        "| method | step ms (median) | optimizer ms | note |",
+        "| --- | --- | --- | --- |",
+    ]
+    for k, v in t.items():
+        note = ""
+        if k.startswith("staged, copies"):
+            note = f"grad_copies {st[0]['grad_copies']}, stale {st[0]['grad_stale_copies']}"
+        elif k.startswith("staged, .data"):
+            note = f"grad_copies {st[1]['grad_copies']}, stale {st[1]['grad_stale_copies']}"
+        opt_ms = "" if k == "backward only" else f"{(v - bwd) * 1e3:.1f}"
+        out.append(f"| {k} | {v * 1e3:.1f} | {opt_ms} | {note} |")
+    out.append(
+        f"\nfingerprint alone (torch int64 ops on this CPU): {fp * 1e3:.1f} ms for {gib:.2f} GiB "
+        f"= {gib / fp:.2f} GiB/s; the staged step fingerprints every gradient twice (hook and "
+        "step); on a GPU host both run on the device"
+    )
+    del direct, reused, stale, grads
+    gc.collect()
+    return out
+
+
 def bench_gpu(args, pool_bytes: int) -> List[str]:
     """Train steps (forward + backward + step) of an MLP stack on the GPU: torch AdamW on the
     GPU, OffloadAdamW (state in host memory, gradients staged during backward), and torchao's
@@ -303,7 +387,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--nvme-params", type=float, default=25e6)
     ap.add_argument("--nvme-path", default=os.environ.get("SPILLOVER_NVME_PATH"))
-    ap.add_argument("--parts", default="fp32,bf16,nvme,gpu")
+    ap.add_argument("--staged-params", type=float, default=16e6)
+    ap.add_argument("--parts", default="fp32,bf16,nvme,staged,gpu")
     args = ap.parse_args()
     # The host state: 8 B/param (fp32) or 12 B/param (bf16) in the pool, plus slack.
     pool_bytes = int(args.params * 12 * 1.1) + (256 << 20)
@@ -313,7 +398,13 @@ def main() -> None:
         f"spillover kernel FMA: {_native.AdamState.fma_available()}, {os.cpu_count()} cpus"
     )
     parts = args.parts.split(",")
-    benches = {"fp32": bench_fp32, "bf16": bench_bf16, "nvme": bench_nvme, "gpu": bench_gpu}
+    benches = {
+        "fp32": bench_fp32,
+        "bf16": bench_bf16,
+        "nvme": bench_nvme,
+        "staged": bench_staged,
+        "gpu": bench_gpu,
+    }
     lines: List[str] = []
     for name in parts:
         # The machine may be shared: the load average around each part says whether other

@@ -252,7 +252,7 @@ _HYPER = np.dtype(
 # (one per unit), their bytes, and those made because a staged copy's fingerprint no longer
 # matched the gradient (Note [staged gradients]).
 _GRAD_STATS = ("grad_copies", "grad_bytes_copied", "grad_stale_copies")
-# Note [gradient fingerprint]: words per chunk (temporaries: 3 x 8 bytes per word), the two
+# Note [gradient fingerprint]: words per chunk (temporaries: 2 x 8 bytes per word), the two
 # weight sequences' seed, and the constants seeding each chunk's weight.
 _FP_WORDS = 1 << 20
 _FP_SEED = 0x5EED_F1A6
@@ -316,7 +316,7 @@ def _fingerprint_parts(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros((1, 2), dtype=torch.int64, device=words.device)
     parts = []
     for lo in range(0, words.numel(), _FP_WORDS):
-        x = words[lo : lo + _FP_WORDS].to(torch.int64)
+        x = words[lo : lo + _FP_WORDS]  # int16 * int64: an int64 product, x is not widened
         parts.append((x * r[:, : x.numel()]).sum(dim=1))  # wraps modulo 2**64
     return torch.stack(parts)
 
@@ -381,6 +381,7 @@ class _Copies:
     def fingerprint(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Note [gradient fingerprint]: `src`'s per-chunk sums into the host tensor `dst`,
         ordered after the copies started from `src` (same stream: the same bytes)."""
+        src = _local(src)
         if not self.cuda:
             dst.copy_(_fingerprint_parts(src))
             return None
@@ -636,6 +637,9 @@ class _Space:
         self.fired[k] += 1
         g = p.grad
         if g is None or (self.expect[k] and self.fired[k] < self.expect[k]):
+            return
+        if _local(g).dtype != self.dtype:  # converted when copied: left to step()
+            self.staged_grads.pop(k, None)
             return
         events = self._copy_grad(k, g)
         lo, hi = self.fp_rows[k]

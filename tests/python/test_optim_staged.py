@@ -262,6 +262,52 @@ def test_gradients_set_by_hand_step_in_parameter_order(monkeypatch):
     assert_params(ours, ref)
 
 
+# ---- on a GPU: the same, through CUDA streams and events ----
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_fingerprint_equals_cpu():
+    """The device computes the same fingerprint as the CPU (int64 wraps alike), across chunks."""
+    t = torch.randn(3 * so._FP_WORDS // 2 + 7) * 1e30
+    assert so._fingerprint(t.cuda()) == so._fingerprint(t)
+    b = t.to(torch.bfloat16)
+    assert so._fingerprint(b.cuda()) == so._fingerprint(b)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_cuda_accumulation_and_data_writes():
+    """Parameters on the GPU, 4 micro-batches per step, a write through ``p.grad.data`` on some
+    steps: equal to torch's fused AdamW on the GPU within its tolerance (its CUDA kernel rounds
+    differently from the CPU one); one copy per unit and step once the count is learned, and
+    one more for every edited gradient."""
+    ours, ref = make_model().cuda(), make_model().cuda()
+    opt = offload(ours.parameters(), lr=1e-2, _force_staging=False)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    copies = []
+    for s in range(6):
+        for model, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            for m in range(4):
+                x, y = data(s * 10 + m, n=8)
+                (F.mse_loss(model(x.cuda()), y.cuda()) / 4).backward()
+            if s in (3, 5):
+                for p in model.parameters():
+                    p.grad.data.mul_(0.5)
+            o.step()
+        copies.append(opt.stats()["grad_copies"])
+    torch.cuda.synchronize()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    n_units = len(opt._spaces[0].units)
+    per_step = np.diff([0] + copies).tolist()
+    assert per_step[2:] == [n_units, 2 * n_units, n_units, 2 * n_units], per_step
+    assert opt.stats()["grad_stale_copies"] == 2 * n_units
+
+
 # ---- two ranks: an in-place all-reduce between backward and step ----
 
 
