@@ -63,10 +63,15 @@ Note [gradient fingerprint]
     torch's int64 products and sums wrap modulo 2**64 (checked against exact integers in
     tests/python/test_optim_staged.py; modular sums do not depend on the reduction order, so
     every device and every run agree), and the chunks' partial sums are combined on the host in
-    numpy uint64. Both fingerprints are taken on the gradient's device by the same function: the
-    staged one on the copy stream right after the copy (the same bytes the copy read), the
-    current one at ``step()`` after everything queued before it (all gradients in one batch,
-    one transfer back).
+    numpy uint64. Both fingerprints are taken on the gradient's device by the same function. The
+    staged one is of the bytes that were staged: the hook copies each chunk to a device
+    snapshot on the copy stream, fingerprints the snapshot and copies it to the host. The copy
+    stream runs alongside whatever the compute stream (or a collective) does after the hook,
+    and a write landing between two separate reads of the gradient could give a fingerprint of
+    the new bytes next to a copy of the old ones, which would pass the check; read once, the
+    two agree whatever they saw (a torn mix of old and new then fails the check at
+    ``step()``). The current one is taken at ``step()`` after everything queued before it (all
+    gradients in one batch, one transfer back).
 
     What it proves: equal fingerprints mean equal bytes unless the change happens to satisfy
     two relations modulo 2**64 in the weights. For a change made without knowledge of the
@@ -77,12 +82,16 @@ Note [gradient fingerprint]
     not a cryptographic hash). Pseudo-random weights catch permutations, sign flips of balanced
     values and swapped chunks, which a plain or index-weighted sum can miss.
 
-    Cost: per gradient, two passes on its device (one at the hook, one at ``step()``), each
-    about 3 integer kernels per chunk and 24 bytes of temporaries per word (24 MiB per chunk).
-    Memory-bound; measured on this repository's 2-core CPU host with torch CPU ops: 0.9 GiB/s,
-    which is why it runs on the device (a GPU's bandwidth is three orders of magnitude higher)
-    and not on the host copy. A stale copy costs one more copy of that gradient at ``step()``,
-    not overlapped with backward.
+    Cost: per gradient, two passes on its device (one at the hook, on the copy stream; one at
+    ``step()``), each two integer kernels per chunk with 16 bytes of temporaries per word
+    (32 MiB per chunk) and about 50 bytes of memory traffic per word (25 per gradient byte);
+    the hook's snapshot adds a device-to-device copy of each chunk (2 MiB).
+    Measured on this repository's 2-core CPU host with torch CPU ops: 0.9 GiB/s of gradient
+    (``benches/python/optim_bench.py --parts staged``), about twice the time the CPU update
+    itself takes per gradient byte there — which is why it runs on the device, whose bandwidth
+    is three orders of magnitude higher (an estimate: a few ms per GiB of gradient on an H200;
+    ``benches/gpu/bench.py --mode optim`` measures it), and not on the host copy. A stale copy
+    costs one more copy of that gradient at ``step()``, not overlapped with backward.
 
 Note [gradient accumulation]
     Post-accumulate-grad hooks fire at every backward, so with N micro-batches per step a hook
@@ -186,6 +195,7 @@ Note [GradScaler]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -378,19 +388,56 @@ class _Copies:
         compute.wait_event(ev)  # Note [staged gradients]: the next forward sees the new values
         return ev
 
-    def fingerprint(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Note [gradient fingerprint]: `src`'s per-chunk sums into the host tensor `dst`,
-        ordered after the copies started from `src` (same stream: the same bytes)."""
-        src = _local(src)
+    def stage(
+        self, src: torch.Tensor, units: List[Tuple[torch.Tensor, int, int]], fp_dst: torch.Tensor
+    ) -> Tuple[List[Any], Any]:
+        """Note [gradient fingerprint]: copy the flat gradient `src` into the host views of its
+        units (``(dst, start, n)``, in order, covering it) through device snapshots of one
+        fingerprint chunk each, and each snapshot's sums into the host tensor `fp_dst`, so the
+        staged bytes and the fingerprint are of the same bytes even if `src` is written while
+        the copy runs. Returns one event per unit and one after the fingerprint."""
+        if self.cuda:
+            self.d2h.wait_stream(torch.cuda.current_stream(src.device))
+            ctx: Any = torch.cuda.stream(self.d2h)
+        else:
+            ctx = contextlib.nullcontext()
+        esize = src.element_size()
+        chunk = _FP_WORDS * 2 // esize
+        events: List[Any] = []
+        with ctx:
+            r = _fp_weights(src.device)
+            parts = []
+            u = 0
+            for lo in range(0, src.numel(), chunk):
+                hi = min(lo + chunk, src.numel())
+                snap = src[lo:hi].clone()
+                words = snap.view(torch.int16)
+                parts.append((words * r[:, : words.numel()]).sum(dim=1))
+                while u < len(units):
+                    dst, start, n = units[u]
+                    a, b = max(lo, start), min(hi, start + n)
+                    if a < b:
+                        dst[a - start : b - start].copy_(snap[a - lo : b - lo], non_blocking=True)
+                    if start + n > hi:
+                        break  # the unit goes on in the next chunk
+                    events.append(self._record())
+                    u += 1
+            while u < len(units):  # empty units at the end
+                events.append(self._record())
+                u += 1
+            if not parts:
+                parts.append(torch.zeros(2, dtype=torch.int64, device=src.device))
+            fp_dst.copy_(torch.stack(parts), non_blocking=True)
+            fp_event = self._record()
+        if self.cuda:
+            src.record_stream(self.d2h)
+        return events, fp_event
+
+    def _record(self) -> Any:
         if not self.cuda:
-            dst.copy_(_fingerprint_parts(src))
             return None
-        self.d2h.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(_fingerprint_parts(src), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        src.record_stream(self.d2h)
+        ev = torch.cuda.Event()
+        ev.record()
         return ev
 
     @staticmethod
@@ -641,9 +688,15 @@ class _Space:
         if _local(g).dtype != self.dtype:  # converted when copied: left to step()
             self.staged_grads.pop(k, None)
             return
-        events = self._copy_grad(k, g)
+        flat = _local(g).reshape(-1)
+        units = []
+        for ui in self.units_of.get(k, []):
+            _, start, n, _ = self.units[ui]
+            units.append((self.grad_view[ui], start, n))
+            self.counters["grad_copies"] += 1
+            self.counters["grad_bytes_copied"] += n * self.esize
         lo, hi = self.fp_rows[k]
-        fp_event = self.copies.fingerprint(self.fp_host[lo:hi], g)
+        events, fp_event = self.copies.stage(flat, units, self.fp_host[lo:hi])
         self.staged_grads[k] = _Staged(events, fp_event, g, g._version)
         self.seq += 1
         self.arrival[k] = self.seq  # the last staging counts: its copy lands last

@@ -106,6 +106,41 @@ def test_fingerprint_sees_small_and_structured_changes(monkeypatch):
     assert so._fingerprint(g.clone()) == base
 
 
+def test_staged_fingerprint_is_of_the_staged_bytes(monkeypatch):
+    """The hook copies through snapshots of one fingerprint chunk each: with chunks and units
+    that straddle each other, the staged copy holds the gradient and its fingerprint equals the
+    gradient's own; the result still equals torch's."""
+    monkeypatch.setattr(so, "_FP_WORDS", 64)  # chunks of 32 fp32 elements
+    monkeypatch.setattr(so, "_UNIT_MAX", 80)  # units of 80 elements
+    so._FP_CACHE.clear()
+    try:
+        ours, ref = make_model(), make_model()
+        opt = offload(ours.parameters(), lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        for s in range(3):
+            x, y = data(s)
+            for model, o in ((ours, opt), (ref, ropt)):
+                o.zero_grad()
+                F.mse_loss(model(x), y).backward()
+            if s:  # the space exists from the first step on: the hooks have staged
+                space = opt._spaces[0]
+                for k, p in enumerate(ours.parameters()):
+                    lo, hi = space.fp_rows[k]
+                    assert so._fp_combine(space.fp_host[lo:hi].numpy()) == so._fingerprint(p.grad)
+                    staged = torch.cat([space.grad_view[ui] for ui in space.units_of[k]])
+                    assert torch.equal(staged, p.grad.reshape(-1))
+                assert len(space.units) > 20
+            if s == 2:
+                for model in (ours, ref):
+                    model[2].weight.grad.data[0, :3] = 1.0
+            opt.step()
+            ropt.step()
+        assert_params(ours, ref)
+        assert opt.stats()["grad_stale_copies"] > 0
+    finally:
+        so._FP_CACHE.clear()
+
+
 # ---- never stale ----
 
 
