@@ -19,7 +19,7 @@ gradients. DIR/bench-MODE.json is rewritten after every step, so a mode that run
 still leaves what it measured.
 
 Mode optim (not an activation mode; its own table): a GPT from spillover.models (fp32
-parameters, bf16 autocast, ~134M parameters: AdamW's state is 1 GiB on the device) trained
+parameters, bf16 autocast, 134M parameters: AdamW's state is 1 GiB on the device) trained
 --steps steps (+1 warm-up) three ways in one process, one after the other: forward + backward
 alone, torch.optim.AdamW(fused=True) with its state on the device, and OffloadAdamW(tier="host")
 (gradients staged by hooks during backward, CPU update, parameters back per bucket). Per way: the
@@ -304,7 +304,8 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
         return sorted(vals)[len(vals) // 2] if vals else float("nan")
 
     base_t, base_m = med("fwd+bwd only", "seconds"), med("fwd+bwd only", "peak_bytes")
-    lines = [f"GPT {n / 1e6:.1f}M fp32 parameters (bf16 autocast), batch {batch} x seq "
+    amp = "bf16 autocast" if cuda else "fp32"
+    lines = ["", f"GPT {n / 1e6:.1f}M fp32 parameters ({amp}), batch {batch} x seq "
              f"{cfg.seq}, {args.steps} measured steps, {dev}", "",
              "| way | step s | optimizer s not hidden | step() s after backward | peak GiB "
              "| optimizer GiB on device |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -321,7 +322,7 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
     st = [r["stats"] for r in res["ways"]["OffloadAdamW(host)"]]
     copies = [b["grad_copies"] - a["grad_copies"] for a, b in zip(st, st[1:])]
     lines += ["", f"OffloadAdamW: gradient copies per measured step {copies} (units), stale "
-              f"{st[-1]['grad_stale_copies']}; fingerprint {res['fingerprint_gib_s']:.1f} GiB/s "
+              f"{st[-1]['grad_stale_copies']}; fingerprint {res['fingerprint_gib_s']:.2f} GiB/s "
               f"on {dev}; max |param - torch's| after {args.steps + 1} steps "
               f"{res['max_param_diff']:.2e}"]
     return lines
