@@ -82,7 +82,6 @@ __all__ = ["FileSystemWriter", "OptimizerState", "optimizer_state"]  # noqa: F82
 
 _FORMAT = 1
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def optimizer_state(
@@ -444,9 +443,26 @@ class _Column(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # Plain tensor behaviour for whatever DCP or a user does with the empty placeholder.
+        # DCP only reads properties (device, ...) of its values; anything else (a copy, a
+        # stager's deepcopy for async_save, arithmetic) would see the empty placeholder and
+        # could save nothing in the state's place, so it is refused (Note [pieces, produced
+        # when asked]).
+        name = getattr(func, "__name__", "")
+        if name not in ("__get__", "__repr__", "__format__"):
+            raise RuntimeError(
+                f"spillover.dcp: {name or func} on a column of OffloadAdamW's state; the "
+                "columns are read by dcp.save / dcp.load through DCP's checkpointable "
+                "protocol, not as tensors (dcp.async_save stages copies of every tensor: use "
+                "dcp.save); for tensors use OffloadAdamW.state_dict()"
+            )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return (
+            f"<spillover.dcp column {self.col} of parameter "
+            f"{self.owner.names[self.index]!r}: {self.numel_} fp32>"
+        )
 
     # ---- save ----
 

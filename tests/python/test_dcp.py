@@ -239,3 +239,15 @@ def test_fsdp2_equal_torch_adamw_and_resumes_at_any_world_size(tmp_path):
         opt.zero_grad()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), ours[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_async_save_is_refused_not_saved_empty(tmp_path):
+    """async_save stages a copy of every tensor; a copy of a lazy column would be empty, so
+    the column refuses it (instead of a checkpoint without the state)."""
+    m = _model()
+    opt = spillover.OffloadAdamW(m.parameters(), tier="host", host_pool_bytes=POOL)
+    _train(m, opt, 1)
+    state = {"optim": spillover.dcp.optimizer_state(opt)}
+    assert "column exp_avg of parameter '0'" in repr(state["optim"].state_dict())
+    with pytest.raises(BaseException, match="use dcp.save"):
+        dcp.async_save(state, checkpoint_id=str(tmp_path)).result()
