@@ -355,7 +355,9 @@ def _free_port() -> int:
 def test_two_ranks_all_reduce_in_place_gloo(tmp_path):
     """``dist.all_reduce(p.grad)`` (SUM, in place: c10d does not move the version counter)
     between backward and ``step()`` on two gloo ranks, ``shard=False``: the parameters equal
-    those of torch's fused AdamW fed the same all-reduced gradients."""
+    those of torch's fused AdamW fed the same all-reduced gradients. And next to DDP with
+    ``gradient_as_bucket_view=True``, whose all-reduce overwrites the gradients in place after
+    the hooks have copied the local ones."""
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -389,11 +391,28 @@ def test_two_ranks_all_reduce_in_place_gloo(tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    for res in (r0, r1):
+    for res in (r0, r1, r0["ddp"], r1["ddp"]):
         assert res["equal"], res["max_diff"]
-        assert res["stats"]["grad_stale_copies"] > 0
-    for a, b in zip(r0["params"], r1["params"]):
-        assert torch.equal(a, b)  # the ranks agree
+    # The fingerprint caught the all-reduce; next to DDP the gradient tensor seen at step() is
+    # not the one the hook copied (nor at its version), so the cheap check caught it.
+    assert r0["stats"]["grad_stale_copies"] > 0 and r1["stats"]["grad_stale_copies"] > 0
+    for x, y in ((r0, r1), (r0["ddp"], r1["ddp"])):
+        for a, b in zip(x["params"], y["params"]):
+            assert torch.equal(a, b)  # the ranks agree
+
+
+def _compare(ours, ref, opt) -> dict:
+    diffs = [(a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters())]
+    equal = all(
+        torch.equal(a, b) if FMA else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ours.parameters(), ref.parameters())
+    )
+    return {
+        "params": [p.detach().clone() for p in ours.parameters()],
+        "equal": equal,
+        "max_diff": max(diffs),
+        "stats": opt.stats(),
+    }
 
 
 def _rank_main(out_dir: str) -> None:
@@ -416,20 +435,22 @@ def _rank_main(out_dir: str) -> None:
                     dist.all_reduce(p.grad)  # in place, SUM
                     assert p.grad._version == v, "c10d moved the version: update the Note"
                 o.step()
-        diffs = [(a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters())]
-        equal = all(
-            torch.equal(a, b) if FMA else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-            for a, b in zip(ours.parameters(), ref.parameters())
-        )
-        torch.save(
-            {
-                "params": [p.detach().clone() for p in ours.parameters()],
-                "equal": equal,
-                "max_diff": max(diffs),
-                "stats": opt.stats(),
-            },
-            f"{out_dir}/rank{rank}.pt",
-        )
+        result = _compare(ours, ref, opt)
+        # DDP with gradient_as_bucket_view=True: the gradients are views of DDP's buckets, which
+        # its all-reduce overwrites in place after the hooks have staged the local gradients.
+        ours, ref = make_model(), make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(ours, gradient_as_bucket_view=True)
+        rddp = torch.nn.parallel.DistributedDataParallel(ref, gradient_as_bucket_view=True)
+        opt = offload(ours.parameters(), lr=1e-2, shard=False)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        for s in range(5):
+            x, y = data(s, seed=rank + 1)
+            for net, o in ((ddp, opt), (rddp, ropt)):
+                o.zero_grad()
+                F.mse_loss(net(x), y).backward()
+                o.step()
+        result["ddp"] = _compare(ours, ref, opt)
+        torch.save(result, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
