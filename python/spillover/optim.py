@@ -49,10 +49,12 @@ Note [staged gradients]
       new bytes (``grad_stale_copies`` in ``stats()`` counts the copies the fingerprint
       caught); tested with a ``.data`` write and with an in-place all-reduce on two gloo ranks.
 
-    Next to DDP with ``shard=False`` the gradient seen at ``step()`` is another tensor than
-    the one the hook copied (measured on gloo, with and without ``gradient_as_bucket_view``), so
-    every gradient is copied twice: correct (tested), but the overlap is lost; next to DDP use
-    the sharded path (``reduce_grads=False``, Note [sharding]), which has no hooks.
+    Next to DDP with ``shard=False`` the hooks copy the local gradients, before DDP's
+    all-reduce has written the averaged ones, and the cheap check sees it at ``step()``
+    (measured on gloo: with ``gradient_as_bucket_view=True`` ``p.grad`` is then another tensor,
+    without it the same tensor at a later version), so every gradient is copied twice: correct
+    (tested), but the overlap is lost; next to DDP use the sharded path
+    (``reduce_grads=False``, Note [sharding]), which has no hooks.
 
     Parameters go back with asynchronous host-to-device copies per bucket (the CPU update of the
     next bucket overlaps them), and the compute stream waits for them, so the next forward sees
