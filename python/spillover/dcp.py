@@ -53,10 +53,13 @@ Note [which parameters a load expects]
     DCP plans a load from the target state dict, before it has read anything, and every target
     key must exist in the checkpoint. The targets are the parameters with state now, plus every
     parameter with ``requires_grad=True`` — right when every trainable parameter had taken a
-    step when the checkpoint was written (the usual case). When some had not (unused, or frozen
-    then), pass ``checkpoint=<path>`` (or the checkpoint's DCP ``Metadata``): the targets are
-    then read from it. A checkpoint holding state for a parameter that was not a target is
-    refused at ``load_state_dict`` (nothing is dropped silently).
+    step when the checkpoint was written (the usual case), and with a ``master`` column for the
+    parameters that keep one here. When some had not (unused, or frozen then), or the checkpoint
+    has no master copies (written where the parameters were fp32 on a CPU: each is its own
+    master there), pass ``checkpoint=<path>`` (or the checkpoint's DCP ``Metadata``): the
+    targets are then read from it, and a missing master starts from the parameter, as
+    ``OffloadAdamW.load_state_dict`` does. A checkpoint holding state for a parameter that was
+    not a target is refused at ``load_state_dict`` (nothing is dropped silently).
 
 Note [loading]
     A rank reads exactly the ranges it will own at the current world size (the layout of Note
@@ -130,6 +133,7 @@ class OptimizerState:
         self.checkpoint = checkpoint
         self.names = _names(opt, named_parameters)
         self._cache: Optional[Tuple[Any, int, Dict[str, torch.Tensor]]] = None
+        self._left = 0  # pieces of the cached unit not yet handed to DCP
 
     # ---- Stateful ----
 
@@ -272,7 +276,7 @@ class OptimizerState:
                 f"spillover.dcp: the checkpoint has {len(saved)} param groups, the optimizer "
                 f"{len(opt.param_groups)}; build the optimizer with the same groups"
             )
-        for gi, (g, s) in enumerate(zip(opt.param_groups, saved)):
+        for gi, s in enumerate(saved):
             mine = [self.names[i] for i in np.nonzero(opt._group_of == gi)[0].tolist()]
             if list(s["params"]) != mine:
                 raise ValueError(
@@ -280,12 +284,10 @@ class OptimizerState:
                     f"checkpoint and {len(mine)} here (or other names); build the optimizer "
                     "with the same groups and parameter names"
                 )
+        for g, s in zip(opt.param_groups, saved):
             for k, v in s.items():
-                if k == "params":
-                    continue
-                if k == "betas":
-                    v = tuple(v)
-                g[k] = v
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
 
     def _unit_columns(self, space: Any, ui: int) -> Dict[str, torch.Tensor]:
         """One unit's columns, exported once (Note [pieces, produced when asked])."""
@@ -299,12 +301,21 @@ class OptimizerState:
         for c, t in cols.items():
             rec[c] = t.data_ptr()
         space.state.export_state(rec.tobytes())
+        pieces = -(-n // self.piece) * len(cols)
         self._cache = (space, ui, cols)
+        self._left = pieces
         return cols
+
+    def _served(self) -> None:
+        """One piece of the cached unit was handed to DCP; drop the export after the last."""
+        self._left -= 1
+        if self._left <= 0:
+            self._cache = None
 
 
 def _any_key(keys: Any, name: str, col: str) -> bool:
-    return any(k.endswith(f"state.{name}.{col}") for k in keys)
+    tail = f"state.{name}.{col}"
+    return any(k == tail or k.endswith("." + tail) for k in keys)
 
 
 def _names(opt: OffloadAdamW, named: Optional[Iterable[Tuple[str, Any]]]) -> List[str]:
@@ -530,7 +541,9 @@ class _Column(torch.Tensor):
             for g, n, ui, s in self._pieces():
                 if g == at:
                     cols = self.owner._unit_columns(self.save, ui)
-                    return cols[self.col][s : s + n].clone()  # own storage: freed once written
+                    piece = cols[self.col][s : s + n].clone()  # own storage: freed once written
+                    self.owner._served()
+                    return piece
         raise ValueError(f"spillover.dcp: no chunk of {index.fqn} starts at {at} on this rank")
 
     def buffer(self) -> torch.Tensor:

@@ -114,6 +114,7 @@ def test_round_trip_across_tiers_lazy_state(tmp_path, tiers):
     opt.param_groups[0]["lr"] = 7e-3  # a scheduler's value is what comes back
     st = spillover.dcp.optimizer_state(opt, m.named_parameters(), piece_bytes=512)
     dcp.save({"optim": st}, checkpoint_id=str(tmp_path))
+    assert st._cache is None  # the last unit's export went with its last piece
     md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
     names = {k.split(".")[2] + "." + k.split(".")[3] for k in md.state_dict_metadata
              if k.startswith("optim.state.")}
@@ -251,3 +252,22 @@ def test_async_save_is_refused_not_saved_empty(tmp_path):
     assert "column exp_avg of parameter '0'" in repr(state["optim"].state_dict())
     with pytest.raises(BaseException, match="use dcp.save"):
         dcp.async_save(state, checkpoint_id=str(tmp_path)).result()
+
+
+def test_checkpoint_without_master_loads_into_bf16(tmp_path):
+    """fp32 CPU parameters are their own master, so their checkpoint has no master column; a
+    bf16 optimizer loading it (checkpoint= hint) starts its master from the parameters, as
+    OffloadAdamW.load_state_dict does."""
+    m = _model()
+    opt = spillover.OffloadAdamW(m.parameters(), tier="host", host_pool_bytes=POOL)
+    _train(m, opt, 2)
+    dcp.save({"optim": spillover.dcp.optimizer_state(opt)}, checkpoint_id=str(tmp_path))
+    b = _model().to(torch.bfloat16)
+    ob = spillover.OffloadAdamW(b.parameters(), tier="nvme", host_pool_bytes=POOL)
+    dcp.load({"optim": spillover.dcp.optimizer_state(ob, checkpoint=tmp_path)},
+             checkpoint_id=str(tmp_path))
+    got, ref = ob.state_dict()["state"], opt.state_dict()["state"]
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+    for i in ref:
+        assert torch.equal(got[i]["exp_avg"], ref[i]["exp_avg"])
+        assert torch.equal(got[i]["master"], list(b.parameters())[i].float())
