@@ -271,3 +271,26 @@ def test_checkpoint_without_master_loads_into_bf16(tmp_path):
     for i in ref:
         assert torch.equal(got[i]["exp_avg"], ref[i]["exp_avg"])
         assert torch.equal(got[i]["master"], list(b.parameters())[i].float())
+
+
+def test_staged_path_round_trip(tmp_path):
+    """The GPU path's layout (staging buffers, a master column even for fp32), run on CPU
+    tensors: saved and loaded back into the same path, state equal and the next steps too."""
+    m = _model()
+    opt = spillover.OffloadAdamW(m.parameters(), tier="nvme", host_pool_bytes=POOL,
+                                 _force_staging=True)
+    _train(m, opt, 2)
+    dcp.save({"optim": spillover.dcp.optimizer_state(opt, piece_bytes=256)},
+             checkpoint_id=str(tmp_path))
+    b = _model(seed=3)
+    b.load_state_dict(m.state_dict())
+    ob = spillover.OffloadAdamW(b.parameters(), tier="host", host_pool_bytes=POOL,
+                                _force_staging=True)
+    dcp.load({"optim": spillover.dcp.optimizer_state(ob, checkpoint=tmp_path)},
+             checkpoint_id=str(tmp_path))
+    assert "master" in ob.state_dict()["state"][0]
+    _assert_same_state(opt, ob)
+    _train(m, opt, 2)
+    _train(b, ob, 2)
+    for x, y in zip(m.parameters(), b.parameters()):
+        assert torch.equal(x, y)
