@@ -528,8 +528,10 @@ class _Space:
 
     def _add_units(self, k: int, start: int, n: int, at: int) -> None:
         """Units for elements [start, start + n) of member k at flat offset `at`; split on the
-        staged path (pieces start on multiples of _UNIT_MAX, a multiple of 16)."""
-        if not self.staged:
+        staged and sharded paths (pieces start on multiples of _UNIT_MAX, a multiple of 16), so
+        a staging buffer fits a pool block and a unit exported for a DCP save stays bounded
+        (Note [pieces, produced when asked] in dcp.py)."""
+        if not (self.staged or self.sharded):
             self.units.append((k, start, n, at))
             return
         end = start + n
