@@ -137,7 +137,10 @@ Note [sharding]
     Whether a parameter has a gradient is agreed on first (MAX over ranks; a rank without one
     contributes zeros), so every rank takes the same collectives and step counts. ``state_dict``
     gathers the full state on every rank (world-size independent, torch's format);
-    ``load_state_dict`` takes each rank's part.
+    ``load_state_dict`` takes each rank's part. At the sizes where sharding is needed the full
+    state does not fit one rank: save through ``torch.distributed.checkpoint`` with
+    :mod:`spillover.dcp` instead (per-rank pieces produced when the writer asks for them,
+    loadable at any world size).
 
     Next to DDP, construct the optimizer on the wrapped module's parameters with
     ``reduce_grads=False``: DDP's all-reduce has already averaged the gradients, each rank
@@ -149,7 +152,10 @@ Note [sharding]
     is a DTensor); each rank then runs the optimizer on its local shards (``to_local()``), with
     the state 1/W per rank as FSDP2 sharded it. FSDP2 assigns the sharded gradients itself, so
     the post-accumulate-grad hooks do not fire and ``step()`` copies the local gradients then.
-    This composition is designed, not tested (no FSDP2 run in this repository's tests).
+    Tested on 2 CPU ranks (gloo) with ``spillover.wrap`` and ``offload_context``: parameters
+    within torch's own AdamW implementations' tolerance of the same FSDP2 run with torch's
+    AdamW, and a DCP checkpoint that resumes under FSDP2, ZeRO or one process
+    (tests/python/test_dcp.py).
 
 Note [lazy state]
     As in torch, a parameter has no state until the first step at which it has a gradient: no
