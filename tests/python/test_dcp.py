@@ -3,13 +3,12 @@ produced when DCP asks for them, loadable at another world size and tier; 2 CPU 
 save and resume bitwise where the sharded path is bitwise."""
 
 import os
-import socket
-import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
+from _ranks import run_ranks
 
 import spillover
 import spillover.dcp
@@ -20,34 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 POOL = 32 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args, world, timeout=60):
-    """Run dist_dcp_worker.py as `world` ranks (torchrun's environment); their outputs."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world))
-        if world > 1:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "dist_dcp_worker.py"), *args], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    """Run dist_dcp_worker.py as `world` ranks (torchrun's environment)."""
+    run_ranks(os.path.join(HERE, "dist_dcp_worker.py"), args, world=world, timeout=timeout)
 
 
 def test_two_ranks_save_resume_at_world_one_and_two(tmp_path):
@@ -190,23 +164,7 @@ def test_fsdp2_equal_torch_adamw_and_resumes_at_any_world_size(tmp_path):
     shards) and resumed by fresh FSDP2 ranks, bit for bit; resumed by one process without
     FSDP (world size 1, plain tensors), equal within the difference of summing the ranks'
     half-batch gradients instead of the whole batch's."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK=str(rank),
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "dist_fsdp_worker.py"), str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outs = [p.communicate(timeout=90)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    run_ranks(os.path.join(HERE, "dist_fsdp_worker.py"), [str(tmp_path)], timeout=90)
     ref = torch.load(tmp_path / "torch.pt")
     ours = torch.load(tmp_path / "spillover.pt")
     resumed = torch.load(tmp_path / "resumed.pt")

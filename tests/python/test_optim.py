@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from _ranks import run_ranks
 from dist_optim_worker import STEPS, batches, make_model
 
 import spillover
@@ -372,12 +370,6 @@ def test_full_pool_falls_back_to_heap_with_a_warning():
     del hog
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference(dtype, tier):
     """One process: the mean of the two ranks' half-batch gradients, (g0 + g1) * 0.5 — what a
     summed reduce-scatter scaled by 1/2 computes."""
@@ -404,39 +396,8 @@ def test_two_ranks_gloo_equal_one_process(tmp_path):
     gathered state_dict equal a single-process run bit for bit — fp32 on the host tier, bf16
     on the NVMe tier, next to DDP (reduce_grads=False), and through the GPU path's staging
     buffers; a sharded load_state_dict resumes exactly."""
-    port = _free_port()
-    worker = os.path.join(os.path.dirname(__file__), "dist_optim_worker.py")
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, worker, str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out.decode(errors="replace"))
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    run_ranks(os.path.join(os.path.dirname(__file__), "dist_optim_worker.py"), [str(tmp_path)],
+              timeout=180)
     for scenario, dtype, tier in [
         ("fp32-host", torch.float32, "host"),
         ("bf16-nvme", torch.bfloat16, "nvme"),

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+from _ranks import run_ranks
 from dist_optim_worker import make_model
 
 import spillover
@@ -300,12 +299,6 @@ def test_grad_scaler_unscale_before_step_matches_torch(staged):
 
 # ---- two gloo ranks ----
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 DIST_STEPS, DIST_INF = 6, 3  # rank 0 alone sees an inf at step DIST_INF
 
 
@@ -335,25 +328,7 @@ def test_two_ranks_lazy_sharded_state_and_sharded_grad_scaler(tmp_path):
     """2 CPU ranks (gloo), state sharded: frozen parameters get no state, `extra` joins at its
     first gradient, and an inf on rank 0 alone makes both ranks skip (ShardedGradScaler);
     parameters and the gathered state equal one process bit for bit."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out.decode(errors="replace"))
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    run_ranks(__file__, [str(tmp_path)], timeout=180)
     r0, r1 = (torch.load(tmp_path / f"lazy-rank{r}.pt") for r in range(2))
     ref, ropt = _dist_reference()
     rsd = ropt.state_dict()

@@ -10,14 +10,12 @@ Run as a script, this file is one rank of the two-rank test (torchrun's environm
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from _ranks import run_ranks
 from dist_optim_worker import make_model
 
 import spillover
@@ -346,50 +344,13 @@ def test_cuda_accumulation_and_data_writes():
 # ---- two ranks: an in-place all-reduce between backward and step ----
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_all_reduce_in_place_gloo(tmp_path):
     """``dist.all_reduce(p.grad)`` (SUM, in place: c10d does not move the version counter)
     between backward and ``step()`` on two gloo ranks, ``shard=False``: the parameters equal
     those of torch's fused AdamW fed the same all-reduced gradients. And next to DDP with
     ``gradient_as_bucket_view=True``, whose all-reduce overwrites the gradients in place after
     the hooks have copied the local ones."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out.decode(errors="replace"))
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    run_ranks(__file__, [str(tmp_path)], timeout=60)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for res in (r0, r1, r0["ddp"], r1["ddp"]):
         assert res["equal"], res["max_diff"]
