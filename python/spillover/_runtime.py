@@ -12,7 +12,10 @@ Note [node budget]
       is that divided by the local world size (``LOCAL_WORLD_SIZE``, set by torchrun);
     - by default each of the two pools (activations: ``SPILLOVER_HOST_POOL_BYTES``; the
       optimizer's state and staging: ``SPILLOVER_OPTIM_POOL_BYTES``) is a quarter of the share,
-      at most 8 GiB, and at most half of the memory available now; never below 64 MiB;
+      at most 8 GiB, and at most half of the memory available now; never below 64 MiB. The
+      optimizer's is smaller when its parameters need less (``OffloadAdamW`` knows at
+      construction how much state and staging its trainable parameters can lease):
+      a small model does not pre-fault gigabytes;
     - a size given by the user that is larger than the share (less what this process already
       holds in pools) or than the memory available now raises ``ConfigError`` before anything
       is mapped, naming the size, the share, what is available and the variable to change:
@@ -43,6 +46,7 @@ log = logging.getLogger("spillover")
 
 _lock = threading.Lock()
 _pools: Dict[Tuple[str, int], _native.Pool] = {}
+_defaults: Dict[str, int] = {}  # purpose -> its default size, computed once
 _warned: set = set()
 _cuda_registered: set = set()
 
@@ -222,19 +226,35 @@ def check_pool_size(capacity: int, purpose: str, mem: NodeMemory) -> None:
         )
 
 
-def host_pool(cfg: Config, purpose: str = "activations") -> _native.Pool:
+def sized_for(need: int) -> int:
+    """A pool for `need` bytes of leases: with 1/16 and 4 MiB to spare for the pool's 4 KiB
+    granules, rounded up to a power of two (so optimizers of similar sizes share one), at least
+    64 MiB."""
+    want = need + need // 16 + (4 << 20)
+    return max(MIN_POOL, 1 << (want - 1).bit_length())
+
+
+def host_pool(cfg: Config, purpose: str = "activations",
+              need: Optional[int] = None) -> _native.Pool:
     """The process's pool for ``purpose`` (made on first use): ``"activations"`` (every
     ``offload_context``; ``cfg.host_pool_bytes``) or ``"optim"`` (every ``OffloadAdamW``;
-    ``cfg.optim_pool_bytes``). The two never share a pool, so one cannot starve the other."""
+    ``cfg.optim_pool_bytes``). The two never share a pool, so one cannot starve the other.
+    Without a size from the user: the default of Note [node budget] (computed once per
+    purpose, then reused), or less when the caller knows it `need`s less (``sized_for``)."""
     size = cfg.optim_pool_bytes if purpose == "optim" else cfg.host_pool_bytes
+    mem = None
+    if size is None:
+        with _lock:
+            default = _defaults.get(purpose)
+        if default is None:
+            mem = node_memory()
+            with _lock:
+                default = _defaults.setdefault(purpose, default_pool_bytes(mem))
+        size = default if need is None else min(default, sized_for(need))
     with _lock:
-        known = {c for (p, c) in _pools if p == purpose}
-    if size is None and len(known) == 1:  # the default is computed once, then reused
-        size = next(iter(known))
-    if size is None or size not in known:
-        mem = node_memory()
-        if size is None:
-            size = default_pool_bytes(mem)
+        known = (purpose, size) in _pools
+    if not known:
+        mem = mem or node_memory()
         check_pool_size(size, purpose, mem)
         log.info("%s pool of %s: %s", purpose, format_size(size), mem.describe())
     capacity = size
@@ -350,6 +370,7 @@ def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at fork time
     _pools.clear()
+    _defaults.clear()
     _cuda_registered.clear()
 
 

@@ -168,8 +168,8 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
                         "activation pool per process (default: the rank's share of RAM / 4, "
                         "max 8 GiB)"),
     "optim_pool_bytes": (_opt_size, None,
-                         "OffloadAdamW's pool per process (default: the rank's share of RAM / "
-                         "4, max 8 GiB)"),
+                         "OffloadAdamW's pool per process (default: what its parameters' "
+                         "state needs, at most the rank's share of RAM / 4 and 8 GiB)"),
     "min_offload_bytes": (_size, 1 << 20, "saved tensors smaller than this stay put"),
     "prefetch_bytes": (_opt_size, None, "read-ahead window (default: derived from bandwidth)"),
     "io_engine": (_choice("io_uring", "threads", "auto"), "auto", "swap I/O engine"),

@@ -58,7 +58,8 @@ def check_node_budget(r: Report, mem: Any, act: int, optim: int) -> None:
         r.add(BAD, str(e))
         return
     r.add(OK, f"node budget: {mem.describe()}; activation pool {format_size(act)}, optimizer "
-              f"pool {format_size(optim)} (each made only when used)")
+              f"pool at most {format_size(optim)} (each made only when used; the optimizer's "
+              "sized to its parameters' state)")
 
 
 def check_memlock(r: Report, pool_bytes: int) -> None:

@@ -1156,12 +1156,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._building = False
-        self._pool = _runtime.host_pool(self._cfg, purpose="optim")
+        self._setup_distributed(shard, process_group)
+        self._pool = _runtime.host_pool(self._cfg, purpose="optim", need=self._pool_need())
         self._swap: Any = None
         if tier == "nvme":
             # Checks the directories (ConfigError) and warns once with the engine's warning.
             self._swap = _tiers.swap_for(self._cfg, self._pool)
-        self._setup_distributed(shard, process_group)
         self._index()
         # Note [GradScaler]: one rank unscales in the kernel; sharded ranks let the scaler do it.
         self._step_supports_amp_scaling = self._world == 1
@@ -1188,6 +1188,31 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         if shard and world > 1:
             self._world, self._rank = world, dist.get_rank(pg)
+
+    def _pool_need(self) -> int:
+        """Pool bytes the parameters that require grad now can lease (Note [node budget] in
+        _runtime.py): per kind of parameter, this rank's part of the state (host tier: fp32
+        exp_avg, exp_avg_sq and a master copy where one is kept; NVMe tier: the pipeline's
+        buffers) and, on the staged path, the gradient and output staging buffers."""
+        kinds: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    lp = _local(p)
+                    key = (lp.dtype, lp.device)
+                    kinds[key] = kinds.get(key, 0) + _round_up(lp.numel(), _ALIGN)
+        need = 0
+        for (dtype, device), n in kinds.items():
+            n = -(-n // self._world) + _ALIGN if self._world > 1 else n
+            staged = device.type != "cpu" or self._force_staging
+            cols = 3 if dtype != torch.float32 or staged else 2
+            if self._tier == "host":
+                need += n * cols * 4
+            else:
+                need += self._nvme_buffers * (self._chunk_bytes or _NVME_CHUNK_BYTES)
+            if staged:
+                need += 2 * n * torch.empty((), dtype=dtype).element_size()
+        return need
 
     def _index(self) -> None:
         """Global indices of the parameters, in group order. Parameters added by

@@ -172,3 +172,42 @@ def test_ranks_spread_swap_files_over_drives(monkeypatch, tmp_path, private_pool
     swap = _tiers.opened_swap(ctx.config)
     assert swap is not None
     assert [os.path.realpath(d) for d in swap.dirs] == [os.path.realpath(tmp_path / "drive1")]
+
+
+# ---- the optimizer's default pool is sized to its parameters ----------------------------------
+
+
+def test_the_optimizer_pool_defaults_to_what_its_parameters_need(monkeypatch):
+    monkeypatch.delenv("SPILLOVER_OPTIM_POOL_BYTES", raising=False)
+    small = spillover.OffloadAdamW(torch.nn.Linear(64, 64).parameters())
+    assert small._pool.capacity == 64 << 20  # the floor, not a quarter of the machine
+    big = torch.nn.Linear(4096, 4096)  # 16.8M fp32 parameters: 128 MiB of exp_avg + exp_avg_sq
+    opt = spillover.OffloadAdamW(big.parameters())
+    assert opt._pool.capacity == 256 << 20  # 128 MiB + 1/16 + 4 MiB, to a power of two
+    nvme = spillover.OffloadAdamW(big.parameters(), tier="nvme", nvme_buffers=4,
+                                  chunk_bytes=8 << 20)
+    assert nvme._pool.capacity == 64 << 20  # 4 buffers of 8 MiB: the state is on disk
+    x = torch.randn(8, 4096)
+    big(x).sum().backward()
+    opt.step()
+    assert opt.stats()["heap_chunks"] == 0  # all of it in the pool
+    sized = spillover.OffloadAdamW(big.parameters(), optim_pool_bytes="96MiB")
+    assert sized._pool.capacity == 96 << 20  # a size given is a size taken
+
+
+def test_a_default_context_does_not_take_an_explicit_pool(private_pool_bytes, monkeypatch):
+    monkeypatch.delenv("SPILLOVER_HOST_POOL_BYTES", raising=False)
+    size = (32 << 20) + private_pool_bytes % (1 << 16)
+    explicit = _runtime.host_pool(spillover.Config.load(host_pool_bytes=size))
+    calls = []
+
+    def small_default(mem=None):  # the real one pre-faults a quarter of the machine
+        calls.append(mem)
+        return size + 4096
+
+    monkeypatch.setattr(_runtime, "_defaults", {})
+    monkeypatch.setattr(_runtime, "default_pool_bytes", small_default)
+    default = _runtime.host_pool(spillover.Config.load())
+    assert default is not explicit and default.capacity == size + 4096
+    assert _runtime.host_pool(spillover.Config.load()) is default
+    assert len(calls) == 1  # computed once: what is available moves, the pool does not
