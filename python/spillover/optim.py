@@ -124,8 +124,57 @@ Note [step in arrival order]
     user may still clip, unscale (GradScaler), all-reduce or edit gradients, change the learning
     rate (schedulers), or skip the step (GradScaler on inf/NaN), and every one of these decides
     what the update computes. An update started during backward would have to be undone or
-    would be wrong in each case, so it is not offered; what overlaps backward is the copying,
-    and (with the fingerprint) all of it is kept unless the user changed the gradient.
+    would be wrong in each case, so it is not the default; what overlaps backward is the
+    copying, and (with the fingerprint) all of it is kept unless the user changed the gradient.
+    A loop that does none of these can opt in: Note [update in backward].
+
+Note [update in backward]
+    ``OffloadAdamW(..., update_in_backward=True)`` (like torch's
+    ``_apply_optimizer_in_backward`` or torchtune's ``optimizer_in_bwd``) runs the CPU update
+    during backward. When the hooks have staged, in this backward, the gradient of every member
+    of a bucket that requires grad, the bucket's update is handed to one worker thread (the
+    kernel releases the GIL): buckets are updated in the order they completed — the last
+    layers first — while backward goes on producing the earlier layers' gradients, and each
+    bucket's parameters go back to the device from the worker (on a GPU: asynchronous copies on
+    the host-to-device side stream, after an event the hook recorded on the compute stream).
+    The worker never makes the compute stream wait (that would put a wait between backward's
+    kernels); ``step()``, on the main thread, does, for every copy back, so the next forward
+    sees the new values. What overlaps backward is then the gradient copies *and* the CPU
+    updates and the copies back; ``step()`` waits for the worker, updates the buckets that
+    were not complete (a parameter whose hook did not fire, a gradient set by hand, a unit
+    whose state does not exist yet), and counts the step. Hyper-parameters are read when a
+    bucket is handed over: a scheduler stepped after ``step()`` applies from the next backward,
+    as with torch. The worker touches only the state, its bucket's staging buffers and its
+    bucket's parameters (backward reads a parameter only in nodes that run before its
+    gradient is accumulated); the bookkeeping it shares with the hooks is under a lock, and an
+    exception it raises is re-raised by ``step()`` (the state of that bucket is then
+    unspecified, as after any failed step).
+
+    The contract: gradients must not change between backward and ``step()``. ``step()``
+    fingerprints every gradient whose bucket was updated during backward (Note [gradient
+    fingerprint]) and raises a RuntimeError if one changed (clipping, an in-place all-reduce,
+    a ``.data`` write, set to None): that update used the old gradient and is kept (and
+    counted), the rest of the step is not done. Refused, each with a RuntimeError or
+    ValueError naming the default mode as the alternative: sharding (the step's collectives
+    cannot run from a hook; ``shard=False`` or one rank works), CPU parameters without
+    ``_force_staging`` (updated in place at ``step()``: nothing to overlap), DTensors (FSDP2
+    assigns gradients itself and the hooks do not fire), ``torch.amp.GradScaler`` (the
+    updates would use scaled gradients and could not be skipped on inf/NaN; the optimizer
+    keeps ``_step_supports_amp_scaling`` so that every ``scaler.step(opt)`` reaches
+    ``step()``, which refuses it — on the very first step, before anything was updated in
+    backward, since the first step runs at ``step()``), and gradient accumulation: a hook
+    firing for a parameter whose bucket was already updated since the last ``step()`` raises
+    from the hook, which aborts backward. ``step()`` ends the round: the next backward starts
+    a new one. ``state_dict()`` between backward and ``step()`` is refused (the state is
+    mid-step); ``load_state_dict`` and dropping the state wait for the worker first and discard
+    the round.
+
+    The first step of a unit runs at ``step()`` (its master copy starts from the parameter
+    there, and the hooks exist only once the state does: Note [lazy state]), so the first step
+    of all is a default step (after ``load_state_dict`` the loaded units update in backward).
+    With the NVMe tier the worker streams each bucket's state as ``step()`` would. It is
+    opt-in because the contract excludes what many loops do between backward and ``step()``
+    (above), and it gives up the accumulation of Note [gradient accumulation].
 
 Note [sharding]
     Under ``torch.distributed`` with world size W > 1 (unless ``shard=False``), the parameters
@@ -208,8 +257,11 @@ Note [GradScaler]
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
+import threading
+import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -388,17 +440,27 @@ class _Copies:
         src.record_stream(self.d2h)
         return ev
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
+        """Copy `src` (host) into `dst` (device). Without `after` (the main thread, at
+        ``step()``) the copy waits for the compute stream and the compute stream for the copy;
+        with `after` (an event on the compute stream, from the update-in-backward worker: Note
+        [update in backward]) the copy waits for that event only and the compute stream is not
+        made to wait: ``step()`` does that, on the main thread."""
         if not self.cuda:
             dst.copy_(src)
             return None
-        compute = torch.cuda.current_stream(dst.device)
-        self.h2d.wait_stream(compute)  # kernels queued before may still read the parameter
+        compute = None
+        if after is None:
+            compute = torch.cuda.current_stream(dst.device)
+            self.h2d.wait_stream(compute)  # kernels queued before may still read the parameter
+        else:
+            self.h2d.wait_event(after)
         with torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-        compute.wait_event(ev)  # Note [staged gradients]: the next forward sees the new values
+        if compute is not None:
+            compute.wait_event(ev)  # Note [staged gradients]: the next forward sees new values
         return ev
 
     def stage(
@@ -525,9 +587,19 @@ class _Space:
         self.seq = 0
         self.order: List[int] = []  # buckets in the order the last step processed them
         self.counters = {k: 0 for k in _GRAD_STATS}
+        # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
+        self.inbwd = bool(opt._inbwd) and self.staged and not self.sharded
+        self.lock = threading.Lock()
+        self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
+        self._new_round()
         self._alloc_buffers()
         self.state = self._make_state([u[2] for u in self.units])
         if self.staged and not self.sharded:
+            self.buckets_of: Dict[int, List[int]] = {}
+            for b, members in enumerate(self.bucket_members):
+                for k in members:
+                    self.buckets_of.setdefault(k, []).append(b)
+            self.inited = np.zeros(len(self.units), dtype=bool)
             self._register_hooks()
 
     # ---- construction ----
@@ -666,11 +738,13 @@ class _Space:
             self.hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def close(self) -> None:
-        """Remove the hooks and wait for the copies still in flight from or to the staging
-        buffers, so the buffers can be freed."""
+        """Remove the hooks, wait for the update-in-backward worker and for the copies still in
+        flight from or to the staging buffers, so the buffers can be freed."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        self.join()
+        self._new_round()
         if self.staged:
             pending = [e for evs in self.h2d_events.values() for e in evs]
             for st in self.staged_grads.values():
@@ -682,27 +756,40 @@ class _Space:
 
     # ---- the staged path (Note [staged gradients]) ----
 
-    def _copy_grad(self, k: int, g: torch.Tensor) -> List[Any]:
-        """Start copying member k's gradient into its units' staging buffers; one event per
-        unit, in the order of ``units_of[k]``."""
+    def _copy_grad(
+        self, k: int, g: torch.Tensor, skip: frozenset = frozenset()
+    ) -> Tuple[List[Any], List[int]]:
+        """Start copying member k's gradient into the staging buffers of its units not in
+        `skip`; one event per unit, and the units, in the order of ``units_of[k]``."""
         flat = _local(g).reshape(-1)
-        events = []
+        events, uis = [], []
         for ui in self.units_of.get(k, []):
+            if ui in skip:
+                continue
             _, start, n, _ = self.units[ui]
             events.append(self.copies.to_host(self.grad_view[ui], flat[start : start + n]))
+            uis.append(ui)
             self.counters["grad_copies"] += 1
             self.counters["grad_bytes_copied"] += n * self.esize
-        return events
+        return events, uis
 
     def _stage_grad(self, k: int, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook: Note [gradient accumulation]."""
+        if self.inbwd:
+            self._stage_inbwd(k, p)
+            return
         self.fired[k] += 1
         g = p.grad
         if g is None or (self.expect[k] and self.fired[k] < self.expect[k]):
             return
+        self._stage_copy(k, g)
+
+    def _stage_copy(self, k: int, g: torch.Tensor) -> bool:
+        """Stage member k's gradient `g` (Note [gradient fingerprint]); False when it is left
+        to ``step()`` (another dtype: converted when copied)."""
         if _local(g).dtype != self.dtype:  # converted when copied: left to step()
             self.staged_grads.pop(k, None)
-            return
+            return False
         flat = _local(g).reshape(-1)
         units = []
         for ui in self.units_of.get(k, []):
@@ -715,6 +802,189 @@ class _Space:
         self.staged_grads[k] = _Staged(events, fp_event, g, g._version)
         self.seq += 1
         self.arrival[k] = self.seq  # the last staging counts: its copy lands last
+        return True
+
+    # ---- updates during backward (Note [update in backward]) ----
+
+    def _new_round(self) -> None:
+        """Forget the round (the backward since the last ``step()``): called by ``step()``."""
+        with self.lock:
+            self.pending: Optional[List[set]] = None  # per bucket: members still to arrive
+            self.submitted: set = set()  # buckets handed to the worker this round
+            self.futures: List[Any] = []
+            self.done_units: List[int] = []  # units the worker updated this round
+            self.bwd_events: List[Any] = []  # its copies back to the device (CUDA events)
+            self.log: List[Tuple[int, float, float]] = []
+
+    def _stage_inbwd(self, k: int, p: torch.Tensor) -> None:
+        """The hook in update-in-backward mode: refuse a second gradient for an updated bucket
+        (accumulation), stage the gradient, and hand every bucket it completes to the worker."""
+        self.fired[k] += 1
+        mine = self.buckets_of.get(k, [])
+        with self.lock:
+            again = any(b in self.submitted for b in mine)
+        if again:
+            raise RuntimeError(
+                f"OffloadAdamW(update_in_backward=True): parameter {self.members[k]} received "
+                "a second gradient after its bucket was already updated in this backward "
+                "(gradient accumulation, or two backward passes without step()); "
+                "update_in_backward updates at every backward: call step() (and zero_grad()) "
+                "after each backward, or use the default mode (update_in_backward=False) to "
+                "accumulate gradients over several backward passes"
+            )
+        g = p.grad
+        if g is None or not self._stage_copy(k, g):
+            return
+        if self.pending is None:  # the round's first gradient: which members to wait for
+            self.pending = [
+                {m for m in members if self.params[m].requires_grad}
+                for members in self.bucket_members
+            ]
+        for b in mine:
+            self.pending[b].discard(k)
+            if not self.pending[b]:
+                self._submit(b)
+
+    def _submit(self, b: int) -> None:
+        """Hand bucket b's update to the worker, if all its units have state (the first step
+        of a unit, which starts its master from the parameter, runs at ``step()``)."""
+        rows = [ui for ui in self.buckets[b][0] if self.units[ui][0] in self.staged_grads]
+        if not rows or not self.inited[rows].all():
+            return
+        hyper = self.opt._hyper()  # read now: the update is now (Note [update in backward])
+        after = None
+        if self.copies.cuda:  # the copies back wait for what backward queued so far
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        waits = []
+        for ui in rows:
+            k = self.units[ui][0]
+            waits.append(self.staged_grads[k].events[self.units_of[k].index(ui)])
+        with self.lock:
+            self.submitted.add(b)
+            self.futures.append(
+                self.opt._executor().submit(self._update_bucket, b, rows, waits, hyper, after)
+            )
+
+    def _update_bucket(
+        self, b: int, rows: List[int], waits: List[Any], hyper: np.ndarray, after: Any
+    ) -> None:
+        """The worker: bucket b's CPU update from its staged gradients, then its parameters
+        back to the device. Touches only bucket b's buffers, the state and its parameters."""
+        t0 = time.perf_counter()
+        with self.lock:
+            old = self.h2d_events.pop(b, [])
+        for ev in old + waits:  # the last copies back read the output buffer; ours must land
+            self.copies.wait(ev)
+        idx = np.asarray(rows, dtype=np.int64)
+        self._fill_hyper(idx, hyper)
+        self.state.step(self._flat_records(idx))
+        back = []
+        with torch.no_grad():
+            for ui in rows:
+                k, start, n, _ = self.units[ui]
+                p = _local(self.params[k])
+                if n == p.numel():
+                    dst, src = p, self.out_view[ui].view(p.shape)
+                else:
+                    dst, src = p.view(-1)[start : start + n], self.out_view[ui]
+                back.append(self.copies.to_device(dst, src, after=after))
+        with self.lock:
+            self.h2d_events[b] = back
+            self.bwd_events.extend(back)
+            self.done_units.extend(rows)
+            self.log.append((b, t0, time.perf_counter()))
+
+    def join(self) -> Optional[BaseException]:
+        """Wait for the worker's updates of this round; the first exception one raised."""
+        with self.lock:
+            futures = list(self.futures)
+        err = None
+        for f in futures:
+            e = f.exception()
+            if e is not None and err is None:
+                err = e
+        return err
+
+    def in_round(self) -> bool:
+        """Whether the worker updated something since the last ``step()``."""
+        with self.lock:
+            return bool(self.submitted)
+
+    def _close_round(self) -> Tuple[List[int], List[int]]:
+        """End the round after `join`: make the compute stream wait for the worker's copies
+        back; returns (the units it updated, its buckets in order)."""
+        with self.lock:
+            done, events, log = list(self.done_units), list(self.bwd_events), list(self.log)
+        if self.copies.cuda and events:
+            compute = torch.cuda.current_stream(self.device)
+            for ev in events:  # here, on the main thread: the next forward sees new values
+                compute.wait_event(ev)
+        self.inbwd_log = log
+        self._new_round()
+        return done, [b for b, _, _ in log]
+
+    def _count(self, done: List[int]) -> np.ndarray:
+        """Global indices of the parameters with units in `done`."""
+        return np.unique(self.unit_global[np.asarray(done, dtype=np.int64)])
+
+    def abort_round(self) -> bool:
+        """Wait for the worker and end the round without a step; the updates it made are
+        counted (the state moved). Whether there were any."""
+        self.join()
+        done, _ = self._close_round()
+        self.opt._steps[self._count(done)] += 1
+        self.staged_grads = {}
+        self.end_step()
+        return bool(done)
+
+    def _step_inbwd(self, hyper: np.ndarray) -> np.ndarray:
+        """``step()`` in update-in-backward mode: wait for the worker, check that no gradient
+        changed after its bucket was updated, update the rest (Note [update in backward])."""
+        err = self.join()
+        if err is not None:
+            self._new_round()
+            self.staged_grads = {}
+            self.end_step()
+            raise err
+        staged = self.staged_grads
+        with self.lock:
+            done_units = list(self.done_units)
+        done_members = sorted({self.units[ui][0] for ui in done_units})
+        changed = []
+        check = {}
+        for k in done_members:
+            g = self.params[k].grad
+            if g is None:
+                changed.append(k)
+            else:
+                check[k] = g
+        now = self._fingerprints_now(check)
+        for k, fp in now.items():
+            self.copies.wait(staged[k].fp_event)
+            lo, hi = self.fp_rows[k]
+            if _fp_combine(self.fp_host[lo:hi].numpy()) != fp:
+                changed.append(k)
+        done, bwd_order = self._close_round()
+        if changed:
+            self.opt._steps[self._count(done)] += 1
+            self.staged_grads = {}
+            self.end_step()
+            self.opt._updates += 1
+            names = ", ".join(str(self.members[k]) for k in sorted(changed)[:8])
+            raise RuntimeError(
+                f"OffloadAdamW(update_in_backward=True): the gradient of parameter(s) {names} "
+                "changed (or was set to None) between backward and step(), after its bucket "
+                "had already been updated during backward with the old gradient; the updates "
+                "made in backward are kept (and counted), the other parameters were not updated "
+                "this step. With update_in_backward=True gradients must not be changed between "
+                "backward and step(); to clip, unscale (GradScaler) or all-reduce gradients, "
+                "use the default mode (update_in_backward=False)"
+            )
+        rest = self._step_staged(hyper, frozenset(done))  # reads the step counts unmoved
+        self.order = bwd_order + self.order
+        self.inited = np.asarray(self.state.initialized(), dtype=bool)
+        return np.unique(np.concatenate([rest, self._count(done)]))
 
     def end_step(self) -> None:
         """Learn how many times each hook fires per step (Note [gradient accumulation]) and
@@ -736,6 +1006,8 @@ class _Space:
         `hyper`: per global parameter, lr, beta1, beta2, eps, weight_decay, grad_scale."""
         if self.sharded:
             return self._step_sharded(hyper)
+        if self.inbwd:
+            return self._step_inbwd(hyper)
         if self.staged:
             return self._step_staged(hyper)
         return self._step_direct(hyper)
@@ -815,17 +1087,18 @@ class _Space:
             p.detach().copy_(c)
         return self.unit_global[idx]
 
-    def _step_staged(self, hyper: np.ndarray) -> np.ndarray:
+    def _step_staged(self, hyper: np.ndarray, done: frozenset = frozenset()) -> np.ndarray:
         """One rank, parameters on a device: Note [staged gradients]. Buckets go in the order
         their gradients arrived (Note [step in arrival order]); each bucket's CPU update waits
         only for its own copies, and the next bucket's copies are decided and started before
-        it, so they overlap it."""
+        it, so they overlap it. Units in `done` were updated during backward (Note [update in
+        backward]) and are left alone."""
         staged, self.staged_grads = self.staged_grads, {}
         arrival = self.arrival
         self.end_step()
         grads: Dict[int, torch.Tensor] = {}
         for k, p in enumerate(self.params):
-            if p.grad is not None:
+            if p.grad is not None and any(ui not in done for ui in self.units_of.get(k, [])):
                 self._check(_local(p))
                 grads[k] = p.grad
         if not grads:
@@ -857,16 +1130,17 @@ class _Space:
                     lo, hi = self.fp_rows[k]
                     if _fp_combine(self.fp_host[lo:hi].numpy()) == now[k]:
                         evs = st.events
+                        uis = self.units_of.get(k, [])
                     else:  # the same tensor and version, other bytes: Note [staged gradients]
                         self.counters["grad_stale_copies"] += len(self.units_of.get(k, []))
-                        evs = self._copy_grad(k, grads[k])
+                        evs, uis = self._copy_grad(k, grads[k], done)
                 else:  # not staged, or replaced or changed in place since (version moved)
-                    evs = self._copy_grad(k, grads[k])
-                for ui, ev in zip(self.units_of.get(k, []), evs):
+                    evs, uis = self._copy_grad(k, grads[k], done)
+                for ui, ev in zip(uis, evs):
                     events[ui] = [ev]
             for ui in self.buckets[b][0]:
                 k, start, n, _ = self.units[ui]
-                if k in grads and not initialized[ui]:  # the master starts from the parameter
+                if k in grads and ui not in done and not initialized[ui]:  # master from param
                     flat = _local(self.params[k]).detach().reshape(-1)[start : start + n]
                     events[ui].append(self.copies.to_host(self.out_view[ui], flat))
 
@@ -876,7 +1150,8 @@ class _Space:
         for i, b in enumerate(order):
             if i + 1 < len(order):
                 prepare(order[i + 1])
-            rows = np.asarray([ui for ui in self.buckets[b][0] if ui in events], dtype=np.int64)
+            rows = [ui for ui in self.buckets[b][0] if ui in events and ui not in done]
+            rows = np.asarray(rows, dtype=np.int64)
             if not len(rows):
                 continue
             for ui in rows.tolist():
@@ -1050,6 +1325,8 @@ class _Space:
                 ]
             self.state.import_state(recs.tobytes())
         del flat
+        if hasattr(self, "inited"):  # Note [update in backward]: loaded units can update then
+            self.inited = np.asarray(self.state.initialized(), dtype=bool)
 
 
 def _check_numel(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:
@@ -1103,6 +1380,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             MiB of pool while a step runs, none between steps). Enough I/O must stay queued
             while the kernel runs: measured here with 8 MiB chunks, 8 buffers gave 1.2x the
             engine's bound, 12 gave 1.02x, 16 gave 0.98x.
+        update_in_backward: run each bucket's CPU update during backward, on a worker
+            thread, as soon as its gradients have been staged (Note [update in backward]):
+            parameters on a GPU, one rank or ``shard=False``; gradients must not be changed
+            between backward and ``step()`` (no clipping, GradScaler, all-reduce or
+            accumulation: use the default mode for those).
         **config: any knob of :class:`spillover.Config` (``optim_pool_bytes``, ``io_engine``,
             ...). The optimizer's state and staging buffers use a pool of their own, never the
             activations' (``SPILLOVER_OPTIM_POOL_BYTES``); ``host_pool_bytes=`` given here is
@@ -1126,6 +1408,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         reduce_grads: bool = True,
         chunk_bytes: Optional[int] = None,
         nvme_buffers: int = 16,
+        update_in_backward: bool = False,
         _force_staging: bool = False,
         **config: Any,
     ):
@@ -1142,6 +1425,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._nvme_buffers = nvme_buffers
         self._reduce_grads = reduce_grads
         self._force_staging = _force_staging
+        self._inbwd = bool(update_in_backward)
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._spaces: List[_Space] = []  # Note [lazy state]: grows as parameters get gradients
         self._updates = 0  # steps that updated at least one parameter
         self._past: Dict[str, float] = {}  # counters of the spaces load_state_dict dropped
@@ -1157,6 +1442,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._building = False
         self._setup_distributed(shard, process_group)
+        if self._inbwd:
+            self._check_inbwd()
         self._pool = _runtime.host_pool(self._cfg, purpose="optim", need=self._pool_need())
         self._swap: Any = None
         if tier == "nvme":
@@ -1164,7 +1451,56 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._swap = _tiers.swap_for(self._cfg, self._pool)
         self._index()
         # Note [GradScaler]: one rank unscales in the kernel; sharded ranks let the scaler do it.
+        # With update_in_backward it stays set so that every scaler.step(opt) reaches step(),
+        # which refuses it (Note [update in backward]).
         self._step_supports_amp_scaling = self._world == 1
+
+    def _check_inbwd(self) -> None:
+        """Note [update in backward]: where it is offered."""
+        mode = "OffloadAdamW(update_in_backward=True)"
+        if self._world > 1:
+            raise ValueError(
+                f"{mode} works with one rank or shard=False: the sharded step reduce-scatters "
+                "the gradients and all-gathers the parameters at step(), collectives that "
+                "cannot run from a backward hook; use the default mode (update_in_backward="
+                "False), or shard=False"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        if any(_is_dtensor(p) for p in params):
+            raise ValueError(
+                f"{mode} does not support DTensor parameters (FSDP2): FSDP2 assigns the sharded "
+                "gradients itself, so the post-accumulate-grad hooks that start the updates do "
+                "not fire; use the default mode (update_in_backward=False)"
+            )
+        if not self._force_staging and any(_local(p).device.type == "cpu" for p in params):
+            raise ValueError(
+                f"{mode} needs parameters on a GPU: CPU parameters are updated in place at "
+                "step() (Note [cpu parameters in place]), with no gradient copy for backward "
+                "to hide, so there is nothing to overlap; use the default mode "
+                "(update_in_backward=False)"
+            )
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one worker thread of update_in_backward (Note [update in backward])."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="spillover-optim-update"
+            )
+        return self._worker
+
+    def _settle(self, what: str) -> None:
+        """Wait for the update-in-backward worker; refuse `what` between a backward that
+        updated parameters and its ``step()`` (the state is mid-step then)."""
+        busy = False
+        for space in self._spaces:
+            space.join()
+            busy = busy or space.in_round()
+        if busy:
+            raise RuntimeError(
+                f"OffloadAdamW(update_in_backward=True): {what} was called between backward "
+                "and step(); the updates made during backward are counted at step(), so the "
+                "state is mid-step now: call step() first"
+            )
 
     # ---- construction ----
 
@@ -1321,6 +1657,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler: Note [GradScaler]
+        if self._inbwd and (found_inf is not None or getattr(self, "grad_scale", None) is not None):
+            for space in self._spaces:
+                space.abort_round()
+            raise RuntimeError(
+                "OffloadAdamW(update_in_backward=True) cannot be used with torch.amp.GradScaler: "
+                "the updates run during backward, before the scaler could unscale the gradients "
+                "or skip a step with inf/NaN gradients; use the default mode "
+                "(update_in_backward=False), whose step() unscales in the kernel"
+            )
         if found_inf is not None and _float(found_inf) != 0.0:
             for space in self._spaces:  # the next step's hooks count afresh
                 space.staged_grads = {}
@@ -1347,6 +1692,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _gather_state(self) -> Dict[int, Dict[str, torch.Tensor]]:
         """{global index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master']}} for params with state."""
+        self._settle("state_dict()")
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for space in self._spaces:
             for k, cols in space.export(self._steps).items():

@@ -1,0 +1,280 @@
+"""OffloadAdamW(update_in_backward=True) (Note [update in backward] in spillover/optim.py), run
+on CPU tensors with ``_force_staging=True`` (the GPU path's staging buffers, hooks and copies,
+synchronous): each bucket's CPU update runs on a worker thread during backward, as soon as its
+gradients are staged; results equal torch's fused AdamW (bitwise where the CPU has FMA); the
+updates start before backward returns; every refusal says what to use instead."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from dist_optim_worker import make_model
+
+import spillover
+from spillover import _native
+from spillover import optim as so
+
+POOL = 72 << 20  # this file's own pool (pools are shared per capacity)
+WAIT = 30.0  # seconds the overlap test's hook waits for the worker
+FMA = _native.AdamState.fma_available()
+F = torch.nn.functional
+
+
+def offload(params, **kw):
+    kw.setdefault("host_pool_bytes", POOL)
+    kw.setdefault("_force_staging", True)
+    kw.setdefault("update_in_backward", True)
+    return spillover.OffloadAdamW(params, **kw)
+
+
+def assert_params(a, b, exact=FMA):
+    for i, (x, y) in enumerate(zip(a.parameters(), b.parameters())):
+        if exact:
+            assert torch.equal(x, y), f"param {i}: max |d| = {(x - y).abs().max()}"
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"param {i}")
+
+
+def data(step, n=16, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(n, 33, generator=g), torch.randn(n, 5, generator=g)
+
+
+def groups_of(model):
+    return [
+        {"params": list(model[0].parameters()), "lr": 1e-2, "betas": (0.8, 0.99)},
+        {"params": list(model[2].parameters()), "lr": 3e-2, "weight_decay": 0.1},
+    ]
+
+
+def one_step(model, opt, s):
+    x, y = data(s)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("bucket", [so._BUCKET_ELEMS, 1, 200], ids=["one", "each", "some"])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_matches_torch_fused_with_scheduler(monkeypatch, bucket, tier):
+    """Several steps with a StepLR stepping after each step, parameters in one bucket, one
+    bucket each, or buckets that split parameters (_UNIT_MAX small): equal to torch's fused
+    AdamW; after the first step (made at step(): Note [lazy state]) the buckets are updated
+    during backward, the last layer's first."""
+    monkeypatch.setattr(so, "_BUCKET_ELEMS", bucket)
+    if bucket == 200:
+        monkeypatch.setattr(so, "_UNIT_MAX", 160)
+    ours, ref = make_model(), make_model()
+    opt = offload(groups_of(ours), tier=tier, chunk_bytes=16384)
+    ropt = torch.optim.AdamW(groups_of(ref), fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=2, gamma=0.5)
+    for s in range(6):
+        for model, o, sc in ((ours, opt, sched), (ref, ropt, rsched)):
+            one_step(model, o, s)
+            sc.step()
+        space = opt._spaces[0]
+        if s == 0:
+            assert space.inbwd_log == []  # the first step makes the state, at step()
+        else:
+            done = [b for b, _, _ in space.inbwd_log]
+            assert sorted(done) == list(range(len(space.buckets))), done
+            if bucket == 1:  # the last layer's (members 2, 3) come first
+                assert set(space.bucket_members[done[0]]) <= {2, 3}, done
+                assert set(space.bucket_members[done[1]]) <= {2, 3}, done
+        assert_params(ours, ref)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    assert opt.stats()["steps"] == 6
+    sd = opt.state_dict()["state"]
+    for i, r in enumerate(ropt.state.values()):
+        assert float(sd[i]["step"]) == float(r["step"]) == 6
+        if FMA:
+            assert torch.equal(sd[i]["exp_avg_sq"], r["exp_avg_sq"]), i
+
+
+def test_updates_start_before_backward_returns(monkeypatch):
+    """A hook on the first layer's weight (its gradient comes last in backward) waits for the
+    worker to finish the last layer's bucket: it can only be set if that update runs during
+    backward. Deterministic: with updates only at step() the wait times out and the test
+    fails."""
+    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)  # one bucket per parameter
+    model, ref = make_model(), make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    last_done = threading.Event()
+    original = so._Space._update_bucket
+    last_param = model[2].weight
+
+    def spy(self, b, *args):
+        original(self, b, *args)
+        if any(self.params[k] is last_param for k in self.bucket_members[b]):
+            last_done.set()
+
+    monkeypatch.setattr(so._Space, "_update_bucket", spy)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda _p: seen.append(last_done.wait(timeout=WAIT))
+    )
+    for s in range(4):
+        last_done.clear()
+        seen.clear()
+        x, y = data(s)
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+        if s:  # the first step makes the state at step()
+            assert seen == [True], "the last layer was not updated during backward"
+            space = opt._spaces[0]
+            starts = {b: t for b, t, _ in space.inbwd_log}
+            assert len(starts) == len(space.buckets)
+        assert_params(model, ref)
+
+
+def test_gradient_changed_after_backward_raises():
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    one_step(model, opt, 0)
+    x, y = data(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    model[2].weight.grad.data.mul_(2)  # does not move the version counter
+    with pytest.raises(RuntimeError, match="changed .* between backward and step"):
+        opt.step()
+    # clip_grad_norm_ too; the optimizer goes on afterwards (a new round).
+    x, y = data(2)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="use the default mode"):
+        opt.step()
+    one_step(model, opt, 3)
+    assert opt.stats()["steps"] == 4
+
+
+def test_accumulation_raises_from_the_hook():
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    one_step(model, opt, 0)
+    x, y = data(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="call step\\(\\) \\(and zero_grad\\(\\)\\) after each"):
+        F.mse_loss(model(x), y).backward()
+    # The aborted backward had already accumulated into the last layer's gradient (the hook
+    # fires after accumulating), so step() sees a changed gradient; the next round is clean.
+    with pytest.raises(RuntimeError, match="changed"):
+        opt.step()
+    one_step(model, opt, 2)
+    assert opt.stats()["steps"] == 3
+
+
+def test_grad_scaler_is_refused_at_the_first_step():
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    x, y = data(0)
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler.*default mode"):
+        scaler.step(opt)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)  # refused before anything was updated
+    opt.found_inf = torch.ones(())  # set by hand at a later step: refused too
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step()
+
+
+def test_refusals_at_construction():
+    model = make_model()
+    with pytest.raises(ValueError, match="needs parameters on a GPU.*default mode"):
+        spillover.OffloadAdamW(model.parameters(), update_in_backward=True, host_pool_bytes=POOL)
+    from torch.distributed.tensor import DTensor
+
+    class FakeDTensor(torch.nn.Parameter):  # only to_local() is looked at
+        def to_local(self):
+            return self.data
+
+    assert not isinstance(FakeDTensor(torch.zeros(3)), DTensor)
+    with pytest.raises(ValueError, match="DTensor.*default mode"):
+        offload([FakeDTensor(torch.zeros(3))])
+
+
+def test_sharded_is_refused(monkeypatch):
+    """The sharding check, without starting ranks: a world of 2 as _setup_distributed sets."""
+
+    def two_ranks(self, shard, pg):
+        self._pg, self._world, self._rank = pg, 2, 0
+
+    monkeypatch.setattr(spillover.OffloadAdamW, "_setup_distributed", two_ranks)
+    with pytest.raises(ValueError, match="shard=False"):
+        offload(make_model().parameters())
+
+
+def test_grads_set_by_hand_and_unused_parameters_update_at_step(monkeypatch):
+    """A bucket whose hook did not fire (a parameter unused this step, a gradient set by hand)
+    is updated at step(); the others during backward; still equal to torch."""
+    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+    ours, ref = make_model(), make_model()
+    opt = offload(ours.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for m in (ours, ref):
+        m[0].bias.requires_grad_(False)  # no hook fires for it: its gradient is set by hand
+    for s in range(3):
+        x, y = data(s)
+        for m, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            m[0].bias.grad = torch.full_like(m[0].bias, 0.5 + s)
+            o.step()
+        assert_params(ours, ref)
+    space = opt._spaces[0]
+    bias_bucket = space.buckets_of[1][0]
+    assert bias_bucket not in [b for b, _, _ in space.inbwd_log]  # its update was at step()
+    assert space.order[-1] == bias_bucket
+
+
+def test_state_dict_between_backward_and_step_is_refused():
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    one_step(model, opt, 0)
+    x, y = data(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        opt.state_dict()
+    opt.step()
+    sd = opt.state_dict()
+    assert all(float(st["step"]) == 2 for st in sd["state"].values())
+    # load_state_dict waits for the worker and discards a round in progress.
+    F.mse_loss(model(x), y).backward()
+    opt.load_state_dict(sd)
+    opt.zero_grad()
+    one_step(model, opt, 2)
+    assert all(float(st["step"]) == 3 for st in opt.state_dict()["state"].values())
+
+
+def test_worker_exception_surfaces_at_step(monkeypatch):
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    one_step(model, opt, 0)
+
+    def boom(self, *args):
+        raise OSError("injected")
+
+    monkeypatch.setattr(so._Space, "_update_bucket", boom)
+    x, y = data(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(OSError, match="injected"):
+        opt.step()
+
+
+def test_default_mode_has_no_worker():
+    model = make_model()
+    opt = spillover.OffloadAdamW(model.parameters(), host_pool_bytes=POOL, _force_staging=True)
+    for s in range(2):
+        one_step(model, opt, s)
+    assert opt._worker is None and opt._spaces[0].inbwd_log == []
