@@ -1660,6 +1660,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._inbwd and (found_inf is not None or getattr(self, "grad_scale", None) is not None):
             for space in self._spaces:
                 space.abort_round()
+            for name in ("grad_scale", "found_inf"):  # the scaler's del is skipped by the raise
+                if hasattr(self, name):
+                    delattr(self, name)
             raise RuntimeError(
                 "OffloadAdamW(update_in_backward=True) cannot be used with torch.amp.GradScaler: "
                 "the updates run during backward, before the scaler could unscale the gradients "

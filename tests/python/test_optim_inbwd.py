@@ -213,10 +213,16 @@ def test_sharded_is_refused(monkeypatch):
         offload(make_model().parameters())
 
 
-def test_grads_set_by_hand_and_unused_parameters_update_at_step(monkeypatch):
-    """A bucket whose hook did not fire (a parameter unused this step, a gradient set by hand)
-    is updated at step(); the others during backward; still equal to torch."""
-    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+@pytest.mark.parametrize("shared", [False, True], ids=["own-bucket", "shared-bucket"])
+def test_grads_set_by_hand_and_unused_parameters_update_at_step(monkeypatch, shared):
+    """A gradient no hook staged (set by hand on a parameter without requires_grad) is updated
+    at step(), the others during backward; in its own bucket, or (shared) in a bucket whose
+    other units were updated during backward; still equal to torch."""
+    if shared:  # units of 160, buckets of >= 200 elements: the bias shares a bucket
+        monkeypatch.setattr(so, "_BUCKET_ELEMS", 200)
+        monkeypatch.setattr(so, "_UNIT_MAX", 160)
+    else:
+        monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
     ours, ref = make_model(), make_model()
     opt = offload(ours.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -232,8 +238,9 @@ def test_grads_set_by_hand_and_unused_parameters_update_at_step(monkeypatch):
         assert_params(ours, ref)
     space = opt._spaces[0]
     bias_bucket = space.buckets_of[1][0]
-    assert bias_bucket not in [b for b, _, _ in space.inbwd_log]  # its update was at step()
-    assert space.order[-1] == bias_bucket
+    in_backward = [b for b, _, _ in space.inbwd_log]
+    assert space.order[-1] == bias_bucket  # its update was at step()
+    assert (bias_bucket in in_backward) == shared  # shared: the others' units were done before
 
 
 def test_state_dict_between_backward_and_step_is_refused():
