@@ -20,15 +20,18 @@ still leaves what it measured.
 
 Mode optim (not an activation mode; its own table): a GPT from spillover.models (fp32
 parameters, bf16 autocast, 134M parameters: AdamW's state is 1 GiB on the device) trained
---steps steps (+1 warm-up) three ways in one process, one after the other: forward + backward
-alone, torch.optim.AdamW(fused=True) with its state on the device, and OffloadAdamW(tier="host")
-(gradients staged by hooks during backward, CPU update, parameters back per bucket). Per way: the
-step's seconds (forward to the device's last kernel), max_memory_allocated over the step, and
-for the optimizers the time not hidden behind backward (their step minus forward + backward
-alone) and step()'s own wall time after backward returned; OffloadAdamW's gradient copies per
-step, stale copies (0 unless gradients change after backward), the gradient fingerprint's
-throughput on the device (Note [gradient fingerprint] in spillover/optim.py) and the largest
-parameter difference from torch's AdamW after the run.
+--steps steps (+1 warm-up) three or four ways in one process, one after the other: forward +
+backward alone, torch.optim.AdamW(fused=True) with its state on the device, OffloadAdamW(tier=
+"host") (gradients staged by hooks during backward, CPU update, parameters back per
+bucket), and when it fits --optim-budget (run.sh's B_OPTIM, 30 s) OffloadAdamW(
+update_in_backward=True) (the CPU updates on a worker thread during backward: Note [update in
+backward]). Per way: the step's seconds (forward to the device's last kernel),
+max_memory_allocated over the step, and for the optimizers the time not hidden behind backward
+(their step minus forward + backward alone) and step()'s own wall time after backward
+returned; OffloadAdamW's gradient copies per step, stale copies (0 unless gradients change
+after backward), the gradient fingerprint's throughput on the device (Note [gradient
+fingerprint] in spillover/optim.py) and the largest parameter difference from torch's AdamW
+after the run (for each OffloadAdamW way).
 
 Gradients: the fingerprints of a mode's steps must agree with each other, and with `none`'s.
 `none` is the control: when its own steps differ, the model's kernels are not deterministic on
@@ -237,7 +240,17 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
             torch.cuda.synchronize()
 
     finals: Dict[str, List[torch.Tensor]] = {}
-    for way in ("fwd+bwd only", "torch AdamW(fused)", "OffloadAdamW(host)"):
+    inbwd = "OffloadAdamW(host, update_in_backward)"
+    start = time.perf_counter()
+    for way in ("fwd+bwd only", "torch AdamW(fused)", "OffloadAdamW(host)", inbwd):
+        if way == inbwd:  # only if it fits the section's budget, so the table is never lost
+            spent = time.perf_counter() - start
+            need = spent / 3 * 1.5  # a way's share of the time so far, with margin
+            if spent + need > 0.85 * args.optim_budget:
+                res["skipped"] = (f"{inbwd}: {spent:.1f} s spent, about {need:.1f} s more "
+                                  f"needed, budget {args.optim_budget:.0f} s")
+                print(f"  skipped {res['skipped']}", flush=True)
+                break
         torch.manual_seed(0)
         with dev:
             model = GPT(cfg)
@@ -251,7 +264,8 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
         elif way.startswith("Offload"):
             opt = spillover.OffloadAdamW(model.parameters(), lr=1e-4, tier="host",
                                          optim_pool_bytes=int(n * 22) + (256 << 20),
-                                         _force_staging=not cuda)
+                                         _force_staging=not cuda,
+                                         update_in_backward=way == inbwd)
         rows = []
         for step, idx in enumerate(data):
             if opt is not None:
@@ -298,6 +312,9 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
             torch.cuda.empty_cache()
     a, b = finals["torch AdamW(fused)"], finals["OffloadAdamW(host)"]
     res["max_param_diff"] = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    if inbwd in finals:
+        res["max_param_diff_inbwd"] = max(
+            float((x - y).abs().max()) for x, y in zip(a, finals[inbwd]))
 
     def med(way: str, key: str) -> float:
         vals = [r[key] for r in res["ways"][way][1:] if r[key] is not None]
@@ -325,6 +342,11 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
               f"{st[-1]['grad_stale_copies']}; fingerprint {res['fingerprint_gib_s']:.2f} GiB/s "
               f"on {dev}; max |param - torch's| after {args.steps + 1} steps "
               f"{res['max_param_diff']:.2e}"]
+    if inbwd in finals:
+        lines.append(f"update_in_backward (CPU updates during backward, Note [update in "
+                     f"backward]): max |param - torch's| {res['max_param_diff_inbwd']:.2e}")
+    else:
+        lines.append(f"update_in_backward row skipped: {res.get('skipped')}")
     return lines
 
 
@@ -382,6 +404,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small model, to test the script")
     ap.add_argument("--out", default=None, help="folder of bench-MODE.json")
     ap.add_argument("--summary", default=None, help="append this mode's row to this file")
+    ap.add_argument("--optim-budget", type=float, default=30.0,
+                    help="mode optim: seconds run.sh gives it (B_OPTIM); the update_in_backward "
+                    "way runs only if it fits")
     args = ap.parse_args()
     if args.tiny:
         # Small, but its MLP activations (2 MiB) are above the 1 MiB offload threshold.

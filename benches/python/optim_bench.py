@@ -24,7 +24,10 @@ staged: the GPU path's staging (Note [staged gradients] in spillover/optim.py) o
 fingerprint it, then ``step()``, which fingerprints the gradients again and reuses the copies —
 or copies again when a write through ``p.grad.data`` changed them — against the in-place CPU
 step and backward alone; and the fingerprint alone, in GiB/s of gradient. On a GPU host the
-fingerprints run on the device; here they run on the CPU and show their cost per byte.
+fingerprints run on the device; here they run on the CPU and show their cost per byte. One
+more row: ``update_in_backward=True`` (Note [update in backward]), each bucket's CPU update on
+a worker thread during backward; its note gives the ``step()`` call alone (what backward did
+not hide).
 
 gpu (CUDA hosts only): forward + backward + step of an MLP stack on the GPU: torch AdamW with
 its state on the GPU, OffloadAdamW (gradients copied to pinned pool blocks by hooks while
@@ -44,7 +47,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -256,18 +259,25 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
 
     szs = sizes(int(args.staged_params), 16)
     n = sum(szs)
-    # Three optimizers in one pool (pools are shared per capacity): 20 B/param each for the
+    # Four optimizers in one pool (pools are shared per capacity): 20 B/param each for the
     # master, the two moments and the two staging buffers, plus slack.
-    own_pool = 3 * n * 20 + (96 << 20) + 4096
+    own_pool = 4 * n * 20 + (96 << 20) + 4096
 
-    def setup(staged: bool):
+    def setup(staged: bool, inbwd: bool = False):
         ps = params_like(szs, torch.float32, 0)
         g = torch.Generator().manual_seed(1)
         coef = [torch.randn(p.shape, generator=g) * 1e-2 for p in ps]
         opt = spillover.OffloadAdamW(
-            ps, lr=1e-3, tier="host", host_pool_bytes=own_pool, _force_staging=staged
+            ps,
+            lr=1e-3,
+            tier="host",
+            host_pool_bytes=own_pool,
+            _force_staging=staged,
+            update_in_backward=inbwd,
         )
         return ps, coef, opt
+
+    step_times: Dict[str, List[float]] = {}  # the step() call alone, per optimizer
 
     def train(ps, coef, opt, edit: bool, step: bool = True):
         def run():
@@ -278,18 +288,22 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
                 for p in ps:
                     p.grad.data.mul_(0.5)
             if step:
+                t0 = time.perf_counter()
                 opt.step()
+                step_times.setdefault(id(opt), []).append(time.perf_counter() - t0)
 
         return run
 
     direct = setup(False)
     reused = setup(True)
     stale = setup(True)
+    inbwd = setup(True, inbwd=True)
     methods = {
         "backward only": train(*direct, edit=False, step=False),
         "in place (not staged)": train(*direct, edit=False),
         "staged, copies reused": train(*reused, edit=False),
         "staged, .data write: copied again": train(*stale, edit=True),
+        "staged, update_in_backward": train(*inbwd, edit=False),
     }
     t = race(methods, args.rounds)
     grads = [p.grad for p in reused[0]]
@@ -303,6 +317,10 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
     gib = n * 4 / (1 << 30)
     bwd = t["backward only"]
     st = reused[2].stats(), stale[2].stats()
+
+    def call(setup_: Any) -> str:
+        return f"{statistics.median(step_times[id(setup_[2])]) * 1e3:.1f} ms (median)"
+
     out = [
         f"\n### staged path on CPU tensors, {n / 1e6:.0f}M fp32 parameters in {len(szs)} "
         f"tensors ({gib:.2f} GiB of gradients; optimizer time = step time - backward only)\n",
@@ -313,8 +331,14 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
         note = ""
         if k.startswith("staged, copies"):
             note = f"grad_copies {st[0]['grad_copies']}, stale {st[0]['grad_stale_copies']}"
+            note += f"; step() call alone {call(reused)}"
         elif k.startswith("staged, .data"):
             note = f"grad_copies {st[1]['grad_copies']}, stale {st[1]['grad_stale_copies']}"
+        elif k.endswith("update_in_backward"):
+            note = (
+                f"step() call alone {call(inbwd)} (the updates ran during backward, on the "
+                "worker thread; step() fingerprints the gradients)"
+            )
         opt_ms = "" if k == "backward only" else f"{(v - bwd) * 1e3:.1f}"
         out.append(f"| {k} | {v * 1e3:.1f} | {opt_ms} | {note} |")
     out.append(
@@ -322,7 +346,7 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
         f"= {gib / fp:.2f} GiB/s; the staged step fingerprints every gradient twice (hook and "
         "step); on a GPU host both run on the device"
     )
-    del direct, reused, stale, grads
+    del direct, reused, stale, inbwd, grads
     gc.collect()
     return out
 
