@@ -142,6 +142,7 @@ class OptimizerState:
         (load), and the ``meta`` string. DCP decides which: a column is planned for writing
         (``__create_write_items__``) or for reading (``__create_chunk_list__``)."""
         opt = self.opt
+        opt._settle("a DCP save or load")  # Note [update in backward]: never a half-done step
         self._cache = None
         self._expect_set: Optional[set] = None
         saving = {i: s for s in opt._spaces for i in s.members if opt._steps[i] > 0}
