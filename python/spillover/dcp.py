@@ -355,10 +355,11 @@ def _dtensor_range(p: torch.Tensor) -> Tuple[int, int, bool]:
     mesh = p.device_mesh
     shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
     if list(shape[1:]) != list(p.shape[1:]):
-        raise NotImplementedError(
+        raise ValueError(
             f"spillover.dcp: a DTensor parameter with placements {p.placements} is sharded "
-            "along a dimension other than 0; only Shard(0) and Replicate placements (FSDP2, "
-            "HSDP) are supported"
+            "along a dimension other than 0 (tensor parallel); spillover.dcp saves Shard(0) and "
+            "Replicate placements (FSDP2, HSDP): save this optimizer with its state_dict() "
+            "instead"
         )
     writes = True
     coord = mesh.get_coordinate() or []
@@ -366,8 +367,9 @@ def _dtensor_range(p: torch.Tensor) -> Tuple[int, int, bool]:
         if isinstance(pl, Replicate):
             writes = writes and coord[dim] == 0
         elif not (isinstance(pl, Shard) and pl.dim == 0):
-            raise NotImplementedError(
-                f"spillover.dcp: DTensor placement {pl} is not supported (Shard(0), Replicate)"
+            raise ValueError(
+                f"spillover.dcp: DTensor placement {pl} cannot be saved by spillover.dcp (it "
+                "saves Shard(0) and Replicate); save this optimizer with its state_dict() instead"
             )
     row = math.prod(p.shape[1:]) if p.dim() > 1 else 1
     return offset[0] * row if p.dim() else 0, math.prod(shape), writes

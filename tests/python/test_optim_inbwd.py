@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 from dist_optim_worker import make_model
+from test_optim_staged import assert_params, data
 
 import spillover
 from spillover import _native
@@ -27,19 +28,6 @@ def offload(params, **kw):
     kw.setdefault("_force_staging", True)
     kw.setdefault("update_in_backward", True)
     return spillover.OffloadAdamW(params, **kw)
-
-
-def assert_params(a, b, exact=FMA):
-    for i, (x, y) in enumerate(zip(a.parameters(), b.parameters())):
-        if exact:
-            assert torch.equal(x, y), f"param {i}: max |d| = {(x - y).abs().max()}"
-        else:
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"param {i}")
-
-
-def data(step, n=16, seed=0):
-    g = torch.Generator().manual_seed(seed * 1000 + step)
-    return torch.randn(n, 33, generator=g), torch.randn(n, 5, generator=g)
 
 
 def groups_of(model):
