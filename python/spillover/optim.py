@@ -169,6 +169,14 @@ Note [update in backward]
     mid-step); ``load_state_dict`` and dropping the state wait for the worker first and discard
     the round.
 
+    Backward returns only once the worker has finished the round's updates (a callback queued
+    on the autograd engine when the first bucket is handed over waits for it): in the usual
+    loop ``step()`` follows at once and would wait for the same updates, and a forward run
+    before ``step()`` (accumulation, refused below) then never races the worker's in-place
+    writes of the parameters, so the second backward's hook reliably raises the error meant
+    for it instead of autograd's "modified by an inplace operation" (seen on the CI's 2 cores
+    when the worker still wrote the first layers while the next forward saved them).
+
     The first step of a unit runs at ``step()`` (its master copy starts from the parameter
     there, and the hooks exist only once the state does: Note [lazy state]), so the first step
     of all is a default step (after ``load_state_dict`` the loaded units update in backward).
@@ -205,6 +213,20 @@ Note [sharding]
     within torch's own AdamW implementations' tolerance of the same FSDP2 run with torch's
     AdamW, and a DCP checkpoint that resumes under FSDP2, ZeRO or one process
     (tests/python/test_dcp.py).
+
+Note [collectives at exit]
+    A gloo collective called from Python hands its tensors to a worker thread, which drops its
+    reference to the work (and so to the tensors) only after the caller's ``wait()`` returned.
+    On torch 2.15 a tensor that C++ also references holds a reference to its Python object,
+    and dropping the last C++ reference decrefs that object: the gloo thread takes the GIL. A
+    step's last collective is the parameter all-gather; when the script ends right after it
+    (``dist.destroy_process_group()`` does not stop a group DDP still holds), the gloo thread
+    can ask for the GIL once the interpreter is finalizing, and Python ends the thread with
+    ``pthread_exit`` inside a C++ destructor: "terminate called without an active exception",
+    SIGABRT at exit (seen on a core dump of the README's DDP snippet, about 1 run in 10 on 2
+    cores). So every collective here is started with ``async_op=True``, waited for, and its
+    work kept until the next ``step()`` (or ``close()``): the gloo thread's release is then
+    never the last one, and the tensors are freed by the thread that holds the GIL.
 
 Note [lazy state]
     As in torch, a parameter has no state until the first step at which it has a gradient: no
@@ -815,6 +837,7 @@ class _Space:
             self.done_units: List[int] = []  # units the worker updated this round
             self.bwd_events: List[Any] = []  # its copies back to the device (CUDA events)
             self.log: List[Tuple[int, float, float]] = []
+            self.end_queued = False  # join() queued to run when this backward ends
 
     def _stage_inbwd(self, k: int, p: torch.Tensor) -> None:
         """The hook in update-in-backward mode: refuse a second gradient for an updated bucket
@@ -865,6 +888,9 @@ class _Space:
             self.futures.append(
                 self.opt._executor().submit(self._update_bucket, b, rows, waits, hyper, after)
             )
+            queue, self.end_queued = not self.end_queued, True
+        if queue:  # backward returns once the worker is done: Note [update in backward]
+            torch.autograd.Variable._execution_engine.queue_callback(self.join)
 
     def _update_bucket(
         self, b: int, rows: List[int], waits: List[Any], hyper: np.ndarray, after: Any
@@ -1204,11 +1230,10 @@ class _Space:
         import torch.distributed as dist
 
         opt = self.opt
-        pg = opt._pg
         has = torch.tensor(
             [p.grad is not None for p in self.params], dtype=torch.int32, device=self.device
         )
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=pg)
+        opt._collective(dist.all_reduce, has, op=dist.ReduceOp.MAX)
         has_np = has.cpu().numpy().astype(bool)
         if not has_np.any():
             return np.zeros(0, dtype=np.int64)
@@ -1221,7 +1246,7 @@ class _Space:
                 dst.copy_(p.grad.reshape(-1))
         scale = 1.0
         if opt._reduce_grads:  # summed here, scaled by 1/world in the kernel
-            dist.reduce_scatter_tensor(self.grad_shard, self.flat_grad, group=pg)
+            opt._collective(dist.reduce_scatter_tensor, self.grad_shard, self.flat_grad)
             scale = 1.0 / opt._world
         for k, start, n, at in self.units:
             src = self.params[k].detach().reshape(-1)
@@ -1242,7 +1267,7 @@ class _Space:
             rows = np.nonzero(active)[0]
             self._fill_hyper(rows, hyper, scale)
             self.state.step(self._flat_records(rows))
-        dist.all_gather_into_tensor(self.flat_param, self.param_shard, group=pg)
+        opt._collective(dist.all_gather_into_tensor, self.flat_param, self.param_shard)
         updated = np.nonzero(has_np)[0].tolist()
         with torch.no_grad():
             for k in updated:
@@ -1271,7 +1296,7 @@ class _Space:
                 part = shard[name]
                 if self.device.type != "cpu":  # nccl gathers device tensors
                     part, full = part.to(self.device), full.to(self.device)
-                dist.all_gather_into_tensor(full, part, group=self.opt._pg)
+                self.opt._collective(dist.all_gather_into_tensor, full, part)
                 full = full.cpu()
                 for k, p in enumerate(self.params):
                     if has_state[k]:
@@ -1506,6 +1531,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _setup_distributed(self, shard: Optional[bool], pg: Any) -> None:
         self._pg = pg
+        self._works: List[Any] = []  # Note [collectives at exit]
         self._world, self._rank = 1, 0
         import torch.distributed as dist
 
@@ -1524,6 +1550,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         if shard and world > 1:
             self._world, self._rank = world, dist.get_rank(pg)
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """``fn(*args, group=self._pg)``, waited for, its work kept until the next ``step()``
+        (Note [collectives at exit])."""
+        work = fn(*args, group=self._pg, async_op=True, **kwargs)
+        work.wait()
+        self._works.append(work)
 
     def _pool_need(self) -> int:
         """Pool bytes the parameters that require grad now can lease (Note [node budget] in
@@ -1607,7 +1640,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             has = torch.tensor(
                 [self._params[i].grad is not None for i in idx], dtype=torch.int32, device=dev
             )
-            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self._pg)
+            self._collective(dist.all_reduce, has, op=dist.ReduceOp.MAX)
             self._add_spaces([i for i, h in zip(idx, has.cpu().tolist()) if h])
 
     def _drop_spaces(self) -> None:
@@ -1674,6 +1707,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 space.staged_grads = {}
                 space.end_step()
             return loss
+        self._works.clear()  # the last step's collectives: Note [collectives at exit]
         hyper = self._hyper()
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:  # unscaled here, as GradScaler.unscale_ would

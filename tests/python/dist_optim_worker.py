@@ -62,6 +62,9 @@ def run(scenario: str, out_dir: str) -> None:
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(xs), ys).backward()
         opt.step()
+    # Note [collectives at exit]: the last step's collectives are kept (waited for), so that
+    # gloo's worker never drops the last reference to their tensors (it takes the GIL for it).
+    assert len(opt._works) == (2 if scenario == "ddp" else 3), opt._works  # MAX, [RS,] gather
     sd = opt.state_dict()
     params = [p.detach().clone() for p in model.parameters()]
     if scenario == "fp32-host":

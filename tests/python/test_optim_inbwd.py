@@ -7,6 +7,7 @@ updates start before backward returns; every refusal says what to use instead.""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -101,11 +102,12 @@ def test_updates_start_before_backward_returns(monkeypatch):
             last_done.set()
 
     monkeypatch.setattr(so._Space, "_update_bucket", spy)
-    seen = []
+    seen, wait = [], [0.0]
     model[0].weight.register_post_accumulate_grad_hook(
-        lambda _p: seen.append(last_done.wait(timeout=WAIT))
+        lambda _p: seen.append(last_done.wait(timeout=wait[0]))
     )
     for s in range(4):
+        wait[0] = WAIT if s else 0.0  # the first step makes the state at step(): no wait
         last_done.clear()
         seen.clear()
         x, y = data(s)
@@ -140,6 +142,29 @@ def test_gradient_changed_after_backward_raises():
         opt.step()
     one_step(model, opt, 3)
     assert opt.stats()["steps"] == 4
+
+
+def test_backward_returns_after_the_updates(monkeypatch):
+    """Backward waits for the worker (Note [update in backward]): with a slow worker, every
+    update has ended when backward returns, and a forward before step() (accumulation) does
+    not race its writes: the second backward's hook raises, not autograd's version check."""
+    update = so._Space._update_bucket
+
+    def slow(self, *args):
+        time.sleep(0.3)
+        return update(self, *args)
+
+    monkeypatch.setattr(so._Space, "_update_bucket", slow)
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    one_step(model, opt, 0)
+    x, y = data(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    (space,) = opt._spaces
+    assert space.futures and all(f.done() for f in space.futures)
+    with pytest.raises(RuntimeError, match="call step\\(\\) \\(and zero_grad\\(\\)\\) after each"):
+        F.mse_loss(model(x), y).backward()
 
 
 def test_accumulation_raises_from_the_hook():
