@@ -310,11 +310,13 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    a, b = finals["torch AdamW(fused)"], finals["OffloadAdamW(host)"]
-    res["max_param_diff"] = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    def max_diff(way: str) -> float:
+        ref = finals["torch AdamW(fused)"]
+        return max(float((x - y).abs().max()) for x, y in zip(ref, finals[way]))
+
+    res["max_param_diff"] = max_diff("OffloadAdamW(host)")
     if inbwd in finals:
-        res["max_param_diff_inbwd"] = max(
-            float((x - y).abs().max()) for x, y in zip(a, finals[inbwd]))
+        res["max_param_diff_inbwd"] = max_diff(inbwd)
 
     def med(way: str, key: str) -> float:
         vals = [r[key] for r in res["ways"][way][1:] if r[key] is not None]

@@ -225,8 +225,8 @@ Note [collectives at exit]
     ``pthread_exit`` inside a C++ destructor: "terminate called without an active exception",
     SIGABRT at exit (seen on a core dump of the README's DDP snippet, about 1 run in 10 on 2
     cores). So every collective here is started with ``async_op=True``, waited for, and its
-    work kept until the next ``step()`` (or ``close()``): the gloo thread's release is then
-    never the last one, and the tensors are freed by the thread that holds the GIL.
+    work kept until the next ``step()``: the gloo thread's release is then never the last one,
+    and the tensors are freed by the thread that holds the GIL.
 
 Note [lazy state]
     As in torch, a parameter has no state until the first step at which it has a gradient: no
@@ -959,10 +959,15 @@ class _Space:
         counted (the state moved). Whether there were any."""
         self.join()
         done, _ = self._close_round()
-        self.opt._steps[self._count(done)] += 1
+        self.end_without_step(done)
+        return bool(done)
+
+    def end_without_step(self, done: Iterable[int] = ()) -> None:
+        """End a step that updates nothing more: the units in `done` (updated during backward)
+        count one step, the staged copies are dropped, and the hooks' counts are learnt."""
+        self.opt._steps[self._count(list(done))] += 1
         self.staged_grads = {}
         self.end_step()
-        return bool(done)
 
     def _step_inbwd(self, hyper: np.ndarray) -> np.ndarray:
         """``step()`` in update-in-backward mode: wait for the worker, check that no gradient
@@ -970,8 +975,7 @@ class _Space:
         err = self.join()
         if err is not None:
             self._new_round()
-            self.staged_grads = {}
-            self.end_step()
+            self.end_without_step()
             raise err
         staged = self.staged_grads
         with self.lock:
@@ -993,9 +997,7 @@ class _Space:
                 changed.append(k)
         done, bwd_order = self._close_round()
         if changed:
-            self.opt._steps[self._count(done)] += 1
-            self.staged_grads = {}
-            self.end_step()
+            self.end_without_step(done)
             self.opt._updates += 1
             names = ", ".join(str(self.members[k]) for k in sorted(changed)[:8])
             raise RuntimeError(
@@ -1704,8 +1706,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         if found_inf is not None and _float(found_inf) != 0.0:
             for space in self._spaces:  # the next step's hooks count afresh
-                space.staged_grads = {}
-                space.end_step()
+                space.end_without_step()
             return loss
         self._works.clear()  # the last step's collectives: Note [collectives at exit]
         hyper = self._hyper()

@@ -45,6 +45,18 @@ def one_step(model, opt, s):
     opt.step()
 
 
+def mid_step():
+    """A model and its optimizer after one step (made at step(): Note [lazy state]) and the
+    next backward, whose updates ran during it; step() not called yet. (model, opt, x, y)."""
+    model = make_model()
+    opt = offload(model.parameters(), lr=1e-2)
+    one_step(model, opt, 0)
+    x, y = data(1)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    return model, opt, x, y
+
+
 @pytest.mark.parametrize("bucket", [so._BUCKET_ELEMS, 1, 200], ids=["one", "each", "some"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_matches_torch_fused_with_scheduler(monkeypatch, bucket, tier):
@@ -124,12 +136,7 @@ def test_updates_start_before_backward_returns(monkeypatch):
 
 
 def test_gradient_changed_after_backward_raises():
-    model = make_model()
-    opt = offload(model.parameters(), lr=1e-2)
-    one_step(model, opt, 0)
-    x, y = data(1)
-    opt.zero_grad()
-    F.mse_loss(model(x), y).backward()
+    model, opt, _, _ = mid_step()
     model[2].weight.grad.data.mul_(2)  # does not move the version counter
     with pytest.raises(RuntimeError, match="changed .* between backward and step"):
         opt.step()
@@ -155,12 +162,7 @@ def test_accumulation_raises_from_the_hook(monkeypatch, slow):
         monkeypatch.setattr(
             so._Space, "_update_bucket", lambda self, *a: (time.sleep(0.3), update(self, *a))
         )
-    model = make_model()
-    opt = offload(model.parameters(), lr=1e-2)
-    one_step(model, opt, 0)
-    x, y = data(1)
-    opt.zero_grad()
-    F.mse_loss(model(x), y).backward()
+    model, opt, x, y = mid_step()
     (space,) = opt._spaces
     assert space.futures and all(f.done() for f in space.futures)
     with pytest.raises(RuntimeError, match="call step\\(\\) \\(and zero_grad\\(\\)\\) after each"):
@@ -246,12 +248,7 @@ def test_grads_set_by_hand_and_unused_parameters_update_at_step(monkeypatch, sha
 
 
 def test_state_dict_between_backward_and_step_is_refused():
-    model = make_model()
-    opt = offload(model.parameters(), lr=1e-2)
-    one_step(model, opt, 0)
-    x, y = data(1)
-    opt.zero_grad()
-    F.mse_loss(model(x), y).backward()
+    model, opt, x, y = mid_step()
     with pytest.raises(RuntimeError, match="call step\\(\\) first"):
         opt.state_dict()
     opt.step()
