@@ -29,6 +29,9 @@ pub enum Error {
     Integrity { key: u64, expected: u32, found: u32 },
     /// A caller passed something unusable (a size of zero, an unknown key, ...).
     Invalid(String),
+    /// One of spillover's own invariants did not hold (a bug: Note [no panic across the
+    /// boundary]). The call that found it fails; the tier and every other entry stay usable.
+    Internal(String),
 }
 
 impl fmt::Display for Error {
@@ -72,6 +75,12 @@ impl fmt::Display for Error {
                  {found:#010x}"
             ),
             Error::Invalid(msg) => f.write_str(msg),
+            Error::Internal(what) => write!(
+                f,
+                "internal error in spillover: {what}. The operation that hit it failed; other \
+                 offloaded tensors are intact and the next step can run. Please report it with \
+                 the traceback (SPILLOVER_LOG=debug adds detail)"
+            ),
         }
     }
 }

@@ -13,6 +13,7 @@ from .context import OffloadContext, keep, offload_context
 from .errors import (
     ConfigError,
     IntegrityError,
+    InternalError,
     OutOfSpaceError,
     PoolExhaustedError,
     SpilloverError,
@@ -29,6 +30,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "IntegrityError",
+    "InternalError",
     "OffloadAdamW",
     "OffloadContext",
     "OffloadStats",

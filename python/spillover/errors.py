@@ -13,6 +13,7 @@ __all__ = [
     "SwapIOError",
     "OutOfSpaceError",
     "IntegrityError",
+    "InternalError",
 ]
 
 
@@ -59,3 +60,12 @@ class OutOfSpaceError(SwapIOError):
 
 class IntegrityError(SpilloverError, RuntimeError):
     """A tensor read back does not match the checksum taken when it was offloaded."""
+
+
+class InternalError(SpilloverError, RuntimeError):
+    """One of spillover's own invariants did not hold: a bug in spillover, not in your code.
+
+    The operation that hit it failed; other offloaded tensors are intact and the next step can
+    run (Note [no panic across the boundary], ``rust/py/errors.rs``). Please report it with the
+    traceback.
+    """

@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::to_py;
+use super::errors::guarded;
 use super::pool::PyPool;
 use super::swap::PySwap;
 use crate::io::FaultKind;
@@ -151,9 +151,7 @@ impl PyAdamState {
             tier,
         };
         let pool = pool.pool.clone();
-        let state = py
-            .detach(|| AdamState::new(&pool, &unit_lens, &opts))
-            .map_err(to_py)?;
+        let state = guarded(py, || AdamState::new(&pool, &unit_lens, &opts))?;
         Ok(PyAdamState {
             inner: Mutex::new(state),
         })
@@ -165,44 +163,41 @@ impl PyAdamState {
     /// and does not touch during the call; lengths come from the layout, overlaps are refused.
     fn step(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
         let work = parse_steps(records)?;
-        py.detach(|| {
+        guarded(py, || {
             let mut st = self.lock();
             // SAFETY: the Python layer's contract above: every address is the data_ptr of a
             // live, contiguous CPU tensor (or pool block) of the unit's length and dtype, held
             // alive for the call and written by no one else meanwhile.
             unsafe { st.step(&work) }
         })
-        .map_err(to_py)
     }
 
     /// Copy the state of the units in `records` (see `BUFFER_RECORD`) into f32 buffers.
     #[pyo3(name = "export_state")]
     fn export(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
         let bufs = parse_buffers(records)?;
-        py.detach(|| {
+        guarded(py, || {
             let mut st = self.lock();
             // SAFETY: every address is the data_ptr of a live contiguous float32 CPU tensor of
             // the unit's length that the caller holds and nobody else uses during the call.
             unsafe { st.export(&bufs) }
         })
-        .map_err(to_py)
     }
 
     /// Set the state of the units in `records` from f32 buffers; they count as initialized.
     #[pyo3(name = "import_state")]
     fn import(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
         let bufs = parse_buffers(records)?;
-        py.detach(|| {
+        guarded(py, || {
             let mut st = self.lock();
             // SAFETY: as in `export`; the buffers are only read.
             unsafe { st.import(&bufs) }
         })
-        .map_err(to_py)
     }
 
     /// Forget a unit's state (its next step starts it afresh).
     fn reset(&self, py: Python<'_>, unit: usize) -> PyResult<()> {
-        py.detach(|| self.lock().reset(unit)).map_err(to_py)
+        guarded(py, || self.lock().reset(unit))
     }
 
     fn initialized(&self, py: Python<'_>) -> Vec<bool> {
@@ -278,7 +273,6 @@ impl PyAdamState {
                 )))
             }
         };
-        py.detach(|| self.lock().inject_fault(k, errno, count))
-            .map_err(to_py)
+        guarded(py, || self.lock().inject_fault(k, errno, count))
     }
 }

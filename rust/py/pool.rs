@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::to_py;
+use super::errors::{guarded, to_py};
 use crate::pool::{Block, Pool, PoolOptions};
 
 #[pyclass(name = "Pool", module = "spillover._native", frozen)]
@@ -41,7 +41,7 @@ impl PyPool {
         opts.prefault = prefault;
         opts.lock = lock;
         opts.huge_pages = huge_pages;
-        let pool = py.detach(|| Pool::new(&opts)).map_err(to_py)?;
+        let pool = guarded(py, || Pool::new(&opts))?;
         Ok(PyPool { pool })
     }
 
@@ -188,8 +188,9 @@ impl PyBlock {
         // SAFETY: the Python caller guarantees `src` points at `nbytes` readable host bytes of a
         // tensor it holds alive and does not mutate during the call; a block is never a tensor's
         // own storage when copying into it, so the ranges do not overlap.
-        py.detach(|| unsafe { block.copy_from_raw(src as *const u8, nbytes, offset) })
-            .map_err(to_py)
+        guarded(py, || unsafe {
+            block.copy_from_raw(src as *const u8, nbytes, offset)
+        })
     }
 
     /// Copy `nbytes` of the block at `offset` to host address `dst`, GIL released.
@@ -200,8 +201,9 @@ impl PyBlock {
         }
         let block = self.get()?;
         // SAFETY: as in `copy_from`, with `dst` valid for `nbytes` writes.
-        py.detach(|| unsafe { block.copy_to_raw(dst as *mut u8, nbytes, offset) })
-            .map_err(to_py)
+        guarded(py, || unsafe {
+            block.copy_to_raw(dst as *mut u8, nbytes, offset)
+        })
     }
 
     /// crc32c of the block's bytes (GIL released).

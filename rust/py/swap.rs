@@ -12,7 +12,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::to_py;
+use super::errors::{guarded, to_py};
 use super::pool::{PyBlock, PyPool};
 use crate::io::{EngineChoice, FaultKind, IoOptions, Slot, Swap, Ticket};
 
@@ -48,7 +48,7 @@ impl PySwap {
             capacity_per_dir,
         };
         let pool = pool.pool.clone();
-        let swap = py.detach(|| Swap::open(&opts, &pool)).map_err(to_py)?;
+        let swap = guarded(py, || Swap::open(&opts, &pool))?;
         Ok(PySwap {
             swap: Arc::new(swap),
         })

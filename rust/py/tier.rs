@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::to_py;
+use super::errors::guarded;
 use super::pool::PyPool;
 use super::swap::PySwap;
 use crate::tier::{Gathered, Handle, Step, StepStats, Tier, TierOptions, View};
@@ -73,19 +73,24 @@ impl PyTier {
 
     /// Finish every write and read in flight (GIL released); raises the first error.
     fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.tier.wait_idle()).map_err(to_py)
+        guarded(py, || self.tier.wait_idle())
+    }
+
+    /// For tests: the next `count` gets panic inside the engine (they raise InternalError).
+    fn inject_panic(&self, count: u32) {
+        self.tier.inject_panic(count)
     }
 
     /// Write out every entry nothing views and drop its block; returns the bytes freed.
     fn spill_all(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| self.tier.spill_all()).map_err(to_py)
+        guarded(py, || self.tier.spill_all())
     }
 
     /// Counters: entries, pool_capacity, pool_in_use, pool_peak, entries by residency
     /// (staging, dirty, writing, clean, disk, reading), bytes_in_pool, bytes_on_disk_only,
     /// swap_in_use, io_in_flight.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.tier.stats());
+        let s = guarded(py, || Ok(self.tier.stats()))?;
         let d = PyDict::new(py);
         d.set_item("entries", s.entries)?;
         d.set_item("pool_capacity", s.pool_capacity)?;
@@ -128,20 +133,20 @@ impl PyStep {
     /// `(handle, staging view)`: copy into the view, then `handle.seal()`. Raises
     /// PoolExhaustedError when nothing can be freed now.
     fn put(&self, py: Python<'_>, nbytes: u64) -> PyResult<(PyHandle, PyView)> {
-        let (h, v) = py.detach(|| self.step.put(nbytes)).map_err(to_py)?;
+        let (h, v) = guarded(py, || self.step.put(nbytes))?;
         Ok((PyHandle { h }, PyView { v }))
     }
 
     /// One storage made of `parts` (this step's handles, in order), returned whole by `get`.
-    fn gather(&self, parts: Vec<PyRef<'_, PyHandle>>) -> PyResult<PyGathered> {
+    fn gather(&self, py: Python<'_>, parts: Vec<PyRef<'_, PyHandle>>) -> PyResult<PyGathered> {
         let parts: Vec<Handle> = parts.iter().map(|p| p.h.clone()).collect();
-        let g = self.step.gather(parts).map_err(to_py)?;
+        let g = guarded(py, || self.step.gather(parts))?;
         Ok(PyGathered { g })
     }
 
     /// Sequence numbers backward is expected to unpack after `seq`, next first, at most `n`.
-    fn expected_after(&self, py: Python<'_>, seq: u32, n: usize) -> Vec<u32> {
-        py.detach(|| self.step.expected_after(seq, n))
+    fn expected_after(&self, py: Python<'_>, seq: u32, n: usize) -> PyResult<Vec<u32>> {
+        guarded(py, || Ok(self.step.expected_after(seq, n)))
     }
 
     #[getter]
@@ -152,7 +157,7 @@ impl PyStep {
     /// Counters: bytes_put, bytes_written, prefetch_hits, prefetch_misses, host_cache_hits,
     /// overflow_reads, stall_seconds.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.step.stats());
+        let s = guarded(py, || Ok(self.step.stats()))?;
         step_stats(py, s)
     }
 }
@@ -166,24 +171,27 @@ pub struct PyHandle {
 impl PyHandle {
     /// The copy into the staging view has landed (GIL released: may start writes).
     fn seal(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.h.seal()).map_err(to_py)
+        guarded(py, || self.h.seal())
     }
 
     /// A view of the bytes, read back if needed (GIL released); counted as an unpack.
     fn get(&self, py: Python<'_>) -> PyResult<PyView> {
-        let v = py.detach(|| self.h.get()).map_err(to_py)?;
+        let v = guarded(py, || self.h.get())?;
         Ok(PyView { v })
     }
 
     /// Count an unpack served without the tier's bytes (the source still on the device, or
     /// staged ahead): the order is learned and read-ahead runs all the same.
-    fn note_used(&self, py: Python<'_>) {
-        py.detach(|| self.h.note_used())
+    fn note_used(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            self.h.note_used();
+            Ok(())
+        })
     }
 
     /// A view if the bytes are sealed and in the pool now, else None; not counted.
-    fn try_get(&self, py: Python<'_>) -> Option<PyView> {
-        py.detach(|| self.h.try_get()).map(|v| PyView { v })
+    fn try_get(&self, py: Python<'_>) -> PyResult<Option<PyView>> {
+        Ok(guarded(py, || Ok(self.h.try_get()))?.map(|v| PyView { v }))
     }
 
     #[getter]
@@ -275,7 +283,7 @@ pub struct PyGathered {
 impl PyGathered {
     /// The whole storage as one buffer of its own (GIL released).
     fn get(&self, py: Python<'_>) -> PyResult<PyView> {
-        let v = py.detach(|| self.g.get()).map_err(to_py)?;
+        let v = guarded(py, || self.g.get())?;
         Ok(PyView { v })
     }
 
@@ -294,8 +302,11 @@ impl PyGathered {
     }
 
     /// Count an unpack of every piece served without the tier's bytes.
-    fn note_used(&self, py: Python<'_>) {
-        py.detach(|| self.g.note_used())
+    fn note_used(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            self.g.note_used();
+            Ok(())
+        })
     }
 
     /// Whether its reads were started ahead of `get` (and not yet consumed).

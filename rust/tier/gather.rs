@@ -224,7 +224,12 @@ impl Gathered {
         blocks.resize_with(pending.len(), || None);
         for i in (0..pending.len()).rev() {
             let h = &self.parts[i];
-            let block = match pending[i].take().expect("each piece once") {
+            let Some(buf) = pending[i].take() else {
+                return Err(Error::Internal(format!(
+                    "piece {i} of a gather taken twice"
+                )));
+            };
+            let block = match buf {
                 Buf::Reading(t) => {
                     let hit = t.is_done();
                     let t0 = Instant::now();
@@ -256,7 +261,9 @@ impl Gathered {
             };
             blocks[i] = Some(block);
         }
-        let blocks: Vec<Block> = blocks.into_iter().map(|b| b.expect("filled")).collect();
+        let Some(blocks) = blocks.into_iter().collect::<Option<Vec<Block>>>() else {
+            return Err(Error::Internal("a gathered piece was never filled".into()));
+        };
         Ok(view_of_blocks(blocks, self.nbytes as usize))
     }
 

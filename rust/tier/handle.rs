@@ -122,10 +122,12 @@ impl Step {
         let mut st = self.tier.lock();
         let id = st.next_id;
         st.next_id += 1;
-        let s = st
-            .steps
-            .get_mut(&self.id)
-            .expect("a step's state lives as long as the step");
+        let Some(s) = st.steps.get_mut(&self.id) else {
+            return Err(Error::Internal(format!(
+                "step {} has no state while its Step lives",
+                self.id
+            )));
+        };
         let seq = s.sizes.len() as u32;
         s.sizes.push(nbytes);
         s.ids.push(id);
@@ -223,11 +225,12 @@ impl Handle {
         let Some(e) = st.entries.get_mut(&id) else {
             return Ok(());
         };
-        if !matches!(e.res, Residency::Staging(_)) {
-            return Ok(());
-        }
-        let Residency::Staging(b) = std::mem::replace(&mut e.res, Residency::Moving) else {
-            unreachable!("matched above")
+        let b = match std::mem::replace(&mut e.res, Residency::Moving) {
+            Residency::Staging(b) => b,
+            other => {
+                e.res = other;
+                return Ok(());
+            }
         };
         if t.inner.opts.verify {
             e.checksum = Some(crc32c::crc32c(b.as_slice()));

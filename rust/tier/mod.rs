@@ -26,6 +26,15 @@
 //! it is dropped without a second write, and a second backward (`retain_graph=True`) reads it
 //! again from the same place.
 //!
+//! # Note [plans are snapshots]
+//! The read-ahead plans from what it sees under the lock (policy::read_ahead) and then applies
+//! the plan entry by entry; write-behind and gathering likewise. The same entry can appear at
+//! two places of a forecast (one storage unpacked through several views, pieces of one
+//! storage), and an entry may have been read, gathered, written or freed by the time the plan
+//! reaches it. So whoever applies a plan re-checks each entry's residency in the same lock
+//! scope and skips what it cannot do: a plan is advice, never an assumption. Found by a HF
+//! Llama (RMSNorm saves one storage through several views) panicking in its second step.
+//!
 //! # Note [failed I/O]
 //! A write that fails gives its block back: the entry is unwritten again (nothing is lost) and
 //! the error is raised by the call that saw it. A read that fails leaves the entry on disk and
@@ -204,6 +213,8 @@ pub(crate) struct State {
     next_chunk: u64,
     /// The gathered storage being read ahead of its use (at most one).
     gathering: Option<u64>,
+    /// `get`s left to panic ([`Tier::inject_panic`]).
+    panic_gets: u32,
 }
 
 pub(crate) struct Inner {
@@ -249,6 +260,7 @@ impl Tier {
                     chunks: HashMap::new(),
                     next_chunk: 0,
                     gathering: None,
+                    panic_gets: 0,
                 }),
             }),
         }
@@ -337,6 +349,13 @@ impl Tier {
         s
     }
 
+    /// Make the next `count` `get`s panic while they hold the tier's lock, to test that a panic
+    /// becomes an error at the Python boundary and leaves the tier usable (Note [no panic
+    /// across the boundary] in rust/py/errors.rs). `count = 0` disarms.
+    pub fn inject_panic(&self, count: u32) {
+        self.lock().panic_gets = count;
+    }
+
     /// Finish every write and read in flight (their entries become clean). Raises the first
     /// error one of them hit.
     pub fn wait_idle(&self) -> Result<()> {
@@ -404,10 +423,20 @@ impl Tier {
             return Ok(false);
         }
         let slot = swap.alloc(e.nbytes)?; // OutOfSpace: the step that hit it fails here
-        let Residency::Dirty(b) = std::mem::replace(&mut e.res, Residency::Moving) else {
-            unreachable!("checked above")
+        let b = match std::mem::replace(&mut e.res, Residency::Moving) {
+            Residency::Dirty(b) => b,
+            other => {
+                e.res = other;
+                return Ok(false);
+            }
         };
-        let block = Arc::try_unwrap(b).unwrap_or_else(|_| unreachable!("unshared above"));
+        let block = match Arc::try_unwrap(b) {
+            Ok(block) => block,
+            Err(b) => {
+                e.res = Residency::Dirty(b); // a view appeared: not now
+                return Ok(false);
+            }
+        };
         if verify && e.checksum.is_none() {
             e.checksum = Some(crc32c::crc32c(block.as_slice()));
         }
@@ -477,7 +506,10 @@ impl Tier {
                     }
                 }
             }
-            _ => unreachable!("matched above"),
+            other => {
+                e.res = other;
+                Ok(())
+            }
         }
     }
 
@@ -507,14 +539,18 @@ impl Tier {
             Residency::Clean { block, .. } if unshared(block) => {}
             _ => return 0,
         }
-        let Residency::Clean { slot, block } = std::mem::replace(&mut e.res, Residency::Moving)
-        else {
-            unreachable!("matched above")
-        };
-        let freed = block.capacity() as u64;
-        e.res = Residency::Disk { slot };
-        drop(block);
-        freed
+        match std::mem::replace(&mut e.res, Residency::Moving) {
+            Residency::Clean { slot, block } => {
+                let freed = block.capacity() as u64;
+                e.res = Residency::Disk { slot };
+                drop(block);
+                freed
+            }
+            other => {
+                e.res = other;
+                0
+            }
+        }
     }
 
     /// Note [write early, drop late] (policy.rs): drop the earliest packed clean entry nobody
@@ -686,31 +722,42 @@ impl Tier {
                     let Some(e) = st.entries.get_mut(&id) else {
                         continue;
                     };
+                    // Note [plans are snapshots]: skip what is no longer only on disk.
+                    if !matches!(e.res, Residency::Disk { .. }) {
+                        continue;
+                    }
                     let Ok(block) = self.inner.pool.lease(e.nbytes) else {
                         break; // read-ahead never evicts
                     };
-                    let Residency::Disk { slot } = std::mem::replace(&mut e.res, Residency::Moving)
-                    else {
-                        unreachable!("the plan reads only entries on disk")
-                    };
-                    let ticket = swap.read(&slot, block);
-                    e.res = Residency::Reading { ticket, slot };
-                    st.reading.push(id);
+                    match std::mem::replace(&mut e.res, Residency::Moving) {
+                        Residency::Disk { slot } => {
+                            let ticket = swap.read(&slot, block);
+                            e.res = Residency::Reading { ticket, slot };
+                            st.reading.push(id);
+                        }
+                        other => e.res = other,
+                    }
                 }
                 Ahead::Gather(c) => gather::start(self, st, c),
             }
         }
     }
 
-    /// Count an unpack of entry `id` (hit: its bytes were in the pool in time).
+    /// Count an unpack of entry `id` (hit: its bytes were in the pool in time). Its place in
+    /// the learned order is its first unpack: several views of one storage unpack one entry
+    /// several times, and an entry at two places of the order would be planned twice
+    /// (Note [plans are snapshots]).
     fn used(st: &mut State, id: u64, hit: bool) {
         let Some(e) = st.entries.get_mut(&id) else {
             return;
         };
+        let first = !e.viewed;
         e.viewed = true;
         let (step, seq, disk) = (e.step, e.seq, e.went_to_disk);
         if let Some(s) = st.steps.get_mut(&step) {
-            s.order.push(seq);
+            if first {
+                s.order.push(seq);
+            }
             if disk {
                 if hit {
                     s.stats.prefetch_hits += 1;
@@ -745,6 +792,10 @@ impl Tier {
         loop {
             let watch = {
                 let mut st = self.lock();
+                if st.panic_gets > 0 {
+                    st.panic_gets -= 1;
+                    panic!("injected panic (Tier::inject_panic)");
+                }
                 self.reap(&mut st)?;
                 let e = st
                     .entries
@@ -784,23 +835,30 @@ impl Tier {
                         let Some(e) = st.entries.get_mut(&id) else {
                             return Err(Error::Invalid("this entry was freed".into()));
                         };
-                        if let Residency::Disk { .. } = e.res {
-                            let Residency::Disk { slot } =
-                                std::mem::replace(&mut e.res, Residency::Moving)
-                            else {
-                                unreachable!("matched above")
-                            };
-                            let swap = self.inner.swap.as_ref().expect("on disk means a swap");
-                            let ticket = swap.read(&slot, block);
-                            let w = ticket.watch();
-                            e.res = Residency::Reading { ticket, slot };
-                            st.reading.push(id);
-                            w
-                        } else {
-                            continue; // someone else started it meanwhile
+                        let Some(swap) = self.inner.swap.as_ref() else {
+                            return Err(Error::Internal(format!(
+                                "entry {id} is on disk in a tier without a swap"
+                            )));
+                        };
+                        match std::mem::replace(&mut e.res, Residency::Moving) {
+                            Residency::Disk { slot } => {
+                                let ticket = swap.read(&slot, block);
+                                let w = ticket.watch();
+                                e.res = Residency::Reading { ticket, slot };
+                                st.reading.push(id);
+                                w
+                            }
+                            other => {
+                                e.res = other;
+                                continue; // someone else started it meanwhile
+                            }
                         }
                     }
-                    Residency::Moving => unreachable!("never seen outside the lock"),
+                    Residency::Moving => {
+                        return Err(Error::Internal(format!(
+                            "entry {id} was seen in the middle of a transition"
+                        )))
+                    }
                 }
             };
             let t0 = Instant::now();

@@ -18,7 +18,7 @@
 //! entry keeps its block ("clean"): dropping it when room is needed costs nothing, and if it is
 //! never dropped (the last layers' tensors) backward finds it in the pool.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// The learned order of one step: the sequence numbers it unpacked, in order, and the sizes of
 /// the entries it packed, in pack order.
@@ -38,7 +38,14 @@ pub struct Forecast {
 
 impl Forecast {
     pub fn new(learned: Option<Learned>) -> Forecast {
-        let learned = learned.filter(|l| !l.order.is_empty());
+        // Each entry once, at its first place (Note [plans are snapshots] in the tier).
+        let learned = learned
+            .map(|mut l| {
+                let mut once = HashSet::new();
+                l.order.retain(|&s| once.insert(s));
+                l
+            })
+            .filter(|l| !l.order.is_empty());
         let pos = learned
             .as_ref()
             .map(|l| l.order.iter().enumerate().map(|(i, &s)| (s, i)).collect())
@@ -142,9 +149,13 @@ pub fn read_ahead(
     let mut out = Vec::new();
     let mut ahead = 0u64;
     let mut gathered = false;
+    let mut once = HashSet::new();
     for seq in expected {
         if ahead >= window {
             break;
+        }
+        if !once.insert(seq) {
+            continue; // an entry is planned once, however often the forecast names it
         }
         match seen(seq) {
             Seen::Absent | Seen::Used => {}
