@@ -888,6 +888,13 @@ class Planner:
         self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
         self.last_peak: Optional[int] = None
 
+    def __reduce__(self) -> Any:
+        # Pickled with a wrapped model (Note [pickling a wrapped model] in recompute/blocks.py):
+        # the settings travel; what it learned and planned is this machine's and is learned
+        # again in the loaded model's first step.
+        return (_planner_from, (self.budget_bytes, self._machine, self.measure_peak,
+                                self.explicit_steps))
+
     # -- steps --
 
     def machine(self, device: str) -> Machine:
@@ -1121,6 +1128,13 @@ def default_budget_text(planner: Planner) -> str:
     return f"{int(DEFAULT_BUDGET_SHARE * 100)}% of free memory"
 
 
+def _planner_from(budget_bytes: Optional[int], machine: Optional[Machine], measure_peak: bool,
+                  explicit_steps: bool) -> Planner:
+    planner = Planner(budget_bytes, machine, measure_peak)
+    planner.explicit_steps = explicit_steps
+    return planner
+
+
 # ---- explain ---------------------------------------------------------------------------------
 
 
@@ -1134,6 +1148,11 @@ class Explanation:
 
     def __str__(self) -> str:
         s = self.summary
+        if not s.get("regions") and not self.rows:
+            # explain() right after wrap(): an empty table would read as "nothing is saved"
+            return (f"spillover: policy {self.policy}; no step recorded yet. explain() shows "
+                    "what the last training step decided: run one (a forward with gradients "
+                    "enabled), then call spillover.explain again.")
         out = [f"spillover: policy {self.policy}; {s.get('regions', 0)} regions"]
         for k, v in s.items():
             if k != "regions" and v not in (None, ""):

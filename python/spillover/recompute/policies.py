@@ -220,6 +220,12 @@ class SelectivePolicy(_StaticPolicy):
     def __call__(self, op: Any, inputs: Any, output: Any) -> str:
         return self.decide(op, inputs, {}, output)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # Pickled with a wrapped model (Note [pickling a wrapped model] in blocks.py): what it
+        # learned is keyed by ids of this process and priced with this machine's rates; the
+        # loaded model's blocks learn again on their first call.
+        return {**self.__dict__, "_saved": {}}
+
     def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
         if not is_compute_bound(op):
             return "recompute"
