@@ -290,6 +290,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from . import _adamw_switches as _switches
 from . import _native, _runtime, _tiers
 from .config import Config
 from .errors import PoolExhaustedError
@@ -1391,6 +1392,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     Args:
         params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
         amsgrad: must be False (not implemented; refused with a clear error).
+        fused, foreach: accepted for torch's AdamW's sake; the update is always the Rust
+            kernel's, torch's fused update (Note [torch's switches] in _adamw_switches.py).
+        capturable, differentiable: must be False (refused with a clear error).
         tier: ``"host"`` or ``"nvme"``.
         nvme_path: swap directories for ``tier="nvme"`` (default: ``SPILLOVER_NVME_PATH``, else
             the process's private temporary directory). The swap engine and its files are the
@@ -1436,10 +1440,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         chunk_bytes: Optional[int] = None,
         nvme_buffers: int = 16,
         update_in_backward: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         _force_staging: bool = False,
         **config: Any,
     ):
         _check_hyper(lr, betas, eps, weight_decay, amsgrad)
+        _switches.check_switches(fused, foreach, capturable, differentiable)
         if tier not in ("host", "nvme"):
             raise ValueError(f"OffloadAdamW: tier must be 'host' or 'nvme', got {tier!r}")
         if "host_pool_bytes" in config:  # the optimizer's pool is its own: optim_pool_bytes
@@ -1465,6 +1474,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
+            **_switches.GROUP_KEYS,
         )
         super().__init__(params, defaults)
         self._building = False
@@ -1660,7 +1670,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if param_group.get("amsgrad", False):
             raise ValueError("OffloadAdamW does not implement amsgrad")
+        _switches.check_switches(param_group.get("fused"), param_group.get("foreach"),
+                                 param_group.get("capturable"), param_group.get("differentiable"))
         super().add_param_group(param_group)
+        _switches.keep_switches(self.param_groups[-1])
         if not getattr(self, "_building", True):
             self._index()  # the new parameters get state at their first gradient
 
@@ -1760,7 +1773,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
         "param_groups": [...]}``, every tensor an fp32 CPU copy of the full state (gathered from
         all ranks when sharded; NVMe state is read back). ``master`` is present for parameters
-        that keep an fp32 master copy (bf16, or on a GPU)."""
+        that keep an fp32 master copy (bf16, or on a GPU). The groups carry torch's AdamW keys,
+        ``fused=True`` among them (Note [torch's switches] in _adamw_switches.py)."""
         groups = []
         index = 0
         for g in self.param_groups:
@@ -1791,6 +1805,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
+            _switches.keep_switches(g)  # Note [torch's switches]
         position = {id(p): i for i, p in enumerate(self._params)}
         state = {}
         for i_saved, st in state_dict["state"].items():
