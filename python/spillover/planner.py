@@ -293,10 +293,24 @@ def machine_for(device: str) -> Machine:
         if m is None:
             from . import calibrate
 
-            m = _machines[device] = Machine.from_calibration(
-                calibrate.calibrate(device=device), device
-            )
+            # First use is often inside a training step (a selective region's first call): the
+            # measurements' random tensors must not move torch's RNG, or every dropout mask
+            # drawn after them differs from the plain run's.
+            dev = torch.device(device)
+            with torch.random.fork_rng(
+                devices=[] if dev.type == "cpu" else [_device_index(dev)],
+                device_type="cuda" if dev.type == "cpu" else dev.type,
+            ):
+                cal = calibrate.calibrate(device=device)
+            m = _machines[device] = Machine.from_calibration(cal, device)
         return m
+
+
+def _device_index(dev: torch.device) -> int:
+    if dev.index is not None:
+        return dev.index
+    module = getattr(torch, dev.type, None)
+    return int(module.current_device()) if module is not None else 0
 
 
 # ---- what one step recorded ------------------------------------------------------------------

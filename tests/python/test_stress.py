@@ -83,9 +83,6 @@ def test_slice_covers_the_issue():
     assert all(32000 <= c.vocab <= 131072 for c in SLICE)
 
 
-@pytest.mark.xfail(strict=True, reason="spillover.calibrate draws its test tensors from torch's "
-                   "global RNG: a first-use calibration inside a step changes the dropout masks "
-                   "after it (drop this mark with the fix)")
 def test_first_calibration_keeps_dropout_masks(tmp_path, monkeypatch):
     """"selective" priced by this machine's calibration, measured on first use (no cache, none
     in the process yet) in the middle of the first forward: the dropout masks drawn after it
