@@ -263,3 +263,40 @@ def test_explain_before_the_first_step_says_so(policy):
     _gpt_step(model, batch, seed=0)
     text = str(spillover.explain(model, machine=MACHINE))
     assert "no step recorded yet" not in text and "2 regions" in text
+
+
+def test_torch_save_and_load_a_model_under_hf_enable():
+    """spillover.integrations.hf.enable's parts pickle too: the loaded model is still enabled,
+    its layers call the loaded state's checkpoint function, and it gives the same gradients."""
+    from spillover.integrations import hf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    base = transformers.LlamaForCausalLM(cfg).train()
+    model = hf.enable(copy.deepcopy(base), policy="selective")
+    ids = torch.randint(0, 32000, (2, 16))
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=ids).loss.backward()
+        return grads(m)
+
+    step(model)
+    # HF's own switch adds a forward hook made of a local function (enable_input_require_grads),
+    # which no pickle can save, with or without spillover: drop it, as a user saving must.
+    model.disable_input_require_grads()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert hf.is_enabled(loaded)
+    state = loaded._spillover_state
+    assert all(layer._gradient_checkpointing_func is state.func for layer in loaded.model.layers)
+    assert_bitwise(step(base), step(loaded))
+    assert [r.name for r in state.last_records()] == ["model.layers.0", "model.layers.1"]
+    loaded.gradient_checkpointing_enable()  # HF's switch still installs spillover's function
+    assert loaded.model.layers[0]._gradient_checkpointing_func is state.func
+    hf.disable(loaded)
+    assert not hf.is_enabled(loaded)

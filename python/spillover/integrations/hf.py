@@ -66,11 +66,16 @@ class _SpilloverCheckpoint:
 
     is_spillover = True
 
-    def __init__(self, state: _HFState):
-        self._state = weakref.ref(state)
+    def __init__(self, state: Optional[_HFState]):
+        self._state = weakref.ref(state) if state is not None else None
+
+    def __reduce__(self) -> Any:
+        # torch.save(model) (Note [pickling a wrapped model] in recompute/blocks.py): the
+        # state travels as itself (the layers and the state's func are one object in the pickle)
+        return (_SpilloverCheckpoint, (self._state() if self._state is not None else None,))
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        state = self._state()
+        state = self._state() if self._state is not None else None
         if state is None or not state.attached():
             return _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
         layer = _layer_of(fn)
@@ -98,6 +103,19 @@ class _HFState(_WrapState):
         self.owners = [weakref.ref(o) for o in owners]
         self.func = _SpilloverCheckpoint(self)
         self._depth = 0
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch.save(model): weak references and ids of this process do not pickle
+        state = super().__getstate__()
+        state["owners"] = [o for o in (ref() for ref in self.owners) if o is not None]
+        del state["names"]
+        state["_depth"] = 0
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.owners = [weakref.ref(o) for o in state["owners"]]
+        self.names = {id(m): name for name, m in self.blocks}
 
     # A step begins at the outermost of the hooked forwards: PEFT's LoraModel calls the base
     # model's forward directly (no hooks), so the wrapper and every PreTrainedModel inside are
@@ -217,15 +235,7 @@ def enable(model: nn.Module, policy: Policy = "selective", *,
     for m in hooked.values():
         state.handles += [m.register_forward_pre_hook(state.pre_forward),
                           m.register_forward_hook(state.post_forward, always_call=True)]
-    func = state.func
-
-    def _set_gradient_checkpointing(enable: bool = True,
-                                    gradient_checkpointing_func: Any = None,
-                                    **kwargs: Any) -> Any:
-        # Note [HF's checkpointing switch]: whoever turns checkpointing on gets spillover's
-        return original(enable=enable, gradient_checkpointing_func=func, **kwargs)
-
-    hf.__dict__["_set_gradient_checkpointing"] = _set_gradient_checkpointing
+    hf.__dict__["_set_gradient_checkpointing"] = _SetCheckpointing(hf, original, state.func)
     for o in owners:
         o.__dict__["_spillover_state"] = state
     if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -233,6 +243,27 @@ def enable(model: nn.Module, policy: Policy = "selective", *,
     else:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+class _SetCheckpointing:
+    """A model's ``_set_gradient_checkpointing`` under :func:`enable` (Note [HF's checkpointing
+    switch]): whoever turns checkpointing on gets spillover's function. An object, not a
+    closure, so that ``torch.save(model)`` pickles it."""
+
+    def __init__(self, model: nn.Module, original: Callable[..., Any],
+                 func: _SpilloverCheckpoint):
+        self.model = model
+        # The class's method is found again at call time (a bound method would pickle as
+        # getattr(model, name): this object); anything else someone put there is kept as is.
+        own = getattr(type(model), "_set_gradient_checkpointing", None)
+        self.original = None if getattr(original, "__func__", None) is own else original
+        self.func = func
+
+    def __call__(self, enable: bool = True, gradient_checkpointing_func: Any = None,
+                 **kwargs: Any) -> Any:
+        original = self.original or functools.partial(
+            type(self.model)._set_gradient_checkpointing, self.model)  # type: ignore[attr-defined]
+        return original(enable=enable, gradient_checkpointing_func=self.func, **kwargs)
 
 
 def disable(model: nn.Module) -> nn.Module:

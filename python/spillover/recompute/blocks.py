@@ -21,7 +21,11 @@ Note [pickling a wrapped model]
     wrapped; the model's ``_WrapState`` and its forward hooks come with it, so the loaded model
     is wrapped with the same policy (``unwrap`` works on it). What a policy learned about this
     process and machine is not kept: a ``SelectivePolicy``'s saves and a ``Planner``'s plan are
-    learned again in the loaded model's first step (gradients do not depend on them).
+    learned again in the loaded model's first step (gradients do not depend on them). A model
+    under ``spillover.integrations.hf.enable`` pickles the same way (its state, checkpoint
+    function and ``_set_gradient_checkpointing`` are objects that pickle), once HF's own
+    ``enable_input_require_grads`` hook, a local function no pickle can save, is removed
+    (``model.disable_input_require_grads()``; plain HF checkpointing has the same limit).
 """
 
 from __future__ import annotations
