@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import warnings
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -60,13 +61,35 @@ def configure_logging(cfg: Config) -> None:
 
 
 def warn_once(key: str, message: str, category: type = RuntimeWarning) -> None:
-    """Issue ``message`` as a warning the first time ``key`` is seen in this process."""
+    """Issue ``message`` the first time ``key`` is seen in this process, once: as a warning of
+    ``category`` (attributed to the caller's caller, as ``stacklevel=3``), or, when the warnings
+    filters ignore it (``-W ignore``, ``warnings.simplefilter("ignore")``), on the ``spillover``
+    logger at WARNING instead, so that silencing Python's warnings does not silence spillover's
+    guardrails (``SPILLOVER_LOG=error`` does). Never both: one situation, one line."""
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(message, category, stacklevel=3)
-    log.warning(message)
+    if _ignored(message, category, stacklevel=3):
+        log.warning(message)
+    else:
+        warnings.warn(message, category, stacklevel=3)
+
+
+def _ignored(message: str, category: type, stacklevel: int) -> bool:
+    """Whether ``warnings.warn(message, category, stacklevel)`` called by our caller would be
+    dropped by an "ignore" filter: the first filter that matches decides, as in
+    ``warnings.warn_explicit`` (message, category, the frame's module and line)."""
+    try:
+        frame = sys._getframe(stacklevel)
+        module, lineno = frame.f_globals.get("__name__", "<string>"), frame.f_lineno
+    except ValueError:  # a shallower stack: warnings attributes it to "sys"
+        module, lineno = "sys", 0
+    for action, msg, cat, mod, ln in warnings.filters:
+        if ((msg is None or msg.match(message)) and issubclass(category, cat)
+                and (mod is None or mod.match(module)) and (ln == 0 or ln == lineno)):
+            return action == "ignore"
+    return warnings.defaultaction == "ignore"
 
 
 #: Note [node budget]: a process should keep at least this share of its room after its pools.

@@ -61,9 +61,10 @@ Note [one context, many steps]
 
 Note [guardrails]
     Offload that silently does nothing is the failure users cannot see, so four situations warn,
-    each once per process (``_runtime.warn_once``: a RuntimeWarning and the ``spillover`` logger
-    at WARNING, the one style of this package) and each naming the knob to change; every step
-    also lists those it tripped in ``report()``.
+    each once per process and once only (``_runtime.warn_once``: a RuntimeWarning, or, when the
+    warnings filters ignore it, the ``spillover`` logger at WARNING -- never both, the one style
+    of this package) and each naming the knob to change; every step also lists those it tripped
+    in ``report()``.
     - *Pool full*: at the end of a forward, saved tensors stayed on the device because the host
       pool had no room (the bytes are ``bytes_kept_pool_full``).
     - *Others in the pool*: the same, while other users held a large share of the pool when the
