@@ -192,9 +192,10 @@ def main(argv=None) -> int:
         print(f"sequence lengths: {min(min(c.seqs) for c in cases)} .. "
               f"{max(max(c.seqs) for c in cases)}; cases whose length changed between steps: "
               f"{sum(len(set(c.seqs)) > 1 for c in cases)}")
-    print(f"steps: {steps_run} compared bitwise ({steps_drawn} drawn); selective/auto priced "
-          f"with drawn rates in {sum(c.rates is not None for c in cases)} cases, "
-          f"{'calibration' if args.calibrated else 'fixed rates'} in the rest")
+    priced = [c for c in cases if c.policy in ("selective", "auto")]
+    print(f"steps: {steps_run} compared bitwise ({steps_drawn} drawn); of {len(priced)} "
+          f"selective/auto cases {sum(c.rates is not None for c in priced)} priced with drawn "
+          f"rates, the rest with {'the calibration' if args.calibrated else 'fixed rates'}")
     stats = [o.get("stats") or {} for o in outs]
     print(f"offload: {sum(s.get('bytes_offloaded_nvme', 0) > 0 for s in stats)} cases wrote to "
           f"NVMe, {sum(s.get('tensors_chunked', 0) > 0 for s in stats)} offloaded a storage in "
