@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import psutil
 
@@ -208,6 +208,7 @@ def node_memory() -> NodeMemory:
     limit, usage = cgroup_memory()
     with _lock:
         in_pools = sum(p.capacity for p in _pools.values())
+    in_pools += sum(p.capacity for p in _leased_pools())
     return NodeMemory(vm.total, vm.available, limit, usage, local_world_size(), in_pools)
 
 
@@ -257,6 +258,18 @@ def sized_for(need: int) -> int:
     return max(MIN_POOL, 1 << (want - 1).bit_length())
 
 
+def default_size(purpose: str) -> int:
+    """The default of Note [node budget] for ``purpose``'s pool: computed once per process (what
+    is available moves, the default does not), then reused."""
+    with _lock:
+        default = _defaults.get(purpose)
+    if default is None:
+        mem = node_memory()
+        with _lock:
+            default = _defaults.setdefault(purpose, default_pool_bytes(mem))
+    return default
+
+
 def host_pool(cfg: Config, purpose: str = "activations",
               need: Optional[int] = None) -> _native.Pool:
     """The process's pool for ``purpose`` (made on first use): ``"activations"`` (every
@@ -265,19 +278,13 @@ def host_pool(cfg: Config, purpose: str = "activations",
     Without a size from the user: the default of Note [node budget] (computed once per
     purpose, then reused), or less when the caller knows it `need`s less (``sized_for``)."""
     size = cfg.optim_pool_bytes if purpose == "optim" else cfg.host_pool_bytes
-    mem = None
     if size is None:
-        with _lock:
-            default = _defaults.get(purpose)
-        if default is None:
-            mem = node_memory()
-            with _lock:
-                default = _defaults.setdefault(purpose, default_pool_bytes(mem))
+        default = default_size(purpose)
         size = default if need is None else min(default, sized_for(need))
     with _lock:
         known = (purpose, size) in _pools
     if not known:
-        mem = mem or node_memory()
+        mem = node_memory()
         check_pool_size(size, purpose, mem)
         log.info("%s pool of %s: %s", purpose, format_size(size), mem.describe())
     capacity = size
@@ -299,7 +306,88 @@ def pool_ranges() -> List[Tuple[int, int]]:
     """Address ranges of every pool arena (to recognise tensors that already live in one)."""
     with _lock:
         pools = list(_pools.values())
+    pools += _leased_pools()
     return [(a, a + n) for p in pools for (a, n) in p.arenas()]
+
+
+# ---- leased pools: the growing default activation pools (Note [growing pool] in _growth.py) --
+
+_lease_lock = threading.Lock()  # never held across a call that can block on another lock
+_leased: Dict[int, List[Any]] = {}  # capacity -> [pool, leases held]
+_returned: List[Any] = []  # leases given back and not counted out yet (list.append is atomic)
+_draining: List[Any] = []  # no lease left, registered with CUDA, blocks still out
+
+
+def _leased_pools() -> List[Any]:
+    """Every leased pool still mapped by this process's cache (leased, or draining)."""
+    return [e[0] for e in list(_leased.values())] + list(_draining)
+
+
+def lease_pool(capacity: int) -> _native.Pool:
+    """A lease of the process's growing default activation pool of ``capacity``: shared by every
+    context that leases this capacity, mapped at the first lease (refused or warned about by
+    Note [node budget]), and dropped from this process when the last lease is given back
+    (:func:`return_pool`), so that its memory goes back once its blocks do."""
+    _settle(blocking=True)
+    with _lease_lock:
+        entry = _leased.get(capacity)
+        if entry is not None:
+            entry[1] += 1
+            return entry[0]
+    mem = node_memory()
+    check_pool_size(capacity, "activations", mem)
+    log.info("mapping a %s activation pool (growing default): %s", format_size(capacity),
+             mem.describe())
+    pool = _native.Pool(capacity)  # outside the lock: mapping takes a while
+    with _lease_lock:
+        entry = _leased.setdefault(capacity, [pool, 0])
+        entry[1] += 1
+    if entry[0] is pool and pool.lock_warning:
+        warn_once("pool-lock", pool.lock_warning)
+    return entry[0]
+
+
+def return_pool(pool: Any) -> None:
+    """Give back one lease of ``pool`` (a context collected, or grown past it). Safe in a
+    finalizer, which gc may run on any thread at any allocation: it never blocks, and what it
+    cannot settle at once (another thread holds the lock) is settled at the next lease."""
+    _returned.append(pool)
+    _settle(blocking=False)
+
+
+def settle() -> None:
+    """Settle what returns could not settle at once (a contended lock; a CUDA-registered pool
+    whose blocks were still out), without waiting; contexts call it as each step begins."""
+    _settle(blocking=False)
+
+
+def _settle(blocking: bool) -> None:
+    """Count out the leases given back: a pool with none left leaves the cache (and the tiers
+    cached over it go, Note [growing pool]); one registered with CUDA is unregistered first,
+    once no block of it is leased (the device may still be copying into a leased block)."""
+    if not _lease_lock.acquire(blocking=blocking):
+        return
+    gone = []
+    try:
+        while _returned:
+            pool = _returned.pop()
+            for capacity, entry in list(_leased.items()):
+                if entry[0] is pool:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del _leased[capacity]
+                        gone.append(pool)
+                    break
+        _draining.extend(gone)
+        _draining[:] = [p for p in _draining if not _unregister_if_idle(p)]
+    finally:
+        _lease_lock.release()
+    if gone:
+        from . import _tiers  # imports this module
+
+        for pool in gone:
+            _tiers.forget_pool(pool)
+            log.info("released a %s activation pool", format_size(pool.capacity))
 
 
 def register_with_cuda(pool: _native.Pool) -> bool:
@@ -386,15 +474,38 @@ def register_with_cuda(pool: _native.Pool) -> bool:
     return False
 
 
+def _unregister_if_idle(pool: Any) -> bool:
+    """Unregister ``pool``'s arenas from CUDA (``cudaHostUnregister``) once none of its blocks
+    is leased; True once it is not registered (also: never was). Pinned pages stay pinned until
+    unregistered, whoever unmaps them, so a pool leaving the process must pass here first."""
+    key = (id(pool), tuple(pool.arenas()))
+    _cuda_registered.discard(("refused", key))  # a later pool may get this id and these arenas
+    if key not in _cuda_registered:  # set operations are atomic: no lock (see return_pool)
+        return True
+    if pool.stats()["in_use"]:
+        return False
+    import torch
+
+    cudart = torch.cuda.cudart()
+    for addr, _length in key[1]:
+        cudart.cudaHostUnregister(addr)
+    _cuda_registered.discard(key)
+    return True
+
+
 def _after_fork_in_child() -> None:
     """Note [fork] (rust/io/mod.rs): a forked child starts with no pools or tiers of its own;
     what it inherited stays with the parent (the Rust engine refuses to be driven from the
     child and is leaked there, never joined)."""
-    global _lock
+    global _lock, _lease_lock
     _lock = threading.Lock()  # another thread may have held it at fork time
     _pools.clear()
     _defaults.clear()
     _cuda_registered.clear()
+    _lease_lock = threading.Lock()
+    _leased.clear()
+    _returned.clear()
+    _draining.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

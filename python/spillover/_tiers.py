@@ -75,10 +75,12 @@ def _swap_key(cfg: Config) -> Tuple:
             cfg.allow_buffered_io)
 
 
-def swap_for(cfg: Config, pool: Any) -> Any:
+def swap_for(cfg: Config, pool: Any, own: bool = False) -> Any:
     """The process's swap engine for ``cfg``'s directories and I/O shape (opened on first use,
-    with ``pool``'s arenas registered for io_uring; blocks of other pools use plain I/O)."""
-    key = _swap_key(cfg)
+    with ``pool``'s arenas registered for io_uring; blocks of other pools use plain I/O).
+    ``own``: one for ``pool`` alone, which goes with it (:func:`forget_pool`): an engine holds
+    the pool it registered, so a shared one would keep a leased pool mapped for ever."""
+    key = ((("pool", id(pool)),) if own else ()) + _swap_key(cfg)
     with _lock:
         s = _swaps.get(key)
         if s is None:
@@ -99,18 +101,29 @@ def swap_for(cfg: Config, pool: Any) -> Any:
     return s
 
 
-def tier_for(cfg: Config, pool: Any, nvme: bool) -> Any:
-    """The process's activation tier over ``pool``: spilling to the swap engine when ``nvme``,
-    host-only otherwise. Raises what opening the swap raises (ConfigError, SwapIOError)."""
+def tier_for(cfg: Config, pool: Any, nvme: bool, own_swap: bool = False) -> Any:
+    """The process's activation tier over ``pool``: spilling to the swap engine when ``nvme``
+    (``own_swap``: see :func:`swap_for`), host-only otherwise. Raises what opening the swap
+    raises (ConfigError, SwapIOError)."""
     key = (id(pool), nvme, _swap_key(cfg) if nvme else None, cfg.prefetch_bytes, cfg.verify)
     with _lock:
         t = _tiers.get(key)
     if t is not None:
         return t
-    swap = swap_for(cfg, pool) if nvme else None
+    swap = swap_for(cfg, pool, own=own_swap) if nvme else None
     t = _native.Tier(pool, swap, prefetch_bytes=cfg.prefetch_bytes, verify=cfg.verify)
     with _lock:
         return _tiers.setdefault(key, t)
+
+
+def forget_pool(pool: Any) -> None:
+    """Drop the tiers over ``pool`` and a swap engine of its own (a leased pool leaving the
+    process, Note [growing pool] in _growth.py): each holds the pool, and an id can be reused
+    by a later pool. Plain dict operations, atomic under the GIL, and no lock: this runs when
+    gc collects a context, possibly while this thread holds ``_lock``."""
+    for cache, first in ((_tiers, id(pool)), (_swaps, ("pool", id(pool)))):
+        for key in [k for k in list(cache) if k[0] == first]:
+            cache.pop(key, None)
 
 
 def chunk_sizes(capacity: int) -> Tuple[int, int]:

@@ -45,6 +45,29 @@ Note [storage identity]
     storage is freed. A dedup entry therefore also holds a *weak* reference to the storage and
     matches only while that storage is alive (a freed storage cannot have more views saved).
 
+Note [parameters by identity]
+    Parameters and buffers stay on the device (they are there anyway), recognised by what they
+    are, never by an address remembered: the caching allocator hands a freed parameter's
+    address to the next activation of that size (a second model on a reused context, a sweep,
+    FSDP2 freeing unsharded parameters after each layer), and an address-keyed set kept such
+    activations as "parameters" (measured: one context over six fresh models kept 3.25 ->
+    5.75 MiB per step). A saved tensor is a parameter when it, or the base it is a view of
+    (``w.t()`` saved by linear), is an ``nn.Parameter`` or a leaf that requires grad; or when
+    its storage *is* (same StorageImpl, alive) the storage of a parameter or buffer of a module
+    this step ran (a global forward pre-hook lists them, per step, holding weak references to
+    the storages: a weak reference keeps the StorageImpl's address from being reused, and an
+    activation at a freed or resized-away storage's old address has a StorageImpl of its own).
+
+Note [kept by a policy]
+    ``spillover.wrap``/``checkpoint`` regions hold some saved tensors themselves, out of
+    autograd's hooks: op outputs their policy keeps (policy="auto"'s plan, a callable's "keep",
+    ops with side effects), and everything a "plain-keep" region saves. That is device memory
+    the step holds all the same, so the regions hand each to :meth:`OffloadContext.kept`
+    (recompute/modes.py, recompute/policies.py): counted as saved and kept, "policy" in
+    ``report()`` (parameters, buffers and small tensors under their own reasons). A storage a
+    policy holds is not offloaded when autograd saves it again in the same forward (the copy
+    would free nothing on the device): that counts as a deduplicated view.
+
 Note [one context, many steps]
     One context object serves a whole training run: it is entered once per step (``with ctx:``
     around each forward), any number of times in sequence. Each entry begins a *step*: a step
@@ -98,6 +121,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _runtime, _tiers
+from ._growth import Pools
 from .config import Config, format_size
 from .errors import ConfigError, IntegrityError, PoolExhaustedError
 from .stats import (
@@ -263,18 +287,23 @@ class _StepRecord:
     """One step of a context (Note [one context, many steps]): its tier step and counters,
     what its forward deduplicated and marked, and what its guardrails found."""
 
-    __slots__ = ("index", "step", "stats", "stored", "by_seq", "dedup", "marked", "active",
-                 "tr_base", "tr_end", "devices", "others", "node", "compiled", "checked",
-                 "findings", "errors", "__weakref__")
+    __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
+                 "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
+                 "node", "compiled", "checked", "findings", "errors", "__weakref__")
 
-    def __init__(self, index: int, step: Any, others: int, tr_base: Dict[Any, Tuple]):
+    def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
-        self.step = step
+        self.begin(tier)
         self.stats = OffloadStats(steps=1)
         self.stored: Any = weakref.WeakSet()  # live _Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
         self.dedup: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
         self.marked: set = set()
+        self.kept: Dict[Tuple[str, int, int], Any] = {}  # Note [kept by a policy]: weak refs
+        #: Note [parameters by identity]: storage (StorageImpl address) -> its weak reference,
+        #: of the parameters and buffers of the modules this step ran; id(module) -> weakref.
+        self.params: Dict[int, Any] = {}
+        self.modules: Dict[int, Any] = {}
         self.active = True
         self.tr_base = tr_base  # per device: (stall seconds, forced waits) when it began
         self.tr_end: Optional[Dict[Any, Tuple]] = None  # ... when the next step began
@@ -286,6 +315,21 @@ class _StepRecord:
         self.findings: List[Tuple[str, str]] = []  # (guardrail, message)
         #: errors of this step's copies nobody waited for (Note [errors go to their owner])
         self.errors: List[BaseException] = []
+
+    def begin(self, tier: Any) -> None:
+        """Go on in a new tier step over ``tier`` (the first, or a grown pool's: Note [growing
+        pool] in _growth.py); the earlier tier steps stay in ``steps`` for the counters."""
+        self.tier, self.step = tier, tier.begin_step()
+        self.steps = getattr(self, "steps", []) + [self.step]
+        self.by_seq = {}  # seqs of different tiers' steps are unrelated
+
+    def tier_stats(self) -> Dict[str, Any]:
+        """The counters of the step's tier steps, added."""
+        out: Dict[str, Any] = {}
+        for step in self.steps:
+            for k, v in step.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
 
 
 class OffloadContext:
@@ -302,8 +346,10 @@ class OffloadContext:
         self.config = Config.load(tier=tier, **overrides)
         _runtime.configure_logging(self.config)
         self.tier = self._resolve_tier(self.config.tier)
-        self._pool: Any = None
-        self._tier: Any = None
+        self._pools = Pools(self.config, self.tier)  # Note [growing pool] in _growth.py
+        # Its leases go back when the context does (it holds nothing of the context).
+        weakref.finalize(self, self._pools.close).atexit = False
+        self._grow_lock = threading.Lock()
         self._local = threading.local()  # .stack: [(record, hooks)] active on this thread
         self._records: List[_StepRecord] = []  # steps not folded into the total yet
         self._last: Optional[_StepRecord] = None
@@ -311,8 +357,6 @@ class OffloadContext:
         self._folded_findings: Dict[str, List[Any]] = {}  # guardrail -> [first message, steps]
         self._steps = 0
         self._pending_marks: set = set()  # keep() outside any step: for the next one
-        self._param_ptrs: set = set()
-        self._seen_modules: set = set()
         self._pool_ranges: List[Tuple[int, int]] = []
         self._pool_starts: List[int] = []
         self._transfers: Dict[Any, Any] = {}
@@ -329,6 +373,16 @@ class OffloadContext:
         if tier not in ("host", "nvme", "auto"):
             raise ConfigError(f"tier={tier!r}: expected host, nvme or auto")
         return tier
+
+    @property
+    def _pool(self) -> Any:
+        """The current host pool (None before the first step)."""
+        return self._pools.pool
+
+    @property
+    def _tier(self) -> Any:
+        """The current activation tier (``spillover._native.Tier``) over it."""
+        return self._pools.tier
 
     @property
     def nvme(self) -> bool:
@@ -363,8 +417,15 @@ class OffloadContext:
                 "`with ctx:` per step -- or use a second offload_context(...) for a nested "
                 "region"
             )
-        if self._pool is None:
-            self._open()
+        with self._grow_lock:  # Note [growing pool] in _growth.py
+            if self._pool is None:
+                self._open()
+            else:
+                with self._lock:
+                    busy = [r.tier for r in self._records if r.active]  # other threads' steps
+                self._pools.retire(busy)
+                if self._pools.grow_between_steps():
+                    self._grown()
         self._pool_ranges = sorted(_runtime.pool_ranges())  # pools made since count too
         self._pool_starts = [a for a, _ in self._pool_ranges]
         others = self._pool_others()
@@ -375,7 +436,7 @@ class OffloadContext:
             self._fold(keep_last=False)  # a new latest step begins
             self._steps += 1
             index = self._steps
-        rec = _StepRecord(index, self._tier.begin_step(), others, now)
+        rec = _StepRecord(index, self._tier, others, now)
         rec.stats.pool_capacity = self._pool.capacity
         with self._lock:
             rec.marked, self._pending_marks = self._pending_marks, set()
@@ -398,8 +459,10 @@ class OffloadContext:
         rec, hooks = self._thread_stack().pop()
         hooks.__exit__(*exc)
         rec.active = False
+        self._pools.note_forward_end()
         rec.dedup.clear()
         rec.marked.clear()
+        rec.kept.clear()
         if exc[0] is None:
             self._check_pool(rec)
             self._check_compiled(rec)
@@ -408,27 +471,15 @@ class OffloadContext:
             tr.reap(rec.errors)  # copies done by now release their sources at once
 
     def _open(self) -> None:
-        self._pool = _runtime.host_pool(self.config)
-        if torch.cuda.is_available():
-            _runtime.register_with_cuda(self._pool)
-        self._tier = self._open_tier()
-        if self.nvme:
-            self._chunk_above, self._chunk_bytes = _tiers.chunk_sizes(self._pool.capacity)
+        self._pools.open()
+        self._grown()
 
-    def _open_tier(self) -> Any:
-        if self.tier == "host":
-            return _tiers.tier_for(self.config, self._pool, nvme=False)
-        try:
-            return _tiers.tier_for(self.config, self._pool, nvme=True)
-        except Exception as e:
-            if self.tier == "nvme":
-                raise
-            _runtime.warn_once(
-                "auto-no-nvme",
-                f"spillover: tier='auto' runs host-only: the NVMe tier could not open ({e})",
-            )
-            self.tier = "host"
-            return _tiers.tier_for(self.config, self._pool, nvme=False)
+    def _grown(self) -> None:
+        """A pool became current (Note [growing pool] in _growth.py)."""
+        self.tier = self._pools.tier_name  # "auto" resolved
+        self._chunk_above, self._chunk_bytes = self._pools.chunk_sizes()
+        self._pool_ranges = sorted(_runtime.pool_ranges())
+        self._pool_starts = [a for a, _ in self._pool_ranges]
 
     # -- user API --
 
@@ -486,7 +537,8 @@ class OffloadContext:
         else:
             title = f"spillover: step {self._last.index} on the {self.tier} tier"
         return format_report(s, title=title, min_offload_bytes=self.config.min_offload_bytes,
-                             findings=findings)
+                             findings=findings,
+                             pool_limit=self._pools.limit() if self._pool is not None else 0)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Offload ``tensor`` as this context's saved-tensor hook would; returns a handle for
@@ -494,6 +546,19 @@ class OffloadContext:
         outside autograd's hooks, e.g. selective checkpointing's cached op outputs. Counted in
         the step active on this thread, else the latest step."""
         return self._pack(tensor)
+
+    def kept(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count ``tensor`` as saved for backward and kept on the device by a recompute policy
+        (Note [kept by a policy]), without offloading it; returns it. For wrappers that hold
+        saved tensors themselves. Counted in the step active on this thread, else the latest."""
+        return self._pack(tensor, offload=False)
+
+    @property
+    def pool_limit(self) -> int:
+        """The most the host pool may hold: the size given (``host_pool_bytes=``), else what
+        the default pool may grow to (Note [growing pool] in _growth.py). What a planner may
+        count on; ``stats().pool_capacity`` is what is mapped now."""
+        return self._pools.limit()
 
     def unpack(self, handle: Any) -> torch.Tensor:
         """The tensor :meth:`pack` was given, bitwise, on its original device."""
@@ -508,8 +573,8 @@ class OffloadContext:
             error = next((rec.errors.pop(0) for rec in self._records if rec.errors), None)
         if error is not None:
             raise error
-        if self._tier is not None:
-            self._tier.wait_idle()
+        for tier in self._pools.tiers():
+            tier.wait_idle()
 
     # -- steps --
 
@@ -541,7 +606,7 @@ class OffloadContext:
 
     def _step_stats(self, rec: _StepRecord) -> OffloadStats:
         out = rec.stats.copy()
-        st = rec.step.stats()
+        st = rec.tier_stats()
         out.bytes_offloaded_nvme = st["bytes_written"]
         out.bytes_offloaded_host = st["bytes_put"] - st["bytes_written"]
         out.prefetch_hits = st["prefetch_hits"]
@@ -629,7 +694,7 @@ class OffloadContext:
         if rec.compiled is None or "compiled" in rec.checked:
             return
         nbytes, n, name = rec.compiled
-        put = rec.step.stats()["bytes_put"]
+        put = rec.tier_stats()["bytes_put"]
         if n < 2 or not put or nbytes < COMPILED_SHARE * put:
             return
         rec.checked.add("compiled")
@@ -708,28 +773,37 @@ class OffloadContext:
         return (t.device.type, t.device.index or 0, t.untyped_storage().data_ptr())
 
     def _note_module(self, module: torch.nn.Module) -> None:
-        mid = id(module)
-        if mid in self._seen_modules:
+        """Note [parameters by identity]: the storages of a module's own parameters and buffers,
+        the first time the step on this thread runs it."""
+        stack = getattr(self._local, "stack", None)
+        if not stack or _StorageWeakRef is None:
             return
-        self._seen_modules.add(mid)
-        for p in module._parameters.values():
-            if p is not None:
-                self._param_ptrs.add(self._storage_key(p))
-        for b in module._buffers.values():
-            if b is not None:
-                self._param_ptrs.add(self._storage_key(b))
+        rec = stack[-1][0]
+        seen = rec.modules.get(id(module))
+        if seen is not None and seen() is module:
+            return
+        rec.modules[id(module)] = weakref.ref(module)
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is None:
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # e.g. a sharded DTensor between steps
+                continue
+            rec.params[storage._cdata] = _StorageWeakRef(storage)
 
     def _in_pool(self, addr: int) -> bool:
         i = bisect.bisect_right(self._pool_starts, addr) - 1
         return i >= 0 and addr < self._pool_ranges[i][1]
 
-    def _is_param(self, t: torch.Tensor, key: Tuple[str, int, int]) -> bool:
-        if isinstance(t, torch.nn.Parameter):
-            return True
+    @staticmethod
+    def _is_param(rec: _StepRecord, t: torch.Tensor, storage: Any) -> bool:
+        """Note [parameters by identity]."""
         base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad:
+        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return True
-        return key in self._param_ptrs
+        ref = rec.params.get(storage._cdata)
+        return ref is not None and not ref.expired()
 
     def _transfer(self, device: torch.device) -> Any:
         tr = self._transfers.get(device)
@@ -742,7 +816,7 @@ class OffloadContext:
         return tr
 
     @torch._dynamo.disable  # type: ignore[misc]
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor, offload: bool = True) -> Any:
         rec = self._current()
         stats = rec.stats
         if (
@@ -763,11 +837,20 @@ class OffloadContext:
             stats.add(bytes_kept_unsupported=nbytes)
             return t
         key = (t.device.type, t.device.index or 0, storage.data_ptr())
-        if self._is_param(t, key):
+        if self._is_param(rec, t, storage):
             stats.add(bytes_kept_parameter=nbytes)
             return t
         if key in rec.marked:
             stats.add(bytes_kept_marked=nbytes)
+            return t
+        held = rec.kept.get(key)  # Note [kept by a policy]
+        if held is not None and held.cdata == storage._cdata and not held.expired():
+            stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
+            return t
+        if not offload:
+            stats.add(bytes_kept_policy=nbytes)
+            if _StorageWeakRef is not None:
+                rec.kept[key] = _StorageWeakRef(storage)
             return t
         if t.device.type == "cpu" and self._in_pool(key[2]):
             # Already a view of a pool block (e.g. an unpacked tensor saved again).
@@ -799,19 +882,38 @@ class OffloadContext:
             rec.by_seq[stored.seq] = weakref.ref(stored)
         return _Packed(stored, t)
 
-    def _put(self, rec: _StepRecord, tr: Any, nbytes: int) -> Tuple[Any, Any]:
+    def _put(self, rec: _StepRecord, tr: Any, nbytes: int, grow: bool = True
+             ) -> Tuple[Any, Any]:
         """A staged tier entry of ``nbytes``. When every block is staged or viewed, the copies
         in flight are waited for (their entries become evictable) and the lease tried again;
-        PoolExhaustedError when that frees nothing."""
+        then (``grow``) a default pool grows (Note [growing pool] in _growth.py);
+        PoolExhaustedError when none of that makes room."""
         try:
             return rec.step.put(nbytes)
         except PoolExhaustedError:
-            if not tr.bytes_in_flight:
+            if not tr.bytes_in_flight and not (grow and self._grow(rec, nbytes)):
                 raise
-        t0 = time.perf_counter()
-        tr.synchronize(rec.errors)
-        rec.stats.add(stall_seconds=time.perf_counter() - t0)
+        if tr.bytes_in_flight:
+            t0 = time.perf_counter()
+            tr.synchronize(rec.errors)
+            rec.stats.add(stall_seconds=time.perf_counter() - t0)
+            try:
+                return rec.step.put(nbytes)
+            except PoolExhaustedError:
+                if not (grow and self._grow(rec, nbytes)):
+                    raise
         return rec.step.put(nbytes)
+
+    def _grow(self, rec: _StepRecord, nbytes: int) -> bool:
+        """Mid-step growth: ``rec`` goes on over a larger pool (another thread's step may have
+        grown it already). False when the pool cannot grow."""
+        with self._grow_lock:
+            if rec.tier is self._tier and not self._pools.grow_mid_step(nbytes):
+                return False
+            self._grown()
+        rec.begin(self._tier)
+        rec.stats.pool_capacity = self._pool.capacity
+        return True
 
     def _pack_whole(self, rec: _StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
                     nbytes: int) -> Optional[_Stored]:
@@ -831,7 +933,7 @@ class OffloadContext:
         try:
             for off in range(0, nbytes, self._chunk_bytes):
                 n = min(self._chunk_bytes, nbytes - off)
-                handle, view = self._put(rec, tr, n)
+                handle, view = self._put(rec, tr, n, grow=False)  # one tier step for all
                 copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
                                          on_landed=handle.seal, errors=rec.errors))
                 handles.append(handle)
@@ -942,9 +1044,10 @@ class OffloadContext:
     def _stage_ahead(self, tr: Any, s: _Stored) -> None:
         """Start the H2D copies of the next entries backward is expected to unpack, a bounded
         distance ahead, from blocks already in the pool (the tier reads the rest ahead)."""
-        if tr.host_is_device:
-            return
         rec = s.record
+        ref = rec.by_seq.get(s.seq)
+        if tr.host_is_device or ref is None or ref() is not s:
+            return  # nothing staged on a CPU host; an entry of a pool grown past: not ahead
         staged, nbytes = 0, 0
         for seq in rec.step.expected_after(s.seq, 4 * STAGE_AHEAD_ENTRIES):
             if staged >= STAGE_AHEAD_ENTRIES or nbytes >= STAGE_AHEAD_BYTES:

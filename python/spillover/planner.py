@@ -401,7 +401,7 @@ class Plan:
 def _ctx_signature(ctx: Any) -> Optional[Tuple[Any, ...]]:
     if ctx is None:
         return None
-    cap = ctx.stats().pool_capacity
+    cap = ctx.pool_limit  # not what is mapped now: a default pool grows (_growth.py)
     return (ctx.tier, cap, ctx.nvme)
 
 
@@ -410,7 +410,7 @@ def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
         return None
     return {
         "tier": ctx.tier,
-        "pool_bytes": ctx.stats().pool_capacity,
+        "pool_bytes": ctx.pool_limit,
         "nvme": ctx.nvme,
     }
 

@@ -40,11 +40,13 @@ class OffloadStats:
     storages_deduplicated: int = 0
     bytes_deduplicated: int = 0
     #: Bytes that stayed where they were, by reason: below SPILLOVER_MIN_OFFLOAD_BYTES; a
-    #: parameter or buffer; marked with ``spillover.keep``; no room in the host pool; a layout,
-    #: device or tensor subclass spillover does not offload (or CUDA graph capture).
+    #: parameter or buffer; marked with ``spillover.keep``; held by a recompute policy
+    #: (Note [kept by a policy] in context.py); no room in the host pool; a layout, device or
+    #: tensor subclass spillover does not offload (or CUDA graph capture).
     bytes_kept_small: int = 0
     bytes_kept_parameter: int = 0
     bytes_kept_marked: int = 0
+    bytes_kept_policy: int = 0
     bytes_kept_pool_full: int = 0
     bytes_kept_unsupported: int = 0
     tensors_unpacked: int = 0
@@ -120,6 +122,7 @@ class OffloadStats:
             self.bytes_kept_small
             + self.bytes_kept_parameter
             + self.bytes_kept_marked
+            + self.bytes_kept_policy
             + self.bytes_kept_pool_full
             + self.bytes_kept_unsupported
         )
@@ -191,15 +194,16 @@ def _share(n: int, whole: int) -> str:
 
 
 def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
-                  findings: List[str]) -> str:
+                  findings: List[str], pool_limit: int = 0) -> str:
     """The text of ``ctx.report()``: where the step's device memory went (kept, and why;
     offloaded, per tier), what waiting it cost, how read-ahead did, and the guardrails the step
-    tripped (``findings``)."""
+    tripped (``findings``). ``pool_limit``: what a default pool may grow to (Note [growing
+    pool] in _growth.py)."""
     kept = s.bytes_kept
     whole = s.bytes_packed
     lines = [
         title,
-        f"  saved by autograd: {s.tensors_packed} tensors, {format_size(whole)} of storage"
+        f"  saved for backward: {s.tensors_packed} tensors, {format_size(whole)} of storage"
         + (f" (+{s.storages_deduplicated} views of storages already saved, "
            f"{format_size(s.bytes_deduplicated)})" if s.storages_deduplicated else ""),
         f"  offloaded: {format_size(s.bytes_offloaded)} ({_share(s.bytes_offloaded, whole)}) "
@@ -213,7 +217,9 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
          f"under min_offload_bytes ({format_size(min_offload_bytes)}, "
          "SPILLOVER_MIN_OFFLOAD_BYTES)"),
         ("parameter", s.bytes_kept_parameter, "parameters and buffers (never offloaded)"),
-        ("marked", s.bytes_kept_marked, "marked with spillover.keep() or by the planner"),
+        ("marked", s.bytes_kept_marked, "marked with spillover.keep()"),
+        ("policy", s.bytes_kept_policy,
+         "held by a recompute policy (spillover.wrap/checkpoint: planned or selective keep)"),
         ("pool full", s.bytes_kept_pool_full,
          "no room in the host pool (SPILLOVER_HOST_POOL_BYTES)"),
         ("unsupported", s.bytes_kept_unsupported,
@@ -237,8 +243,10 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
            if s.overflow_reads else "")
     )
     lines.append(
-        f"  host pool: {format_size(s.pool_in_use)} in use of {format_size(s.pool_capacity)}, "
-        f"peak {format_size(s.pool_peak)}; swap in use {format_size(s.swap_in_use)}"
+        f"  host pool: {format_size(s.pool_in_use)} in use of {format_size(s.pool_capacity)}"
+        + (f" (grows up to {format_size(pool_limit)} as steps need)"
+           if pool_limit > s.pool_capacity else "")
+        + f", peak {format_size(s.pool_peak)}; swap in use {format_size(s.swap_in_use)}"
     )
     if findings:
         lines.append("  warnings:")

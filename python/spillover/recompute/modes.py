@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import planner as _planner
 from ..planner import OpRecord, RegionRecord, op_flops, output_tensors
@@ -369,6 +369,13 @@ class _SaveMode(TorchDispatchMode):
                 if op.index >= stop and self.storage[key].get(idx) is not RECOMPUTE:
                     self.storage[key][idx] = RECOMPUTE
         self._skip_dead(stop)
+        if self.run.ctx is not None:  # Note [kept by a policy] in spillover/context.py
+            for entries in self.cached.values():
+                for key, idx, _ in entries:
+                    entry = self.storage[key].get(idx)
+                    for s in (entry,) if type(entry) is _Saved else tree_leaves(entry):
+                        if type(s) is _Saved and s.ctx is None and s.version is not None:
+                            self.run.ctx.kept(s.value)
         needed = 0
         consumers, views = self.consumers, self.view_ops
         for op in rec.ops:

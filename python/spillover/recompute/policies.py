@@ -346,8 +346,8 @@ class _Auto(RegionPolicy):
         if state is not None and state.counting is not None:
             state.counting.exclude(args)
         if rplan is not None and rplan.mode == "plain-keep":
-            if ctx is not None:  # keep everything: the context must not see these tensors
-                with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            if ctx is not None:  # keep everything: the context counts them, offloads none
+                with torch.autograd.graph.saved_tensors_hooks(ctx.kept, _identity):
                     out = fn(*args, **kwargs)
             else:
                 out = fn(*args, **kwargs)

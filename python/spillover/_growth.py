@@ -1,0 +1,201 @@
+"""The host pools and activation tiers of one ``offload_context``: a pool of the user's size, or
+a default pool that grows to what the steps use (Note [growing pool]).
+
+Note [growing pool]
+    A pool is pre-faulted (and pinned for CUDA), so its capacity is RAM taken at once. The old
+    default -- a quarter of this rank's share of the node, Note [node budget] in _runtime.py --
+    took 5.9 GiB at the first step of a model whose step used 24 MiB, and kept it. So without a
+    size from the user (``host_pool_bytes=`` / SPILLOVER_HOST_POOL_BYTES unset) a context
+    starts on a FIRST_POOL pool and grows, never past that default (the cap) nor past what the
+    node has room for now:
+    - *mid-step*, when a lease finds no room even after the copies in flight landed (on the
+      host tier the tensor would otherwise stay on the device; on the NVMe tier nothing in the
+      pool can be written out): a pool of at least twice the capacity, and ``sized_for`` what
+      the context's live entries hold plus the tensor. The step goes on in a new tier step over
+      the new pool (its record keeps every tier step, for its counters); entries already made
+      stay where they are. A storage going in pieces never grows midway: its pieces must share
+      one tier step (Note [gathered storages] in rust/tier/gather.rs).
+    - *between steps*, at entry, to ``sized_for`` the most the context's live entries held at
+      the end of a forward (with gradient accumulation, several steps' entries at once) when
+      that is more than the pool: the next step fits, and with doubling alone a step would
+      have ended on a pool of a fraction of it.
+    A pool a context grew past (a *generation*) is kept while any entry lives in its tier or any
+    block of it is leased, and given back at the next entry after that. Pools are leased
+    (``_runtime.lease_pool``): shared by every context on the same capacity, dropped from the
+    process when the last lease is returned -- at a growth, or when gc collects the context (a
+    finalizer: the context holds no pool itself once it is gone) -- and with them the tiers
+    cached over them and their swap engine (one per leased pool, ``_tiers.swap_for(own=True)``:
+    an engine holds the pool it registered). A pool registered with CUDA is unregistered
+    before it goes, once none of its blocks is leased. A size given by the user is a size
+    taken: that pool is the process's cached one of that capacity, for ever, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+
+from . import _runtime, _tiers
+from .config import Config, format_size
+from .errors import ConfigError, SpilloverError
+
+#: Note [growing pool]: the first default pool (never above the cap).
+FIRST_POOL = _runtime.MIN_POOL
+
+
+class Generation:
+    """One pool of a context and the activation tier over it; ``leased``: a growing default
+    pool, given back with :meth:`Pools.close` or when retired."""
+
+    __slots__ = ("pool", "tier", "leased")
+
+    def __init__(self, pool: Any, tier: Any, leased: bool):
+        self.pool, self.tier, self.leased = pool, tier, leased
+
+    def idle(self) -> bool:
+        """No entry of any step lives in its tier and no block of its pool is leased."""
+        return not self.tier.stats()["entries"] and not self.pool.stats()["in_use"]
+
+
+class Pools:
+    """The pools and tiers one context uses, the current one last (Note [growing pool]).
+    Holds nothing of the context, so that ``close`` can run as its finalizer."""
+
+    def __init__(self, config: Config, tier: str):
+        self.config = config
+        self.tier_name = tier  # "host", "nvme", "auto"; "auto" resolves at the first open
+        self.growable = config.host_pool_bytes is None
+        self.gens: List[Generation] = []
+        self.need = 0  # the most live entries held at the end of a forward since the last growth
+        self.closed = False
+
+    @property
+    def pool(self) -> Any:
+        return self.gens[-1].pool if self.gens else None
+
+    @property
+    def tier(self) -> Any:
+        return self.gens[-1].tier if self.gens else None
+
+    def open(self) -> None:
+        """The first generation: the user's pool, or a FIRST_POOL lease."""
+        if self.growable:
+            self._add(_runtime.lease_pool(FIRST_POOL), leased=True)
+        else:
+            self._add(_runtime.host_pool(self.config), leased=False)
+
+    def _add(self, pool: Any, leased: bool) -> None:
+        try:
+            if torch.cuda.is_available():
+                _runtime.register_with_cuda(pool)
+            tier = self._open_tier(pool, leased)
+        except BaseException:
+            if leased:
+                _runtime.return_pool(pool)
+            raise
+        self.gens.append(Generation(pool, tier, leased))
+
+    def _open_tier(self, pool: Any, leased: bool) -> Any:
+        if self.tier_name == "host":
+            return _tiers.tier_for(self.config, pool, nvme=False)
+        try:
+            return _tiers.tier_for(self.config, pool, nvme=True, own_swap=leased)
+        except Exception as e:
+            if self.tier_name == "nvme":
+                raise
+            _runtime.warn_once(
+                "auto-no-nvme",
+                f"spillover: tier='auto' runs host-only: the NVMe tier could not open ({e})",
+            )
+            self.tier_name = "host"
+            return _tiers.tier_for(self.config, pool, nvme=False)
+
+    # -- growth --
+
+    def held(self) -> int:
+        """Bytes of the entries alive in this context's tiers (in the pool or on disk)."""
+        total = 0
+        for g in self.gens:
+            st = g.tier.stats()
+            total += st["bytes_in_pool"] + st["bytes_on_disk_only"]
+        return total
+
+    def note_forward_end(self) -> None:
+        if self.growable and self.gens:
+            self.need = max(self.need, self.held())
+
+    def grow_mid_step(self, nbytes: int) -> bool:
+        """A lease of ``nbytes`` found no room: a larger pool becomes current. False when the
+        pool cannot grow (an explicit size, at the cap, no room on the node)."""
+        cur = self.pool.capacity
+        return self._grow(max(2 * cur, _runtime.sized_for(self.held() + nbytes)))
+
+    def grow_between_steps(self) -> bool:
+        """At entry: a pool for what the last forwards held, when that is more than the pool."""
+        need, self.need = self.need, 0
+        return bool(need) and self._grow(_runtime.sized_for(need))
+
+    def _grow(self, want: int) -> bool:
+        if not self.growable or not self.gens:
+            return False
+        size = min(want, self._room())
+        if size <= self.pool.capacity:
+            return False
+        try:
+            pool = _runtime.lease_pool(size)
+        except (ConfigError, SpilloverError) as e:  # the node's room moved, or mapping failed
+            _runtime.log.info("activation pool not grown to %s: %s", format_size(size), e)
+            return False  # what finds no room stays put: the pool-full guardrail says so
+        self._add(pool, leased=True)
+        _runtime.log.info("activation pool grown to %s", format_size(size))
+        return True
+
+    def _room(self) -> int:
+        """The largest capacity a growth may take: the default of Note [node budget], and what
+        fits now beside this process's other pools (whole MiB)."""
+        mem = _runtime.node_memory()
+        room = min(_runtime.default_size("activations"), mem.share - mem.in_pools, mem.room // 2)
+        return room // (1 << 20) * (1 << 20)
+
+    # -- retiring --
+
+    def retire(self, busy: List[Any]) -> None:
+        """Give back the leases of older generations that nothing uses any more: no entry, no
+        block, and not the tier of a step still active (``busy``: on another thread, which
+        has not needed room since the growth); and settle what earlier returns left."""
+        keep = []
+        for g in self.gens[:-1]:
+            if g.leased and g.idle() and not any(t is g.tier for t in busy):
+                _runtime.return_pool(g.pool)
+            else:
+                keep.append(g)
+        self.gens[:-1] = keep
+        _runtime.settle()
+
+    def close(self) -> None:
+        """Every lease given back (the context is gone: no step of it can use them)."""
+        if self.closed:
+            return
+        self.closed = True
+        gens, self.gens = self.gens, []
+        for g in gens:
+            if g.leased:
+                _runtime.return_pool(g.pool)
+
+    def limit(self) -> int:
+        """The user's size, or the most a growing pool may reach (the default's cap)."""
+        if not self.growable:
+            return int(self.config.host_pool_bytes or 0)
+        return _runtime.default_size("activations")
+
+    def tiers(self) -> List[Any]:
+        return [g.tier for g in self.gens]
+
+    def chunk_sizes(self) -> Tuple[int, int]:
+        """Note [gathered storages]: the piece sizes of the current pool on the NVMe tier, (0, 0)
+        (never in pieces) on the host tier."""
+        tier = self.tier
+        if tier is None or not tier.has_swap:
+            return 0, 0
+        return _tiers.chunk_sizes(self.pool.capacity)
