@@ -3,6 +3,8 @@
 A pool is expensive to make (it maps and pre-faults its arenas) and cheap to share (leases are
 thread-safe), so each distinct capacity is made once per process and purpose and reused: one
 for activations (every ``offload_context``), one for the optimizer (every ``OffloadAdamW``).
+A size the user gave is cached for the process; the default activation pools are leased and
+leave with their last context (Note [growing pool] in _growth.py).
 
 Note [node budget]
     Pools are pre-faulted, so their size is RAM taken at once, and eight ranks on one node take
@@ -11,10 +13,11 @@ Note [node budget]
       limit on the path from the process's cgroup to the root, v1 or v2); this rank's *share*
       is that divided by the local world size (``LOCAL_WORLD_SIZE``, set by torchrun);
     - by default each of the two pools (activations: ``SPILLOVER_HOST_POOL_BYTES``; the
-      optimizer's state and staging: ``SPILLOVER_OPTIM_POOL_BYTES``) is a quarter of the share,
-      at most 8 GiB, and at most half of the memory available now; never below 64 MiB. The
-      optimizer's is smaller when its parameters need less (``OffloadAdamW`` knows at
-      construction how much state and staging its trainable parameters can lease):
+      optimizer's state and staging: ``SPILLOVER_OPTIM_POOL_BYTES``) is at most a quarter of the
+      share, at most 8 GiB, and at most half of the memory available now; never below 64 MiB.
+      The activations' starts at 64 MiB and grows to what the steps hold (Note [growing pool] in
+      _growth.py); the optimizer's is smaller when its parameters need less (``OffloadAdamW``
+      knows at construction how much state and staging its trainable parameters can lease):
       a small model does not pre-fault gigabytes;
     - a size given by the user that is larger than the share (less what this process already
       holds in pools) or than the memory available now raises ``ConfigError`` before anything

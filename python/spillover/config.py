@@ -165,8 +165,8 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "nvme_path": (_paths, None, "swap directories, comma-separated; {local_rank}, {rank} and "
                   "{local_rank % N} are replaced per rank (default: private temp dir)"),
     "host_pool_bytes": (_opt_size, None,
-                        "activation pool per process (default: the rank's share of RAM / 4, "
-                        "max 8 GiB)"),
+                        "activation pool per process (default: 64 MiB, grown to what steps "
+                        "hold, up to the rank's share of RAM / 4 and 8 GiB)"),
     "optim_pool_bytes": (_opt_size, None,
                          "OffloadAdamW's pool per process (default: what its parameters' "
                          "state needs, at most the rank's share of RAM / 4 and 8 GiB)"),
