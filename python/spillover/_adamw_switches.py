@@ -43,8 +43,8 @@ GROUP_KEYS: Dict[str, Any] = {
 }
 
 
-def check_switches(fused: Optional[bool], foreach: Optional[bool], capturable: bool,
-                   differentiable: bool) -> None:
+def check_switches(fused: Optional[bool], foreach: Optional[bool], capturable: Optional[bool],
+                   differentiable: Optional[bool]) -> None:
     """Note [torch's switches]: accept ``fused`` / ``foreach``, refuse the two that cannot hold."""
     for name, value in (("fused", fused), ("foreach", foreach)):
         if value not in (True, False, None):

@@ -136,15 +136,19 @@ class _WrappedBlock:
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Note [pickling a wrapped model]
         rv = super().__reduce_ex__(protocol)  # type: ignore[misc]
-        if not isinstance(rv, tuple) or len(rv) < 2 or rv[0] is not copyreg.__newobj__:
+        if not isinstance(rv, tuple) or len(rv) < 2 or rv[0] is not _NEWOBJ:
             raise TypeError(f"spillover.wrap: cannot pickle {type(self).__name__} (protocol "
                             f"{protocol}); use pickle protocol 2 or later, as torch.save does")
         return (_new_wrapped, (_base_class(type(self)),), *rv[2:])
 
 
+_NEWOBJ = getattr(copyreg, "__newobj__")  # noqa: B009 (typeshed does not declare it)
+
+
 def _new_wrapped(cls: type) -> nn.Module:
     """Note [pickling a wrapped model]: an empty wrapped block of the model's ``cls``."""
-    return _wrapped_class(cls).__new__(_wrapped_class(cls))  # type: ignore[no-any-return]
+    block: nn.Module = object.__new__(_wrapped_class(cls))
+    return block
 
 
 # Note [caches in regions]
@@ -161,7 +165,7 @@ def _new_wrapped(cls: type) -> nn.Module:
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def _without_cache(block: nn.Module, kwargs: Dict[str, Any], state: _WrapState) -> Dict[str, Any]:
+def _without_cache(block: Any, kwargs: Dict[str, Any], state: _WrapState) -> Dict[str, Any]:
     drop = [] if getattr(block, "_can_checkpoint_with_cache", False) else [
         k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
     if not drop and not kwargs.get("use_cache"):
