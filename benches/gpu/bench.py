@@ -4,29 +4,45 @@
     python benches/gpu/bench.py --mode none --tiny --device cpu --out DIR   # the CPU dry run
 
 Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
-(torch.autograd.graph.save_on_cpu(pin_memory=True)); host / nvme / auto (spillover's
-offload_context with that tier); planned (spillover.wrap(policy=Planner) with full's measured peak
-as its budget, under offload_context("host"): the planner's learning and tuning steps run before
-the warm-up, Note [peak feedback] in planner.py; needs full's result in DIR, else a 1-byte
-budget). benches/gpu/run.sh runs each mode in a process of its own, so a
-mode's peak cannot include what another left on the device and one mode's crash or timeout loses
-only that mode.
+(torch.autograd.graph.save_on_cpu(pin_memory=True)); spillover's offload_context with
+- host: a host pool that holds everything the step offloads (what the forward saves, measured
+  by one forward under counting hooks before the warm-up, + 1/4 + 16 MiB): nothing may stay on
+  the device for want of room (bytes_kept_pool_full is 0, checked);
+- nvme: a pool of 1/4 of that, so entries are evicted to disk and read back ahead of backward
+  (prefetch hits and misses and overflow reads recorded; entries must come back from disk,
+  checked) -- not the scratch disk's speed behind a pool that holds the step;
+- auto: the defaults, no size given (tier auto; the pool starts small and grows to what the
+  steps use, Note [growing pool] in spillover/_growth.py): what a user gets without a knob. With
+  a size given, auto is the NVMe tier over that pool, the nvme mode again;
+- planned: spillover.wrap(policy=Planner) with full's measured peak as its budget, under
+  offload_context("host") with host's pool: the planner's learning and tuning steps run before
+  the warm-up, Note [peak feedback] in planner.py; needs full's result in DIR, else a 1-byte
+  budget.
+--pool SIZE gives every spillover mode that pool instead. benches/gpu/run.sh runs each mode in
+a process of its own, so a mode's peak cannot include what another left on the device and one
+mode's crash or timeout loses only that mode.
 
-Per step (one warm-up, then --steps measured): seconds for forward + backward, the peak of
-torch.cuda.max_memory_allocated (reset before the step) and the same above the memory held
-before the step (parameters and gradients: the activations' peak), and a fingerprint of the
-gradients. DIR/bench-MODE.json is rewritten after every step, so a mode that runs out of time
-still leaves what it measured.
+Per step (one warm-up, then --steps measured): seconds for forward + backward (and each on its
+own, from CUDA events: no synchronize between them); torch.cuda.max_memory_allocated and
+max_memory_reserved of the forward and of the backward, separately (the peak counters are reset
+between the two; they count allocations as the host makes them, so reading them needs no
+synchronize), each also above the memory held before the step (parameters and gradients: the
+activations' peak); ctx.stats() for spillover's modes; and a fingerprint of the gradients.
+DIR/bench-MODE.json is rewritten after every step, so a mode that runs out of time still leaves
+what it measured. On the CPU (the dry run) the memory figures are a stand-in: the process's
+peak resident set (VmHWM, reset through /proc/self/clear_refs) for both counters, said as
+"memory_counter": "rss" in the JSON.
 
 Mode optim (not an activation mode; its own table): a GPT from spillover.models (fp32
 parameters, bf16 autocast, 134M parameters: AdamW's state is 1 GiB on the device) trained
 --steps steps (+1 warm-up) three or four ways in one process, one after the other: forward +
 backward alone, torch.optim.AdamW(fused=True) with its state on the device, OffloadAdamW(tier=
 "host") (gradients staged by hooks during backward, CPU update, parameters back per
-bucket), and when it fits --optim-budget (run.sh's B_OPTIM, 30 s) OffloadAdamW(
+bucket), and when it fits --optim-budget (run.sh's B_OPTIM) OffloadAdamW(
 update_in_backward=True) (the CPU updates on a worker thread during backward: Note [update in
 backward]). Per way: the step's seconds (forward to the device's last kernel),
-max_memory_allocated over the step, and for the optimizers the time not hidden behind backward
+max_memory_allocated and max_memory_reserved of the step and of its forward and of its backward
+with step() apart, and for the optimizers the time not hidden behind backward
 (their step minus forward + backward alone) and step()'s own wall time after backward
 returned; OffloadAdamW's gradient copies per step, stale copies (0 unless gradients change
 after backward), the gradient fingerprint's throughput on the device (Note [gradient
@@ -43,13 +59,15 @@ is tests/python/test_gpu.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from table import HEADER, load_ref, out_path, summary_row
@@ -132,11 +150,117 @@ def mode_context(mode: str, args: Any):
     if mode == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda")
     if mode in ("host", "nvme", "auto", "planned"):
-        kw: Dict[str, Any] = {"host_pool_bytes": args.pool}
+        kw: Dict[str, Any] = {}
+        if args.pool_bytes is not None:  # None: the defaults (mode auto)
+            kw["host_pool_bytes"] = args.pool_bytes
         if args.nvme_path:
             kw["nvme_path"] = args.nvme_path
         return spillover.offload_context("host" if mode == "planned" else mode, **kw)
     return None
+
+
+def saved_bytes(model: nn.Module, inp: torch.Tensor, tgt: torch.Tensor) -> int:
+    """What one forward saves for backward that an offload context would take: distinct
+    storages of at least min_offload_bytes, parameters and buffers left out. One forward under
+    counting hooks that keep every tensor where it is; no backward."""
+    min_bytes = spillover.Config.load().min_offload_bytes
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in own and st.nbytes() >= min_bytes:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(inp, tgt)
+    del loss
+    return sum(seen.values())
+
+
+def choose_pool(mode: str, args: Any, model: nn.Module, inp: torch.Tensor,
+                tgt: torch.Tensor, res: Dict[str, Any]) -> None:
+    """args.pool_bytes and res["pool_rule"] for the mode (the module docstring)."""
+    args.pool_bytes = None
+    if mode not in ("host", "nvme", "auto", "planned"):
+        return
+    if args.pool:
+        args.pool_bytes = spillover.parse_size(args.pool)
+        res["pool_rule"] = f"--pool {args.pool}"
+    elif mode == "auto":
+        res["pool_rule"] = "the defaults (no size: the pool grows to what the steps use)"
+    else:
+        need = saved_bytes(model, inp, tgt)
+        res["saved_estimate_bytes"] = need
+        if mode == "nvme":  # a quarter: most entries leave the pool and come back from disk
+            want, rule = need // 4, "1/4 of"
+        else:  # everything the step offloads fits, with room for the pool's granules
+            want, rule = need + need // 4 + (16 << 20), "1.25 x + 16 MiB of"
+        args.pool_bytes = max(1 << 20, -(-want // (1 << 20)) * (1 << 20))  # whole MiB
+        res["pool_rule"] = f"{rule} the {spillover.format_size(need)} one forward saves"
+    res["pool"] = args.pool_bytes
+    print(f"  pool: {res['pool_rule']}"
+          + (f": {spillover.format_size(args.pool_bytes)}" if args.pool_bytes else ""),
+          flush=True)
+
+
+class Memory:
+    """Peak memory counters, reset per phase: CUDA's allocator (max_memory_allocated and
+    max_memory_reserved), or on the CPU a stand-in for both, the process's peak resident set
+    (VmHWM, which writing 5 to /proc/self/clear_refs resets); None where neither exists."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.kind: Optional[str] = "cuda" if cuda else None
+        if not cuda and self._clear_refs() and self._status("VmHWM") is not None:
+            self.kind = "rss"
+            # Tensors of 1 MiB and more mmapped, so a free gives their pages back and the
+            # resident set follows the live tensors (glibc keeps freed heap memory).
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+    @staticmethod
+    def _clear_refs() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _status(key: str) -> Optional[int]:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.kind:
+            self._clear_refs()
+
+    def now(self) -> Optional[int]:
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        return self._status("VmRSS") if self.kind else None
+
+    def peaks(self) -> Tuple[Optional[int], Optional[int]]:
+        """(allocated, reserved) peaks since the last reset."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        hwm = self._status("VmHWM") if self.kind else None
+        return hwm, hwm
+
+
+def above(peak: Optional[int], base: Optional[int]) -> Optional[int]:
+    return peak - base if peak is not None and base is not None else None
 
 
 def fingerprint(tensors: List[torch.Tensor]) -> str:
@@ -172,49 +296,96 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(dev)
     inp, tgt = idx[:, :-1], idx[:, 1:]
+    mem = Memory(cuda)
     res.update(params=sum(p.numel() for p in model.parameters()), seq=args.seq,
                batch=args.batch, layers=args.layers, d_model=args.d_model, dtype=str(dtype),
                device=str(dev), gpu=torch.cuda.get_device_name() if cuda else "cpu",
-               torch=torch.__version__, pool=args.pool)
+               torch=torch.__version__, memory_counter=mem.kind)
     print(f"{args.mode}: Llama-style {res['params'] / 1e9:.2f}B params, {args.layers} layers, "
           f"d {args.d_model}, seq {args.seq}, batch {args.batch}, {dtype}, {dev}", flush=True)
+    choose_pool(args.mode, args, model, inp, tgt, res)
     if args.mode == "planned":
         plan_steps(model, inp, tgt, args, res, cuda)
+    # spillover: one context, entered once per step, as in training (Note [one context, many
+    # steps]); the auto mode's pool grows once, and each step reads ahead in the order the one
+    # before it learned. save_on_cpu: a fresh one per step, as torch's docs use it.
+    ctx = mode_context(args.mode, args)
     for step in range(args.steps + 1):
+        if not isinstance(ctx, spillover.OffloadContext):
+            ctx = mode_context(args.mode, args)
         model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() if cuda else 0
+        mem.reset()
+        base = mem.now()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
         t0 = time.perf_counter()
-        ctx = mode_context(args.mode, args)
+        if cuda:
+            ev[0].record()
         if ctx is None:
             loss = model(inp, tgt)
         else:
             with ctx:
                 loss = model(inp, tgt)
+        t1 = time.perf_counter()
+        if cuda:
+            ev[1].record()
+        fwd, fwd_res = mem.peaks()  # the forward's peaks, then the backward's from here
+        mem.reset()
         loss.backward()
         if cuda:
+            ev[2].record()
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() if cuda else None  # no counter on the CPU
+        bwd, bwd_res = mem.peaks()
         del loss
-        row = {"step": step, "seconds": dt, "peak_bytes": peak, "base_bytes": base,
-               "act_peak_bytes": peak - base if peak is not None else None,
+        fwd_s, bwd_s = ((ev[0].elapsed_time(ev[1]) / 1e3, ev[1].elapsed_time(ev[2]) / 1e3)
+                        if cuda else (t1 - t0, dt - (t1 - t0)))
+        peak = max(fwd, bwd) if fwd is not None and bwd is not None else None
+        row = {"step": step, "seconds": dt, "fwd_seconds": fwd_s, "bwd_seconds": bwd_s,
+               "peak_bytes": peak, "reserved_peak_bytes":
+               max(fwd_res, bwd_res) if fwd_res is not None and bwd_res is not None else None,
+               "fwd_peak_bytes": fwd, "bwd_peak_bytes": bwd,
+               "fwd_reserved_bytes": fwd_res, "bwd_reserved_bytes": bwd_res,
+               "base_bytes": base, "act_peak_bytes": above(peak, base),
+               "fwd_act_bytes": above(fwd, base), "bwd_act_bytes": above(bwd, base),
                "grads": fingerprint([p.grad for p in model.parameters()])}
         if isinstance(ctx, spillover.OffloadContext):
+            ctx.synchronize()
             row["stats"] = ctx.stats().as_dict()
-        mem = (f"peak {peak / GiB:.2f} GiB ({(peak - base) / GiB:.2f} above the step's start)"
-               if peak is not None else "peak: needs CUDA")
-        print(f"  step {step}{' (warm-up)' if step == 0 else ''}: {dt:.3f} s, {mem}, "
-              f"grads {row['grads']}", flush=True)
+        mem_text = (f"peak above the step's start: forward {fmt_gib(above(fwd, base))}, "
+                    f"backward {fmt_gib(above(bwd, base))} GiB; reserved "
+                    f"{fmt_gib(row['reserved_peak_bytes'])} GiB" if peak is not None
+                    else "peak: no memory counter")
+        print(f"  step {step}{' (warm-up)' if step == 0 else ''}: {dt:.3f} s (forward "
+              f"{fwd_s:.3f}, backward {bwd_s:.3f}), {mem_text}, grads {row['grads']}",
+              flush=True)
         if step > 0:
             res["steps"].append(row)
         else:
             res["warmup"] = row
         if path:
             write_json(path, res)
-        del ctx
+    res["failed_checks"] = checks(args.mode, res)
+
+
+def fmt_gib(x: Optional[int]) -> str:
+    return "–" if x is None else f"{x / GiB:.2f}"
+
+
+def checks(mode: str, res: Dict[str, Any]) -> List[str]:
+    """What a mode's measured steps must show for its figures to mean what the table says."""
+    stats = [s["stats"] for s in res["steps"] if s.get("stats")]
+    failed = []
+    if mode in ("host", "planned") and res.get("pool_rule", "").startswith("1.25"):
+        kept = max((st["bytes_kept_pool_full"] for st in stats), default=0)
+        if kept:
+            failed.append(f"{kept / GiB:.2f} GiB stayed on the device for want of pool room "
+                          f"(the pool should hold the step)")
+    if mode == "nvme" and stats and not any(st["prefetch_hits"] + st["prefetch_misses"]
+                                            for st in stats):
+        failed.append("no entry came back from disk: the pool held the step, nothing evicted")
+    return failed
 
 
 def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
@@ -239,6 +410,8 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
         if cuda:
             torch.cuda.synchronize()
 
+    mem = Memory(cuda)
+    res["memory_counter"] = mem.kind
     finals: Dict[str, List[torch.Tensor]] = {}
     inbwd = "OffloadAdamW(host, update_in_backward)"
     start = time.perf_counter()
@@ -273,20 +446,30 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
             else:
                 model.zero_grad(set_to_none=True)
             sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
+            mem.reset()
             t0 = time.perf_counter()
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
                 loss = model(idx[:, :-1], idx[:, 1:])
+            phases = [mem.peaks()]  # forward, backward, step(): counters reset between them
+            mem.reset()
             loss.backward()
             t1 = time.perf_counter()  # backward returned (the device may still run it)
+            phases.append(mem.peaks())
+            mem.reset()
             if opt is not None:
                 opt.step()
             t2 = time.perf_counter()
             sync()
             t3 = time.perf_counter()
+            phases.append(mem.peaks())
+            alloc = [a for a, _ in phases]
+            reserved = [r for _, r in phases]
             row = {"step": step, "seconds": t3 - t0, "step_call_s": t2 - t1,
-                   "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+                   "peak_bytes": max(alloc) if None not in alloc else None,
+                   "reserved_peak_bytes": max(reserved) if None not in reserved else None,
+                   "fwd_peak_bytes": alloc[0], "bwd_peak_bytes": alloc[1],
+                   "step_peak_bytes": alloc[2], "fwd_reserved_bytes": reserved[0],
+                   "bwd_reserved_bytes": reserved[1], "step_reserved_bytes": reserved[2]}
             if isinstance(opt, spillover.OffloadAdamW):
                 row["stats"] = opt.stats()
             rows.append(row)
@@ -324,20 +507,28 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
 
     base_t, base_m = med("fwd+bwd only", "seconds"), med("fwd+bwd only", "peak_bytes")
     amp = "bf16 autocast" if cuda else "fp32"
+    counter = ("" if mem.kind == "cuda" else
+               "; memory: the CPU's stand-in, the process's peak RSS" if mem.kind else
+               "; memory: no counter")
     lines = ["", f"GPT {n / 1e6:.1f}M fp32 parameters ({amp}), batch {batch} x seq "
-             f"{cfg.seq}, {args.steps} measured steps, {dev}", "",
+             f"{cfg.seq}, {args.steps} measured steps, {dev}{counter}", "",
              "| way | step s | optimizer s not hidden | step() s after backward | peak GiB "
-             "| optimizer GiB on device |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| reserved GiB | fwd / bwd / step() peak GiB | optimizer GiB on device |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
     def gib(x: float) -> str:
-        return "–" if x != x else f"{x / GiB:.2f}"  # NaN: no memory counter on the CPU
+        return "–" if x != x else f"{x / GiB:.2f}"  # NaN: no memory counter
 
     for way in res["ways"]:
         t, m = med(way, "seconds"), med(way, "peak_bytes")
+        cells = (f"{gib(m)} | {gib(med(way, 'reserved_peak_bytes'))} | "
+                 + " / ".join(gib(med(way, k)) for k in
+                              ("fwd_peak_bytes", "bwd_peak_bytes", "step_peak_bytes")))
         if way.startswith("fwd"):
-            lines.append(f"| {way} | {t:.3f} | | | {gib(m)} | |")
+            lines.append(f"| {way} | {t:.3f} | | | {cells} | |")
             continue
         lines.append(f"| {way} | {t:.3f} | {t - base_t:.3f} | {med(way, 'step_call_s'):.3f} "
-                     f"| {gib(m)} | {gib(m - base_m)} |")
+                     f"| {cells} | {gib(m - base_m)} |")
     st = [r["stats"] for r in res["ways"]["OffloadAdamW(host)"]]
     copies = [b["grad_copies"] - a["grad_copies"] for a, b in zip(st, st[1:])]
     lines += ["", f"OffloadAdamW: gradient copies per measured step {copies} (units), stale "
@@ -356,8 +547,14 @@ def full_peak(out: str) -> Optional[int]:
     """The median peak of full checkpointing's steps in this run, if it ran and measured."""
     try:
         with open(out_path(out, "full")) as f:
-            peaks = [s["peak_bytes"] for s in json.load(f)["steps"] if s.get("peak_bytes")]
-    except (OSError, ValueError, KeyError):
+            res = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if res.get("memory_counter") != "cuda":  # the CPU's stand-in is no device budget
+        return None
+    try:
+        peaks = [s["peak_bytes"] for s in res["steps"] if s.get("peak_bytes")]
+    except KeyError:
         return None
     return int(sorted(peaks)[len(peaks) // 2]) if peaks else None
 
@@ -401,7 +598,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=3, help="measured steps (+1 warm-up)")
-    ap.add_argument("--pool", default="8GiB")
+    ap.add_argument("--pool", default=None,
+                    help="host pool of every spillover mode (default: per mode, see above)")
     ap.add_argument("--nvme-path", default=None, help="default: SPILLOVER_NVME_PATH")
     ap.add_argument("--tiny", action="store_true", help="a small model, to test the script")
     ap.add_argument("--out", default=None, help="folder of bench-MODE.json")
@@ -413,7 +611,7 @@ def main() -> None:
     if args.tiny:
         # Small, but its MLP activations (2 MiB) are above the 1 MiB offload threshold.
         args.seq, args.batch, args.layers, args.d_model, args.heads = 512, 2, 2, 128, 4
-        args.ffn, args.vocab, args.pool = 512, 256, "64MiB"
+        args.ffn, args.vocab = 512, 256
     t0 = time.perf_counter()
     res: Dict[str, Any] = {"mode": args.mode, "complete": False, "steps": [],
                            "steps_planned": args.steps}
@@ -428,6 +626,8 @@ def main() -> None:
             lines = run_optim(args, res, path)
         else:
             run(args, res, path)
+            if res["failed_checks"]:
+                code = 3
         res["complete"] = True
     except Exception as e:  # the row says what broke; the other modes run in their own processes
         traceback.print_exc()
