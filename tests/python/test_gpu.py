@@ -1,8 +1,9 @@
 """The checks only a GPU can make: pinned pool blocks and link-speed copies, device memory back at
 its baseline after backward, peak device memory under a link that cannot keep up, the NVMe tier
 through a 64 MiB pool, bitwise gradients under deterministic algorithms (with the reference
-against itself as a control), stream ordering (also run under TORCH_CUDA_SANITIZER=1 by
-benches/gpu/run.sh) and a refused cudaHostRegister.
+against itself as a control), stream ordering (test_stream_gradients_bitwise[host] also runs
+under TORCH_CUDA_SANITIZER=1 in benches/gpu/run.sh, which says why only that one) and a refused
+cudaHostRegister.
 
 Skipped without CUDA. With GPU_DRY_RUN=1 (``benches/gpu/run.sh --dry-run``) every test runs on the
 CPU at small sizes instead: what needs CUDA is skipped inside the test and said in its figure, so
@@ -452,7 +453,8 @@ def test_host_tier_peak_when_the_link_cannot_keep_up(figure):
     """Peak device memory (max_memory_allocated over a step, above the memory before it) of the
     host tier, against no offload and full checkpointing, in one run, on a model whose forward
     saves ~2 GiB in a few milliseconds (~40 ms of PCIe): the bound on copies in flight must hold
-    the host tier well below no offload."""
+    the host tier well below no offload, in forward and in backward (each phase's peak is
+    measured on its own: the counters are reset between them)."""
     layers, numel = (16, 16 * MiB) if CUDA else (4, MiB // 2)
     torch.manual_seed(0)
     model = nn.ModuleList(Cheap() for _ in range(layers)).to(DEV)
@@ -475,13 +477,17 @@ def test_host_tier_peak_when_the_link_cannot_keep_up(figure):
                 h = checkpoint(layer, h, use_reentrant=False) if mode == "full" else layer(h)
             loss = h.square().mean()
         fwd = time.perf_counter() - t0
+        fwd_peak = (torch.cuda.max_memory_allocated() - base) if CUDA else 0
+        if CUDA:  # the allocator's counters are the host's: no synchronize needed to read them
+            torch.cuda.reset_peak_memory_stats()
         loss.backward()
         if ctx is not None:
             ctx.synchronize()
         sync()
         dt = time.perf_counter() - t0
-        peak = (torch.cuda.max_memory_allocated() - base) if CUDA else 0
-        return peak, fwd, dt, (ctx.stats() if ctx is not None else None), x.grad.clone()
+        bwd_peak = (torch.cuda.max_memory_allocated() - base) if CUDA else 0
+        return ((max(fwd_peak, bwd_peak), fwd_peak, bwd_peak), fwd, dt,
+                (ctx.stats() if ctx is not None else None), x.grad.clone())
 
     run("host")  # warm-up: maps and registers the pool
     res = {m: run(m) for m in ("none", "full", "host")}
@@ -493,11 +499,13 @@ def test_host_tier_peak_when_the_link_cannot_keep_up(figure):
         figure(f"CPU: ran none / full / host on {fmt(saved)} of activations, offloaded "
                f"{fmt(s.bytes_offloaded_host)} (peak device memory needs CUDA)")
         return
-    none, full, host = res["none"][0], res["full"][0], res["host"][0]
+    (none, *none_fb), (full, *_), (host, *host_fb) = (res[m][0] for m in ("none", "full", "host"))
     figure(f"{fmt(saved)} saved in {res['none'][1] * 1e3:.1f} ms of forward; peak above "
            f"baseline: none {fmt(none)}, full checkpointing {fmt(full)}, host tier {fmt(host)} "
-           f"({host / none:.2f}x none, {host / full:.2f}x full); step {res['host'][2] * 1e3:.0f} "
-           f"ms vs none {res['none'][2] * 1e3:.0f} ms, stalls {s.stall_seconds:.3f} s")
+           f"({host / none:.2f}x none, {host / full:.2f}x full); forward / backward peaks: "
+           f"host {fmt(host_fb[0])} / {fmt(host_fb[1])}, none {fmt(none_fb[0])} / "
+           f"{fmt(none_fb[1])}; step {res['host'][2] * 1e3:.0f} ms vs none "
+           f"{res['none'][2] * 1e3:.0f} ms, stalls {s.stall_seconds:.3f} s")
     assert host < 0.5 * none, "the host tier's peak is not well below no offload's"
 
 
