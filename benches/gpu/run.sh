@@ -191,7 +191,7 @@ if [ -n "$wheel" ]; then
 elif [ "$dry" = 1 ]; then
     say "- – no wheel in dist/gpu: the dry run uses the spillover installed here"
 else
-    fail_now "no wheel in dist/gpu: run \`bash benches/gpu/prepare.sh\` on a machine with Rust and carry dist/gpu"
+    fail_now "no wheel in dist/gpu: run \`bash benches/gpu/prepare.sh\` on a machine with Rust and copy dist/gpu here"
 fi
 for dep in numpy psutil; do
     if ! "$PY" -c "import $dep" 2>/dev/null; then
