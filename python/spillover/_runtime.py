@@ -92,7 +92,7 @@ def _ignored(message: str, category: type, stacklevel: int) -> bool:
         if ((msg is None or msg.match(message)) and issubclass(category, cat)
                 and (mod is None or mod.match(module)) and (ln == 0 or ln == lineno)):
             return action == "ignore"
-    return warnings.defaultaction == "ignore"
+    return getattr(warnings, "defaultaction", "default") == "ignore"
 
 
 #: Note [node budget]: a process should keep at least this share of its room after its pools.
