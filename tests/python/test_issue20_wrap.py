@@ -107,6 +107,20 @@ def test_encoder_decoder_gradients_bitwise(seq2seq, policy, tier, private_pool_b
         assert_bitwise(refs[i], _step(model, b, seed=i, ctx=ctx))
 
 
+@pytest.mark.parametrize("policy", ["full", "selective", "offload", "auto"])
+def test_encoder_decoder_under_hf_enable_bitwise(seq2seq, policy):
+    """The same models behind HF's own switch (spillover.integrations.hf.enable)."""
+    from spillover.integrations import hf
+
+    kind, base, batches = seq2seq
+    plain = copy.deepcopy(base)
+    model = hf.enable(copy.deepcopy(base), policy=_policy(policy))
+    for i, b in enumerate(batches):
+        assert_bitwise(_step(plain, b, seed=i), _step(model, b, seed=i))
+    if policy != "auto":  # the planner keeps its records itself
+        assert [r.name for r in model._spillover_state.last_records()] == BLOCKS[kind]
+
+
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_a_cache_passed_to_a_region_is_dropped(seq2seq, policy):
     """use_cache=True in training: the decoder makes an EncoderDecoderCache that its forward
