@@ -495,11 +495,12 @@ class OffloadContext(Guardrails):
                 out, recs = OffloadStats(), [self._last] if self._last is not None else []
         for rec in recs:
             out = out + self._step_stats(rec)
-        if self._tier is not None:
-            ts = self._tier.stats()
-            out.pool_in_use = ts["pool_in_use"]
-            out.swap_in_use = ts["swap_in_use"]
+        # Every pool this context still holds: one per generation (Note [growing pool]).
+        for ts in [t.stats() for t in self._pools.tiers()]:
+            out.pool_in_use += ts["pool_in_use"]
+            out.swap_in_use += ts["swap_in_use"]
             out.pool_peak = max(out.pool_peak, ts["pool_peak"])
+        if self._pool is not None:
             out.pool_capacity = self._pool.capacity
         return out
 

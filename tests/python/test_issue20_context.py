@@ -11,7 +11,7 @@ import gc
 import psutil
 import pytest
 import torch
-from conftest import assert_bitwise, gpt_step, grads
+from conftest import assert_bitwise, drained, gpt_step, grads
 
 import spillover
 from spillover import _growth, _runtime, _tiers
@@ -201,6 +201,7 @@ def test_a_default_pool_grows_to_what_the_steps_hold(tier, default_pool, tmp_pat
         assert caps[0] == default_pool and steps[0].bytes_offloaded_nvme > 0
         assert steps[2].bytes_offloaded_nvme < steps[0].bytes_offloaded_nvme
     assert caps[1] == caps[2] == _runtime.sized_for(held) >= held  # then fits, and stays
+    assert drained(ctx) == (0, 0)  # in every pool it held
     assert len(ctx._pools.gens) == 1  # the pools grown past were returned ...
     assert sorted(c for c in _runtime._leased if c in (default_pool, caps[0]) and
                   c != caps[2]) == []  # ... and left the process
