@@ -47,8 +47,11 @@ def _cap_ipc_lock() -> bool:
     return False
 
 
-def check_node_budget(r: Report, mem: Any, act: int, optim: int) -> None:
-    """Note [node budget] in _runtime.py, as the pools would be made now."""
+def check_node_budget(r: Report, mem: Any, act: int, optim: int, act_grows: bool = False) -> None:
+    """Note [node budget] in _runtime.py, as the pools would be made now. ``act_grows``: no
+    activation pool size was given, so it starts small and grows up to ``act`` (Note [growing
+    pool] in _growth.py)."""
+    from ._growth import FIRST_POOL
     from ._runtime import check_pool_size
 
     try:
@@ -57,7 +60,9 @@ def check_node_budget(r: Report, mem: Any, act: int, optim: int) -> None:
     except ConfigError as e:
         r.add(BAD, str(e))
         return
-    r.add(OK, f"node budget: {mem.describe()}; activation pool {format_size(act)}, optimizer "
+    act_text = (f"{format_size(FIRST_POOL)} growing to what steps use, at most {format_size(act)}"
+                if act_grows else format_size(act))
+    r.add(OK, f"node budget: {mem.describe()}; activation pool {act_text}, optimizer "
               f"pool at most {format_size(optim)} (each made only when used; the optimizer's "
               "sized to its parameters' state)")
 
@@ -203,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pool_bytes = cfg.host_pool_bytes or default_pool_bytes(mem)
     optim_bytes = cfg.optim_pool_bytes or default_pool_bytes(mem)
     print("spillover doctor\n")
-    check_node_budget(r, mem, pool_bytes, optim_bytes)
+    check_node_budget(r, mem, pool_bytes, optim_bytes, act_grows=cfg.host_pool_bytes is None)
     check_memlock(r, pool_bytes)
     check_thp(r)
     probe_pool = _native.Pool(256 << 20, lock=False)
