@@ -11,7 +11,7 @@ use spillover_core::tier::{Handle, Tier, TierOptions, View};
 use spillover_core::Error;
 
 mod common;
-use common::pool;
+use common::{pattern, pool, write};
 
 const KIB: u64 = 1 << 10;
 
@@ -40,18 +40,6 @@ fn tier(cap: u64, dir: &std::path::Path, verify: bool) -> Tier {
     Tier::new(p, s, o)
 }
 
-fn pattern(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// `h.get()`, retried past injected I/O errors: a failed read leaves its entry on disk, and an
 /// error is raised once, by whichever call sees it (maybe another entry's read ahead).
 fn get_retrying(h: &Handle) -> View {
@@ -63,12 +51,6 @@ fn get_retrying(h: &Handle) -> View {
         }
     }
     panic!("get kept failing")
-}
-
-fn write(v: &View, bytes: &[u8]) {
-    assert_eq!(v.len(), bytes.len());
-    // SAFETY: a staging view is this test's to fill; nothing else reads or writes it yet.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_ptr(), bytes.len()) };
 }
 
 #[derive(Debug, Clone)]

@@ -21,7 +21,7 @@ use spillover_core::tier::{Gathered, Handle, Step, Tier, TierOptions, View};
 use spillover_core::Error;
 
 mod common;
-use common::pool;
+use common::{pattern, pool, write};
 
 const KIB: u64 = 1 << 10;
 
@@ -37,24 +37,6 @@ fn tier(cap: u64, window: u64, dir: &std::path::Path) -> Tier {
     let mut t = TierOptions::for_pool(cap);
     t.prefetch_bytes = window;
     Tier::new(p, Some(s), t)
-}
-
-fn pattern(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn write(v: &View, bytes: &[u8]) {
-    assert_eq!(v.len(), bytes.len());
-    // SAFETY: a staging view is this test's to fill; nothing else reads or writes it yet.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_ptr(), bytes.len()) };
 }
 
 /// One saved storage of the model: its size as a fraction of the pool (in 1/64ths, so one
