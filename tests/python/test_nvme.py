@@ -241,7 +241,9 @@ def test_chunked_storage_is_read_straight_into_its_tensor(tmp_path, engine, veri
     out = c.unpack(h)
     assert torch.equal(out, big)
     assert c._pool.stats()["peak"] == in_use  # no piece went through the pool
-    assert not c._pool_ranges[0][0] <= out.data_ptr() < c._pool_ranges[-1][1]
+    # In no pool of the process (pools now come and go: the span from the first to the last
+    # can hold a one-off mapping made between them).
+    assert not any(a <= out.data_ptr() < b for a, b in c._pool_ranges)
     s = c.stats()
     assert s.tensors_chunked == 1, s
     assert s.prefetch_hits + s.prefetch_misses == len(h.stored.entry.parts), s
