@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         return ", ".join(f"{k} {v}" for k, v in sorted(collections.Counter(xs).items(),
                                                        key=lambda kv: (-kv[1], str(kv[0]))))
 
-    pools = sorted(c.pool_bytes for c in cases)
+    pools = sorted(c.pool_bytes for c in cases if c.pool_bytes) or [0]
     steps_run = sum(o.get("steps_done", 0) for o in outs)
     steps_drawn = sum(c.steps for c in cases)
     print("\n== summary ==")
@@ -185,7 +185,8 @@ def main(argv=None) -> int:
           f"sliding window: {sum(c.window is not None for c in cases)}")
     if cases:
         print(f"pools: {len(set(pools))} sizes, {_mib(pools[0])} .. {_mib(pools[-1])}, median "
-              f"{_mib(pools[len(pools) // 2])}")
+              f"{_mib(pools[len(pools) // 2])}; the default (growing) pool in "
+              f"{sum(not c.pool_bytes for c in cases)} cases")
         vocabs = sorted(c.vocab for c in cases)
         print(f"vocabularies: {vocabs[0]} .. {vocabs[-1]}; min_offload_bytes: "
               f"{count(_mib(c.min_offload_bytes) for c in cases)}")

@@ -60,6 +60,7 @@ class Case:
     #: one sequence length per step
     seqs: Tuple[int, ...] = (32, 48, 32)
     tier: str = "host"
+    #: 0: no size given, the default pool that starts small and grows (Note [growing pool])
     pool_bytes: int = 16 * MIB
     min_offload_bytes: int = 4096
     #: "none" (no wrap) or a policy name of spillover.wrap
@@ -120,7 +121,8 @@ class Case:
                 "default" if self.rates is None else "/".join(f"{r:.1e}" for r in self.rates)))
         return (f"{self.family} V={self.vocab} h={self.hidden} L={self.layers} "
                 f"heads={self.heads}/{self.kv_heads} {self.attn} drop={self.dropout} "
-                f"b={self.batch} seqs={list(self.seqs)} {self.tier} pool={_size(self.pool_bytes)} "
+                f"b={self.batch} seqs={list(self.seqs)} {self.tier} "
+                f"pool={_size(self.pool_bytes or None)} "
                 f"min={_size(self.min_offload_bytes)} policy={pol}{extra}")
 
 
@@ -379,8 +381,9 @@ def run_case(case: Case, log=None) -> Outcome:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 spillover.wrap(spill, policy=_policy(case))
-        kw: Dict[str, Any] = {"host_pool_bytes": case.pool_bytes,
-                              "min_offload_bytes": case.min_offload_bytes}
+        kw: Dict[str, Any] = {"min_offload_bytes": case.min_offload_bytes}
+        if case.pool_bytes:
+            kw["host_pool_bytes"] = case.pool_bytes
         if nvme_dir is not None:
             kw["nvme_path"] = nvme_dir
         ctx = spillover.offload_context(case.tier, **kw)
@@ -480,6 +483,8 @@ def draw_case(rng: random.Random, max_pool: int, min_steps: int = 3, max_steps: 
     pool = int(math.exp(rng.uniform(lo, hi)))
     pool = 1 << (pool.bit_length() - 1) if rng.random() < 0.3 else (pool & ~4095)
     pool = max(16 * MIB, min(pool, max_pool))
+    if rng.random() < 0.15:
+        pool = 0  # the default: a pool that grows to what the steps use
     min_offload = rng.choice((4096, 4096, 65536, 1 * MIB, rng.randrange(4096, 1 * MIB, 4096)))
     policy = rng.choice(POLICIES)
     budget = rng.choice((1, 16 * MIB, 256 * MIB, None)) if policy == "auto" else None

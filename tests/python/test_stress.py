@@ -54,6 +54,11 @@ SLICE = [
     Case("gemma", 50257, hidden=128, heads=4, kv_heads=1, seqs=(24, 40), tier="host",
          pool_bytes=24 * MIB + 14 * K, policy="auto", budget_bytes=256 * MIB, attn="eager",
          seed=14),
+    # no size given: the default pool starts at 64 MiB and grows mid-step (Note [growing pool])
+    Case("llama", 128256, hidden=128, seqs=(96, 128), tier="nvme", pool_bytes=0,
+         policy="none", attn="sdpa", seed=15),
+    Case("gpt2", 100277, hidden=96, heads=2, seqs=(96, 128), tier="host", pool_bytes=0,
+         policy="offload", attn="eager", seed=16),
 ]
 
 
@@ -70,6 +75,8 @@ def test_slice(case):
     assert st["bytes_offloaded_host"] + st["bytes_offloaded_nvme"] > 0, st
     if case.tier == "nvme":
         assert st["bytes_offloaded_nvme"] > 0 and st["tensors_chunked"] > 0, st
+    if not case.pool_bytes:  # the default pool grows rather than keep tensors on the device
+        assert st["bytes_kept_pool_full"] == 0 and st["pool_capacity"] > 64 * MIB, st
 
 
 def test_slice_covers_the_issue():
