@@ -23,6 +23,7 @@ from .optim import OffloadAdamW
 from .planner import Planner
 from .recompute import SelectivePolicy, checkpoint, explain, unwrap, wrap
 from .stats import OffloadStats
+from .suspend import no_offload
 
 __version__ = _native.__version__
 
@@ -44,6 +45,7 @@ __all__ = [
     "explain",
     "format_size",
     "keep",
+    "no_offload",
     "offload_context",
     "parse_size",
     "unwrap",

@@ -120,7 +120,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _runtime
+from . import _runtime, suspend
 from ._growth import Pools
 from .config import Config
 from .errors import ConfigError, IntegrityError, PoolExhaustedError
@@ -447,7 +447,8 @@ class OffloadContext(Guardrails):
         elif self in stack:
             stack.remove(self)
         rec, hooks = self._thread_stack().pop()
-        hooks.__exit__(*exc)
+        if not suspend._forget(hooks):  # Note [no offload] in suspend.py
+            hooks.__exit__(*exc)
         rec.active = False
         self._pools.note_forward_end()
         rec.dedup.clear()

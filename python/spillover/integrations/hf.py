@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch.utils.checkpoint as _tc
 from torch import nn
@@ -47,6 +47,7 @@ from ..planner import Planner
 from ..recompute.blocks import _WrappedBlock, _WrapState
 from ..recompute.policies import Policy, RegionPolicy, SelectivePolicy, _Auto, resolve_policy
 from ..recompute.region import _checkpoint
+from ..suspend import forward_regions
 from . import StepContext, _StepCallback, check_not_double_checkpointed
 
 try:
@@ -296,18 +297,33 @@ class SpilloverCallback(_StepCallback, _TrainerCallback):  # type: ignore[misc,v
     Pair it with :func:`enable` for recompute regions behind HF's checkpointing; without it,
     the context still offloads what the model saves.
 
+    A loss that computes gradients with ``torch.func`` (Liger's chunked losses, as TRL's
+    trainers use them; Unsloth's fused loss) raises under the context's saved-tensor hooks;
+    it must run inside :func:`spillover.no_offload`. A callback reaches only modules: pass the
+    loss module in ``no_offload=`` (e.g. ``no_offload=trainer.dpo_loss_fn``, then
+    ``trainer.add_callback(cb)``). A loss computed by a plain function inside the model's
+    forward (a patched ``forward``, ``model.loss_function``) is out of a callback's reach:
+    wrap that function yourself, ``loss_fn = spillover.no_offload()(loss_fn)``.
+
     Args:
         context: the context to enter each step (default: a new one).
+        no_offload: a module, or several, whose every forward runs in
+            :func:`spillover.no_offload` (the hooks stay on them; outside a context they do
+            nothing).
         tier, **overrides: as :func:`spillover.offload_context`, for a new context.
 
     Attributes:
         steps: the :class:`~spillover.integrations.StepContext` (``steps.step_stats``: the
             counters of each optimizer step).
+        no_offload_hooks: one handle per ``no_offload=`` module; ``remove()`` takes its hooks
+            off.
     """
 
     def __init__(self, context: Optional[OffloadContext] = None, *, tier: Optional[str] = None,
+                 no_offload: Union[None, nn.Module, Iterable[nn.Module]] = None,
                  **overrides: Any):
         self.steps = StepContext(context, tier=tier, **overrides)
+        self.no_offload_hooks = forward_regions(no_offload)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        **kwargs: Any) -> None:

@@ -19,9 +19,12 @@ Note [Lightning steps]
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Union
+
+from torch import nn
 
 from ..context import OffloadContext
+from ..suspend import forward_regions
 from . import StepContext, _StepCallback
 
 try:
@@ -40,19 +43,33 @@ class SpilloverCallback(_StepCallback, _pl.Callback):  # type: ignore[misc,name-
     inside the ``LightningModule``, ``spillover.integrations.hf.enable``); without them, the
     context still offloads what the model saves.
 
+    A loss that computes gradients with ``torch.func`` (Liger's chunked losses, Unsloth's fused
+    loss) raises under the context's saved-tensor hooks; it must run inside
+    :func:`spillover.no_offload`. In your ``training_step``, write
+    ``with spillover.no_offload(): loss = loss_fn(...)``; for a loss module, ``no_offload=``
+    does that for every call. A callback cannot reach a loss computed by a plain function
+    inside a model's forward: wrap that function, ``spillover.no_offload()(loss_fn)``.
+
     Args:
         context: the context to enter each batch (default: a new one).
+        no_offload: a module, or several, whose every forward runs in
+            :func:`spillover.no_offload` (the hooks stay on them; outside a context they do
+            nothing).
         tier, **overrides: as :func:`spillover.offload_context`, for a new context.
 
     Attributes:
         steps: the :class:`~spillover.integrations.StepContext` (``steps.step_stats``: the
             counters of each training batch).
+        no_offload_hooks: one handle per ``no_offload=`` module; ``remove()`` takes its hooks
+            off.
     """
 
     def __init__(self, context: Optional[OffloadContext] = None, *, tier: Optional[str] = None,
+                 no_offload: Union[None, nn.Module, Iterable[nn.Module]] = None,
                  **overrides: Any):
         super().__init__()
         self.steps = StepContext(context, tier=tier, **overrides)
+        self.no_offload_hooks = forward_regions(no_offload)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
