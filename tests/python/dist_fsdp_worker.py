@@ -1,6 +1,7 @@
-"""One rank of the FSDP2 tests (tests/python/test_dcp.py::test_fsdp2_*), 2 CPU ranks on gloo:
+"""One rank of the FSDP2 tests (tests/python/test_dcp.py::test_fsdp2_*,
+test_fsdp_cpu_offload.py), 2 CPU ranks on gloo:
 
-    python dist_fsdp_worker.py OUT      # with torchrun's environment (RANK, WORLD_SIZE, ...)
+    python dist_fsdp_worker.py OUT [cpu-offload]   # with torchrun's environment (RANK, ...)
 
 A small GPT, ``spillover.wrap(policy="selective")`` then ``fully_shard`` on every block and the
 root (``init_device_mesh("cpu", (2,))``), forward under ``spillover.offload_context``, each rank
@@ -15,6 +16,11 @@ on its half of every batch:
 
 Rank 0 saves every scenario's full parameters to OUT/<scenario>.pt; the checkpoint stays in
 OUT/ckpt for the test to resume at world size 1.
+
+``cpu-offload`` (tests/python/test_fsdp_cpu_offload.py): every ``fully_shard`` gets
+``offload_policy=CPUOffloadPolicy(pin_memory=...)`` (pinned where CUDA is available: torch pins
+the shards with ``pin_memory()``, which raises "Found no NVIDIA driver" on a host without one),
+and only ``torch`` and ``spillover`` run, plus ``init`` (the parameters before any step).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 import spillover
 import spillover.dcp
@@ -38,15 +44,18 @@ CFG = GPTConfig(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=16)
 CTX = dict(tier="host", host_pool_bytes="16MiB", min_offload_bytes=1024)
 
 
-def build(mesh, seed: int = 0) -> torch.nn.Module:
+def build(mesh, seed: int = 0, offload: bool = False) -> torch.nn.Module:
+    policy = {}
+    if offload:
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     torch.manual_seed(seed)
     model = spillover.wrap(GPT(CFG), policy="selective")
     for blk in model.blocks:
         # The key bias gets no gradient but rounding noise (softmax ignores it), which Adam
         # scales up to +-lr: two correct optimizers then differ by ~lr there. Frozen: no state.
         blk.attn.qkv.bias.requires_grad_(False)
-        fully_shard(blk, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(blk, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 
@@ -65,39 +74,67 @@ def full_params(model) -> dict:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
+def cpu_offload(mesh, ctx) -> dict:
+    """torch's AdamW and OffloadAdamW on FSDP2's CPU-offloaded shards."""
+    results = {"init": full_params(build(mesh, offload=True))}
+    model = build(mesh, offload=True)
+    # FSDP2's own flag (a private attribute): the policy reached every sharded parameter.
+    assert all(fp.offload_to_cpu for m in [*model.blocks, model]
+               for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(STEPS), ctx)
+    results["torch"] = full_params(model)
+
+    model = build(mesh, offload=True)
+    opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, tier="host")
+    assert opt._world == 1, "DTensor parameters: the optimizer runs on the local shards"
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    train(model, opt, range(STEPS), ctx)
+    # Note [cpu parameters in place]: host shards are updated where they are, nothing staged.
+    assert opt._spaces and not any(s.staged for s in opt._spaces), "staged a host shard"
+    results["spillover"] = full_params(model)
+    return results
+
+
+def scenarios(mesh, ctx, out) -> dict:
+    """torch, spillover and resumed (the module's docstring)."""
+    results = {}
+    model = build(mesh)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(STEPS), ctx)
+    results["torch"] = full_params(model)
+
+    model = build(mesh)
+    opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, tier="host")
+    assert opt._world == 1, "DTensor parameters: the optimizer runs on the local shards"
+    train(model, opt, range(STEPS), ctx)
+    results["spillover"] = full_params(model)
+
+    ckpt = os.path.join(out, "ckpt")
+    model = build(mesh)
+    opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, tier="nvme")
+    train(model, opt, range(STEPS // 2), ctx)
+    dcp.save({"model": model.state_dict(),
+              "optim": spillover.dcp.optimizer_state(opt, model.named_parameters())},
+             storage_writer=spillover.dcp.FileSystemWriter(ckpt))
+    model = build(mesh, seed=1)
+    opt = spillover.OffloadAdamW(model.parameters(), lr=1e-3, tier="host")
+    state = {"model": model.state_dict(),
+             "optim": spillover.dcp.optimizer_state(opt, model.named_parameters())}
+    dcp.load(state, checkpoint_id=ckpt)
+    model.load_state_dict(state["model"])
+    train(model, opt, range(STEPS // 2, STEPS), ctx)
+    results["resumed"] = full_params(model)
+    return results
+
+
 def main() -> None:
     out = sys.argv[1]
+    offload = sys.argv[2:] == ["cpu-offload"]
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     ctx = spillover.offload_context(**CTX)
-    results = {}
     try:
-        model = build(mesh)
-        train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(STEPS), ctx)
-        results["torch"] = full_params(model)
-
-        model = build(mesh)
-        opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, tier="host")
-        assert opt._world == 1, "DTensor parameters: the optimizer runs on the local shards"
-        train(model, opt, range(STEPS), ctx)
-        results["spillover"] = full_params(model)
-
-        ckpt = os.path.join(out, "ckpt")
-        model = build(mesh)
-        opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, tier="nvme")
-        train(model, opt, range(STEPS // 2), ctx)
-        dcp.save({"model": model.state_dict(),
-                  "optim": spillover.dcp.optimizer_state(opt, model.named_parameters())},
-                 storage_writer=spillover.dcp.FileSystemWriter(ckpt))
-        model = build(mesh, seed=1)
-        opt = spillover.OffloadAdamW(model.parameters(), lr=1e-3, tier="host")
-        state = {"model": model.state_dict(),
-                 "optim": spillover.dcp.optimizer_state(opt, model.named_parameters())}
-        dcp.load(state, checkpoint_id=ckpt)
-        model.load_state_dict(state["model"])
-        train(model, opt, range(STEPS // 2, STEPS), ctx)
-        results["resumed"] = full_params(model)
+        results = cpu_offload(mesh, ctx) if offload else scenarios(mesh, ctx, out)
         stats = ctx.stats(total=True)
         assert stats.bytes_offloaded > 0, "the offload context offloaded nothing"
         if dist.get_rank() == 0:
@@ -105,7 +142,6 @@ def main() -> None:
                 torch.save(params, os.path.join(out, f"{name}.pt"))
     finally:
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
