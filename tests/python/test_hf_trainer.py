@@ -101,7 +101,8 @@ def test_trainer_lora_bitwise_and_offloads_every_step(tmp_path, monkeypatch, pol
                         lambda self: (entered.append(self), enter(self))[1])
     ctx = spillover.offload_context(**OPTS)
     cb = hf.SpilloverCallback(ctx)
-    model, got = train(tmp_path / "spill", [cb], lambda m: hf.enable(m, policy=policy))
+    model, got = train(tmp_path / "spill", [cb], lambda m: hf.enable(m, policy=policy,
+                                                                 chunked_loss=False))
 
     assert_bitwise(got, ref)
     init = trainable(tiny_llama())
@@ -229,7 +230,7 @@ def test_enable_takes_over_hf_checkpointing(monkeypatch):
     with checkpoint_nesting(monkeypatch) as peak:
         model = tiny_llama(lora=False)
         _hf_gc_on(model)
-        hf.enable(model, policy="selective")
+        hf.enable(model, policy="selective", chunked_loss=False)  # HF's loss: bitwise
         _hf_gc_on(model)  # HF's switch again (as Trainer(gradient_checkpointing=True) does)
         got = _step(model)
     assert peak[0] == 1

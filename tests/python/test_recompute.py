@@ -426,7 +426,7 @@ def test_llama_gradients_bitwise(private_pool_bytes):
             else:
                 policy_obj = POLICIES[policy]
             with pytest.warns(UserWarning, match="use_cache=False"):
-                spillover.wrap(model, policy=policy_obj)
+                spillover.wrap(model, policy=policy_obj, chunked_loss=False)
             assert model.config.use_cache is False
             assert [n for n, _ in model._spillover_state.blocks] == ["model.layers.0",
                                                                     "model.layers.1"]

@@ -178,7 +178,8 @@ def is_enabled(model: nn.Module) -> bool:
 
 
 def enable(model: nn.Module, policy: Policy = "selective", *,
-           budget_bytes: Optional[Union[int, str]] = None) -> nn.Module:
+           budget_bytes: Optional[Union[int, str]] = None,
+           chunked_loss: bool = True) -> nn.Module:
     """Turn spillover on for a transformers model, PEFT-wrapped or not; returns ``model``.
 
     Gradient checkpointing is turned on through the model's own switch, with spillover's
@@ -195,6 +196,11 @@ def enable(model: nn.Module, policy: Policy = "selective", *,
         policy: as :func:`spillover.wrap` (``"selective"``, ``"full"``, ``"offload"``,
             ``"auto"``, a callable or a policy object).
         budget_bytes: the device-memory budget of ``"auto"``.
+        chunked_loss: as :func:`spillover.wrap`: a causal LM's training calls (``labels=``
+            given) compute the head and loss by torch's chunked ``linear_cross_entropy``,
+            without logits (the output's ``logits`` is None); ``False`` keeps them. PEFT's
+            wrapper reaches it through the base model's hooks (a LoRA-adapted ``lm_head``
+            keeps HF's loss).
 
     Raises:
         ValueError: the model is already wrapped by :func:`spillover.wrap` (its blocks would be
@@ -239,6 +245,9 @@ def enable(model: nn.Module, policy: Policy = "selective", *,
     hf.__dict__["_set_gradient_checkpointing"] = _SetCheckpointing(hf, original, state.func)
     for o in owners:
         o.__dict__["_spillover_state"] = state
+    from .. import loss as _loss
+
+    state.loss_region, state.loss_line = _loss.attach(hf, chunked_loss)
     if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -277,6 +286,8 @@ def disable(model: nn.Module) -> nn.Module:
         return model
     for h in state.handles:
         h.remove()
+    if state.loss_region is not None:
+        state.loss_region.remove()
     hf.__dict__.pop("_set_gradient_checkpointing", None)
     for ref in state.owners:
         o = ref()

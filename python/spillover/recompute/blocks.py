@@ -91,6 +91,9 @@ class _WrapState:
         self.handles: List[Any] = []
         self.model_ref = model
         self.warned_cache = False
+        # the loss region (spillover/loss.py): its hooks, and the line explain() shows
+        self.loss_region: Any = None
+        self.loss_line: Optional[str] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         # Note [pickling a wrapped model]: not a forward's counting hooks, nor the key a
@@ -252,6 +255,7 @@ def wrap(
     check_fn: Optional[Callable[[nn.Module], bool]] = None,
     *,
     budget_bytes: Optional[Union[int, str]] = None,
+    chunked_loss: bool = True,
 ) -> nn.Module:
     """Make each repeated block of ``model`` a recompute region, in place; returns ``model``.
 
@@ -269,6 +273,10 @@ def wrap(
         check_fn: picks the blocks instead of the largest ``ModuleList``.
         budget_bytes: the peak budget of ``"auto"`` (Note [peak feedback]; default
             SPILLOVER_DEVICE_BUDGET_BYTES, else half of free memory).
+        chunked_loss: for a transformers causal LM, a training call (``labels=`` given) runs
+            the head and loss through torch's chunked ``linear_cross_entropy``: no tokens x
+            vocab logits exist, the output's ``logits`` is None (``spillover.loss``, Note
+            [which HF models]). ``False`` keeps the model's own head and loss (and logits).
 
     Raises:
         ValueError: no blocks found, the model is already wrapped, or HuggingFace gradient
@@ -310,6 +318,10 @@ def wrap(
         model.register_forward_hook(state.post_forward, always_call=True),
     ]
     model.__dict__["_spillover_state"] = state
+    from .. import loss as _loss
+
+    # after wrap's own hooks, prepended: the loss runs inside the step wrap's hooks delimit
+    state.loss_region, state.loss_line = _loss.attach(model, chunked_loss)
     turned_off = []
     configs: Dict[int, Any] = {}
     for name, m in model.named_modules():
@@ -337,6 +349,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         return model
     for h in state.handles:
         h.remove()
+    if state.loss_region is not None:
+        state.loss_region.remove()
     for _name, blk in state.blocks:
         blk.__dict__.pop("_spillover_block", None)
         cls = type(blk)

@@ -22,4 +22,7 @@ def explain(target: Any, machine: Optional[Machine] = None) -> Explanation:
     if state is None:
         raise ValueError("spillover.explain: pass a model returned by spillover.wrap "
                          "or a spillover.Planner")
-    return state.policy.explain(state.last_records(), machine)
+    exp = state.policy.explain(state.last_records(), machine)
+    if getattr(state, "loss_line", None):
+        exp.summary["loss region"] = state.loss_line  # spillover/loss.py
+    return exp
