@@ -58,6 +58,17 @@ Note [parameters by identity]
     the storages: a weak reference keeps the StorageImpl's address from being reused, and an
     activation at a freed or resized-away storage's old address has a StorageImpl of its own).
 
+Note [host link]
+    On a CPU host (plain CPU tensors, no simulated link) the "device" is the host: pack copies
+    the storage into the tier in one call (``Step.put_from``: lease, memcpy with the GIL
+    released, seal), and unpack views the block. No worker thread, no events, no copy in
+    flight: a copy on the same two cores is compute, not a link to overlap, and the worker
+    thread's hand-offs cost more than the copy of a 1 MiB tensor (pack_cost.py: pack + land
+    225 + 355 us before; pack 189 us, copy included, after, on a loaded machine). A stored
+    storage then has no ``copies``: nothing to wait for, no source held (the version check at
+    unpack still raises autograd's in-place error). CUDA and the simulated device keep their
+    asynchronous copies (transfer.py).
+
 Note [compiled modules]
     The global module forward pre-hook that lists each step's parameters and buffers is traced
     by Dynamo under ``torch.compile`` and returns at once there (``torch.compiler.is_compiling``),
@@ -131,7 +142,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _runtime, suspend
+from . import _native, _runtime, suspend
 from ._growth import Pools
 from .config import Config
 from .errors import ConfigError, IntegrityError, PoolExhaustedError
@@ -225,7 +236,7 @@ class _Stored:
     device->host copies that fill it."""
 
     __slots__ = ("record", "entry", "nbytes", "device", "copies", "seq", "views", "staged",
-                 "_lock", "_cached", "_cached_uses", "__weakref__")
+                 "chunked", "_lock", "_cached", "_cached_uses", "__weakref__")
 
     def __init__(self, record: Any, entry: Any, nbytes: int, device: torch.device,
                  copies: List[Any], seq: int):
@@ -233,8 +244,9 @@ class _Stored:
         self.entry = entry
         self.nbytes = nbytes
         self.device = device
-        self.copies = copies
+        self.copies = copies  # none on a CPU host (Note [host link])
         self.seq = seq  # the tier's pack order (the last piece's, for a gathered storage)
+        self.chunked = isinstance(entry, _native.Gathered)
         self.views = 0
         self.staged: Any = None  # (device tensor, event) staged ahead of its unpack
         self._lock = threading.Lock()
@@ -247,6 +259,8 @@ class _Stored:
 
     def source(self) -> Optional[torch.Tensor]:
         """The whole storage still on the device (Note [source returned]), or None."""
+        if not self.copies:  # copied when packed (Note [host link])
+            return None
         if len(self.copies) != 1:
             srcs = [c.source() for c in self.copies]
             if any(s is None for s in srcs):
@@ -782,8 +796,26 @@ class OffloadContext(Guardrails):
         rec.stats.pool_capacity = self._pool.capacity
         return True
 
+    def _put_from(self, rec: _StepRecord, src: torch.Tensor, offset: int, nbytes: int,
+                  grow: bool = True) -> Any:
+        """Note [host link]: a sealed tier entry holding ``nbytes`` of ``src`` from ``offset``,
+        in one call into the tier. A full pool grows (``grow``, Note [growing pool]) or raises
+        PoolExhaustedError."""
+        try:
+            return rec.step.put_from(src, src.data_ptr() + offset, nbytes)
+        except PoolExhaustedError:
+            if not (grow and self._grow(rec, nbytes)):
+                raise
+        return rec.step.put_from(src, src.data_ptr() + offset, nbytes)
+
     def _pack_whole(self, rec: _StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
                     nbytes: int) -> Optional[_Stored]:
+        if tr.host_is_device:  # Note [host link]
+            try:
+                handle = self._put_from(rec, src, 0, nbytes)
+            except PoolExhaustedError:
+                return None
+            return _Stored(rec, handle, nbytes, t.device, [], handle.seq)
         try:
             handle, view = self._put(rec, tr, nbytes)
         except PoolExhaustedError:
@@ -800,6 +832,9 @@ class OffloadContext(Guardrails):
         try:
             for off in range(0, nbytes, self._chunk_bytes):
                 n = min(self._chunk_bytes, nbytes - off)
+                if tr.host_is_device:  # Note [host link]
+                    handles.append(self._put_from(rec, src, off, n, grow=False))
+                    continue
                 handle, view = self._put(rec, tr, n, grow=False)  # one tier step for all
                 copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
                                          on_landed=handle.seal, errors=rec.errors))
@@ -879,7 +914,7 @@ class OffloadContext(Guardrails):
                 raw = tr.use(staged)
             else:
                 raw = self._bring_back(tr, s, packed)
-            if s.views > 1 and (not tr.host_is_device or len(s.copies) > 1):
+            if s.views > 1 and (not tr.host_is_device or s.chunked):
                 # Note [views share one return]
                 s._cached, s._cached_uses = raw, 1
         self._stage_ahead(tr, s)
@@ -898,7 +933,7 @@ class OffloadContext(Guardrails):
                 f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} read "
                 f"back from the {where} tier does not match its checksum ({e})"
             ) from None
-        if len(s.copies) == 1 and not self._in_pool(view.address):
+        if not s.chunked and not self._in_pool(view.address):
             _runtime.warn_once(
                 "pool-overflow",
                 f"spillover: the {self._pool.capacity >> 20} MiB host pool had no room to read "

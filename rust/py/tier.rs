@@ -137,6 +137,38 @@ impl PyStep {
         Ok((PyHandle { h }, PyView { v }))
     }
 
+    /// Pack on a CPU host in one call (GIL released): lease `nbytes` (making room), copy them
+    /// from host address `address`, seal. `owner` is the CPU tensor whose data `address` is:
+    /// this call holds it, so the bytes stay alive and mapped for the copy. Raises what `put`
+    /// and `seal` raise; on an error no entry is left behind.
+    #[pyo3(signature = (owner, address, nbytes))]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        owner: &Bound<'_, PyAny>,
+        address: usize,
+        nbytes: u64,
+    ) -> PyResult<PyHandle> {
+        let _held = owner; // a raw pointer only with its owner, held for the whole call
+        if address == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "null source address",
+            ));
+        }
+        let h = guarded(py, || {
+            let (h, v) = self.step.put(nbytes)?;
+            // SAFETY: `address` is the data of `owner`, a live CPU tensor of at least `nbytes`
+            // bytes that the Python caller (spillover.context) does not write during the call
+            // and this frame holds; `v` is a staging view of a block of `nbytes` bytes that
+            // nothing else can see, so the ranges do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(address as *const u8, v.as_ptr(), v.len()) };
+            drop(v);
+            h.seal()?;
+            Ok(h)
+        })?;
+        Ok(PyHandle { h })
+    }
+
     /// One storage made of `parts` (this step's handles, in order), returned whole by `get`.
     fn gather(&self, py: Python<'_>, parts: Vec<PyRef<'_, PyHandle>>) -> PyResult<PyGathered> {
         let parts: Vec<Handle> = parts.iter().map(|p| p.h.clone()).collect();

@@ -189,13 +189,17 @@ def test_eager_region_does_not_fire(caught):
 
 @pytest.fixture
 def slow_link(monkeypatch):
-    """Every wait for a device->host copy takes 50 ms longer: a link far slower than the fake
-    calibration's 1 TB/s."""
+    """Every wait for a device->host copy takes 150 ms longer: a link far slower than the fake
+    calibration's 1 TB/s. The CPU is reached as through a link (the simulated device's
+    asynchronous copies, no bandwidth of its own): on a plain CPU host pack copies at once and
+    nothing waits for a link (Note [host link] in context.py)."""
+    monkeypatch.setattr(_transfer.CpuDevice, "host_is_device", False)
+    monkeypatch.setattr(_transfer, "_cache", {})  # no plain-CPU Transfers made before this
     wait = _transfer.Copy.wait
 
     def slow(self):
-        time.sleep(0.05)
-        return wait(self) + 0.05
+        time.sleep(0.15)
+        return wait(self) + 0.15
 
     monkeypatch.setattr(_transfer.Copy, "wait", slow)
 
