@@ -744,7 +744,8 @@ class OffloadContext(Guardrails):
                 stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
                 return _Packed(stored, t)
         tr = self._transfer(t.device)
-        tr.reap(rec.errors)
+        if not tr.host_is_device:  # the host link starts no copies (Note [host link])
+            tr.reap(rec.errors)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         if self._chunk_above and nbytes > self._chunk_above:
             stored = self._pack_pieces(rec, tr, src, t, nbytes)
@@ -753,7 +754,8 @@ class OffloadContext(Guardrails):
         if stored is None:
             stats.add(bytes_kept_pool_full=nbytes)
             return t
-        stats.raise_to(bytes_in_flight_peak=tr.bytes_in_flight)
+        if not tr.host_is_device:
+            stats.raise_to(bytes_in_flight_peak=tr.bytes_in_flight)
         wref = _StorageWeakRef(storage) if _StorageWeakRef is not None else None
         rec.dedup[key] = (weakref.ref(stored), wref)
         rec.stored.add(stored)
@@ -896,7 +898,8 @@ class OffloadContext(Guardrails):
         tr = self._transfer(s.device)
         stats = s.record.stats
         src = s.source()
-        tr.release_sources()
+        if not tr.host_is_device:  # the host link holds no sources (Note [host link])
+            tr.release_sources()
         if src is not None:  # Note [source returned]
             stats.add(unpacks_from_source=1)
             s.entry.note_used()
