@@ -189,7 +189,7 @@ class SelectivePolicy(_StaticPolicy):
     """Save an op's output when recomputing it costs at least ``min_flops_per_byte`` FLOPs per
     byte it would hold; recompute it otherwise — then, from a region's second call on, also
     save the outputs whose rebuilding pays less than full recompute does (Note [selective
-    pays] in planner.py), priced with this machine's calibration.
+    pays] in planner/cost.py), priced with this machine's calibration.
 
     With the default (256): linears and matmuls with a contraction of at least 512 in fp32 or
     256 in bf16 and fused attention outputs are saved; elementwise ops, norms, GELU/SiLU,

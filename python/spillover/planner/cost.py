@@ -1,0 +1,272 @@
+"""The cost model: what a decision frees and what it costs, from a machine's measured rates.
+
+Pure functions of the records and rates (no torch run): which recomputed ops the runtime skips,
+which outputs selective saves (Note [selective pays]), and :class:`Costs`, the memory and time
+one planning pass holds and spends under its decisions so far (the search in
+:mod:`spillover.planner.search` makes them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..config import format_size
+from .machine import Machine
+from .records import OpRecord, RegionRecord
+
+#: (written entries keep their blocks, Note [write early, drop late] in rust/tier/policy.rs;
+#: the rest is left to blocks still being copied or written).
+HIGH_WATER = 0.75
+#: Share of the NVMe tier's pool one region's offloaded outputs may take (they all come back
+#: when the region is recomputed).
+REGION_POOL_SHARE = 0.5
+#: Share of free memory the planner may use when no budget is given.
+
+
+def skipped_ops(candidates: Dict[int, Sequence[int]], saved: Iterable[int]) -> set:
+    """Note [outputs only saved ops read] in recompute/modes.py: of ``candidates`` (op index ->
+    indices of the ops that read its output; ops that may be skipped at all), those whose
+    every reader is saved or itself skipped. The runtime applies it; the planner predicts it."""
+    saved = set(saved)
+    dead: set = set()
+    for n in sorted(candidates, reverse=True):  # readers come after what they read
+        readers = candidates[n]
+        if readers and all(c in saved or c in dead for c in readers):
+            dead.add(n)
+    return dead
+
+
+#: Why an op is not rerun under Note [outputs only saved ops read] (runtime and explain).
+SKIPPED_REASON = "only saved outputs read it: never rerun"
+
+
+def region_skipped(ops: Sequence[OpRecord], action: Callable[[OpRecord], str]) -> set:
+    """The recomputed ops of one region that the runtime will not rerun under the decisions
+    ``action(op)`` (Note [outputs only saved ops read] in recompute/modes.py)."""
+    act = {o.index: action(o) for o in ops}
+    return skipped_ops(
+        {o.index: o.readers for o in ops if act[o.index] == "recompute"
+         and not o.after_stop and o.forced is None and not o.needed},
+        (i for i, a in act.items() if a in ("keep", "offload")),
+    )
+
+
+def worth_saving(rec: RegionRecord, machine: Machine) -> Dict[int, str]:
+    """Note [selective pays]: the recomputed outputs of one region run (as recorded) that cost
+    more time per byte to rebuild than full recompute of the region does; op index -> why.
+
+    Full recompute frees every byte autograd saved in the region (``needed``) for the time of
+    every op before the stop: its rate, bytes per second of recompute, is the bar. A needed
+    output that the region recomputed costs its own op plus the recomputed ops only it needs
+    (saving it lets the runtime skip them, Note [outputs only saved ops read]); when that unit
+    frees fewer bytes per second than the bar, saving it is cheaper than full recompute's trade
+    and it is saved. Every unit left recomputed then pays at least full's rate, so the region's
+    memory saved per second added is at least full recompute's (a mediant of rates at least
+    the bar). Chain ends first: a softmax output spares the scores matmul, scale and mask."""
+    ops = [o for o in rec.ops if not o.after_stop]
+    total = sum(machine.op_seconds(o) for o in ops if o.forced != "view")
+    needed = sum(o.bytes for o in ops if o.needed)
+    if total <= 0 or needed <= 0:
+        return {}
+    bar = needed / total
+    action = {o.index: o.action for o in rec.ops}
+    out: Dict[int, str] = {}
+    for o in sorted(ops, key=lambda o: -o.index):
+        if not o.needed or o.bytes == 0 or o.forced is not None or action[o.index] != "recompute":
+            continue
+        before = region_skipped(rec.ops, lambda x: action[x.index])
+        action[o.index] = "keep"
+        gained = region_skipped(rec.ops, lambda x: action[x.index]) - before
+        cost = machine.op_seconds(o) + sum(machine.op_seconds(x) for x in rec.ops
+                                           if x.index in gained)
+        rate = o.bytes / cost if cost > 0 else float("inf")
+        if rate < bar:
+            chain = f" and the {len(gained)} ops before it" if gained else ""
+            out[o.index] = (f"rebuilding it{chain} frees {format_size(rate)}/s < full "
+                            f"recompute's {format_size(bar)}/s: saved")
+        else:
+            action[o.index] = "recompute"
+    return out
+
+
+
+class _Item:
+    __slots__ = ("region", "op", "seconds", "rc")
+
+    def __init__(self, region: int, op: OpRecord, seconds: float):
+        self.region = region
+        self.op = op
+        self.seconds = seconds
+        self.rc = seconds / op.bytes
+
+
+def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0) -> int:
+    """The modeled peak of a learning step (every region recomputed in full, Note [peak
+    feedback]), counted as the plans' are: inputs and the rest of the model held (where the
+    context puts them), + the largest region rebuilt."""
+    if not regions:
+        return outside_bytes
+    g = Costs(regions, machine, 0, outside_bytes, regions[0].offload,
+              regions[0].device == "cpu", False)
+    g.kept = 0
+    g.bwd = g.rebuilt_bytes()
+    return g.peak
+
+
+class Costs:
+    """What one planning pass holds and costs under its decisions so far (the search,
+    :mod:`spillover.planner.search`, makes them).
+
+    Memory is counted as the device sees it. An active context takes the region inputs and
+    the rest of the model's saved tensors off the device whatever the plan says: to host memory
+    on a GPU (free here), into the pool on a CPU host, where the pool is this same memory — the
+    host tier keeps all of it, the NVMe tier up to its capacity (the last packed bytes).
+    """
+
+    def __init__(self, regions: List[RegionRecord], machine: Machine, budget: int,
+                 outside_bytes: int, ctx: Optional[Dict[str, Any]], device_is_host: bool,
+                 use_offload: bool):
+        self.regions = regions
+        self.machine = machine
+        self.budget = budget
+        self.bwd = 0  # the largest region rebuilt in backward (peak budgets only)
+        self.kind = ""
+        self.device_is_host = device_is_host
+        self.last = len(regions) - 1
+        self.ops: Dict[Tuple[int, int], Tuple[str, str, str]] = {}
+        self.modes = ["checkpoint"] * len(regions)
+        self.nvme = bool(ctx and ctx["nvme"] and machine.nvme_bytes_per_s)
+        self.pool = ctx["pool_bytes"] if ctx else 0
+        # What stays in the pool after forward: the NVMe tier writes out past its high-water
+        # mark, but blocks being written still count, so on a CPU host (where the pool is
+        # device memory) the whole pool is charged.
+        self.resident = self.pool if device_is_host or not self.nvme else int(
+            self.pool * HIGH_WATER)
+        self.fixed_in = outside_bytes + sum(r.input_bytes for r in regions)
+        # Offloading op outputs frees device memory on a GPU, and on a CPU host only through
+        # the NVMe tier.
+        self.use_offload = use_offload and ctx is not None and (not device_is_host or self.nvme)
+        if ctx is None:
+            self.charge = "device"  # inputs and the rest stay: counted in full
+        elif not device_is_host:
+            self.charge = "none"  # they leave the device
+        else:
+            self.charge = "resident" if self.nvme else "device"
+        # The host tier alone holds what it is given until backward: the plan's offloads share
+        # the pool with what the context takes by itself.
+        self.host_room = self.pool - self.fixed_in if ctx is not None and not self.nvme else 0
+        self.kept = 0
+        self.items: List[_Item] = []
+        self.fwd = [0.0] * len(regions)
+        for ri, r in enumerate(regions):
+            for o in r.ops:
+                sec = machine.op_seconds(o)
+                self.fwd[ri] += sec
+                k = (ri, o.index)
+                if o.after_stop:
+                    self.ops[k] = ("recompute", "", "after the last saved tensor: never rerun")
+                elif o.forced == "effect":
+                    self.ops[k] = ("keep", "", "has an ordered side effect: saved")
+                    self.kept += o.bytes
+                elif o.forced is not None or o.bytes == 0:
+                    self.ops[k] = ("recompute", "", o.forced or "holds no memory")
+                else:
+                    self.items.append(_Item(ri, o, sec))
+                    self.kept += o.bytes
+        self.recompute = 0.0
+        self.transfer = 0.0
+        self.region_transfer = [0.0] * len(regions)
+        self.region_off = [0] * len(regions)
+        self.offloaded = 0
+        self.tail_bytes = 0
+        self.link_used = 0.0
+        # What the link can hide: the copy out overlaps forward compute, the copy back the
+        # (longer) backward; the last region's is never hidden (backward needs it first).
+        self.hide_seconds = sum(self.fwd[: self.last])
+        self.per_byte_cpu = 1.0 / machine.link_bytes_per_s if device_is_host else 0.0
+
+    @property
+    def mem(self) -> int:
+        """Device bytes held after forward under the decisions so far."""
+        if self.charge == "device":
+            fixed = self.fixed_in
+        elif self.charge == "resident":
+            fixed = self.resident  # a CPU host: the pool is this memory, faulted in whole
+        else:
+            fixed = 0
+        return fixed + self.kept + self.tail_bytes
+
+    @property
+    def peak(self) -> int:
+        """The modeled peak: what is held after forward, or, once the plain tail's backward
+        freed it, what the rest holds + the largest region rebuilt."""
+        return max(self.mem, self.mem - self.tail_bytes + self.bwd)
+
+    def rebuilt_bytes(self) -> int:
+        """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds
+        (or reloads) everything autograd saved in it before its backward starts."""
+        return max((r.needed_bytes for r in self.regions), default=0)
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        m = self.machine
+        if self.nvme:
+            # Bytes pass through host memory; what exceeds the resident share also goes to disk.
+            t = 0.0 if self.device_is_host else nbytes / m.link_bytes_per_s
+            over = max(0, self.offloaded + nbytes - self.resident) - max(
+                0, self.offloaded - self.resident)
+            return t + over / (m.nvme_bytes_per_s or float("inf"))
+        return nbytes / m.link_bytes_per_s
+
+    def can_offload(self, it: _Item) -> bool:
+        if not self.use_offload:
+            return False
+        if self.nvme:
+            if self.chunked(it):
+                return True  # it streams through the pool in pieces (Note [chunked storages])
+            # Recomputing a region brings back all its offloaded outputs (and inputs) at once,
+            # and each holds a pool block until the region's backward is done. Past what the
+            # pool holds, the NVMe tier reads back through temporary mappings (slower, with a
+            # warning): plan within a share of the pool, leaving room to read ahead.
+            r = self.regions[it.region]
+            need = self.region_off[it.region] + it.op.bytes + r.input_bytes
+            return need <= self.pool * REGION_POOL_SHARE
+        return self.offloaded + it.op.bytes <= self.host_room
+
+    def chunked(self, it: _Item) -> bool:
+        """Offloaded in pieces by the NVMe tier: larger than half its pool (Note [chunked
+        storages] in context.py)."""
+        return self.nvme and it.op.bytes > self.pool // 2
+
+    def offload_cost(self, it: _Item) -> Tuple[float, bool]:
+        t = self.transfer_seconds(it.op.bytes)
+        hidden = it.region != self.last and self.link_used + t <= self.hide_seconds
+        # On a CPU host the copies cost compute: one into the pool, and for a chunked storage
+        # a second one on unpack (for the pieces still in the pool; those on disk are read
+        # straight into the tensor, Note [gathered storages] in rust/tier/gather.rs: an upper
+        # bound).
+        copies = 2 if self.chunked(it) else 1
+        return (0.0 if hidden else t) + copies * it.op.bytes * self.per_byte_cpu, hidden
+
+
+    def _dead(self, ri: int, ops: List[OpRecord]) -> set:
+        """Recomputed ops that only saved ops read: the runtime skips them in recomputation."""
+        return region_skipped(ops, lambda o: self.ops[(ri, o.index)][0])
+
+
+    def _total_recompute(self) -> None:
+        t = 0.0
+        for ri, r in enumerate(self.regions):
+            if self.modes[ri] != "checkpoint":
+                continue
+            dead = self._dead(ri, r.ops)
+            for o in r.ops:
+                if (not o.after_stop and o.index not in dead
+                        and self.ops[(ri, o.index)][0] == "recompute"):
+                    t += self.machine.op_seconds(o)
+        self.recompute = t
+
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+

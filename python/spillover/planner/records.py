@@ -1,0 +1,179 @@
+"""What one step recorded, per region and per op (bytes, FLOPs, what autograd saved), and the
+signatures a plan's regions are matched by."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+try:  # torch >= 2.1
+    from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
+except ImportError:  # pragma: no cover
+    _FLOP_REGISTRY = {}
+
+
+
+def output_tensors(out: Any) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (what keeping them pins)."""
+    seen = set()
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        try:
+            st = t.untyped_storage()
+            key = (t.device, st.data_ptr())
+        except (RuntimeError, NotImplementedError):  # fake (compile) or storage-less subclasses
+            total += t.numel() * t.element_size()
+            continue
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def _tensor_bytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+def _shape_sig(x: Any) -> Any:
+    """What a flop formula reads of an argument: tensors by shape and dtype, the rest by value."""
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_shape_sig(y) for y in x)
+    return x
+
+
+#: op_flops of formula ops by (op, argument shapes): torch's formulas cost tens of
+#: microseconds per call, and a region's forward asks once per op per step.
+_FLOPS_MEMO: Dict[Any, int] = {}
+_FLOPS_MEMO_MAX = 4096
+
+
+def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> int:
+    """Recompute FLOPs of one op: torch's flop formulas for matmuls, convolutions and fused
+    attention; one per output element for everything else (memory-bound ops)."""
+    formula = _FLOP_REGISTRY.get(getattr(func, "overloadpacket", None))
+    if formula is not None:
+        try:
+            key: Any = (func, _shape_sig(tuple(args)), _shape_sig(tuple(sorted(kwargs.items()))),
+                        _shape_sig(out))
+            hit = _FLOPS_MEMO.get(key)
+        except TypeError:  # an unhashable argument: no memo
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        try:
+            flops = int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # an overload the formula does not know
+            flops = None
+        if flops is not None:
+            if key is not None:
+                if len(_FLOPS_MEMO) >= _FLOPS_MEMO_MAX:
+                    _FLOPS_MEMO.clear()
+                _FLOPS_MEMO[key] = flops
+            return flops
+    return sum(t.numel() for t in output_tensors(out))
+
+
+
+def is_compute_bound(func: Any) -> bool:
+    return getattr(func, "overloadpacket", None) in _FLOP_REGISTRY
+
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """One op call inside a region, as its forward ran."""
+
+    index: int
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+    bytes: int  # storage bytes its outputs pin if saved (0 for views)
+    flops: int
+    moved_bytes: int  # inputs + outputs, for the memory-bound part of its cost
+    compute_bound: bool
+    #: why the op is never saved ("view", "mutates an input", "random") or always saved
+    #: ("effect"); None when the policy or planner decides.
+    forced: Optional[str] = None
+    needed: bool = False  # autograd saved (a view of) its output
+    #: never rerun: recomputation stops before it, or only saved ops read its output
+    after_stop: bool = False
+    #: ops of the region that read its output, views seen through (for Note [outputs only
+    #: saved ops read] in recompute/modes.py)
+    readers: Tuple[int, ...] = ()
+    action: str = "recompute"  # keep | offload | recompute
+    tier: str = ""  # host | nvme, for offloaded outputs (the planner's estimate)
+    reason: str = ""
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+@dataclasses.dataclass
+class RegionRecord:
+    """One region invocation of one step."""
+
+    key: Any
+    name: str
+    signature: Any
+    device: str
+    mode: str  # checkpoint | plain | plain-keep | plain-offload
+    input_bytes: int = 0
+    ops: List[OpRecord] = dataclasses.field(default_factory=list)
+    needed_bytes: int = 0  # op outputs autograd saved: what running it plainly holds
+    stop: int = 0  # ops at or after this index are never recomputed
+    offload: Optional[Dict[str, Any]] = None  # the offload context seen: tier, pool bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this run holds after forward (saved outputs, kept or offloaded, + inputs)."""
+        if self.mode != "checkpoint":
+            return self.input_bytes + self.needed_bytes
+        return self.input_bytes + sum(o.bytes for o in self.ops if o.action == "keep")
+
+
+
+def _ctx_signature(ctx: Any) -> Optional[Tuple[Any, ...]]:
+    if ctx is None:
+        return None
+    cap = ctx.pool_limit  # not what is mapped now: a default pool grows (_growth.py)
+    return (ctx.tier, cap, ctx.nvme)
+
+
+def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
+    if ctx is None:
+        return None
+    return {
+        "tier": ctx.tier,
+        "pool_bytes": ctx.pool_limit,
+        "nvme": ctx.nvme,
+    }
+
+
+def input_signature(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    sig: List[Any] = []
+    for a in list(args) + [kwargs[k] for k in sorted(kwargs)]:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), str(a.dtype), str(a.device), a.requires_grad))
+        elif isinstance(a, (list, tuple)):
+            sig.append(input_signature(a, {}))
+    return tuple(sig)
+

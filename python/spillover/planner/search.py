@@ -1,0 +1,296 @@
+"""The search: the plan for one step's records under a budget (a pure function of records,
+rates, budget and measured offsets; no torch run). See the package docstring for the order in
+which it frees bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..config import format_size
+from .cost import Costs, _Item, _ms
+from .machine import Machine
+from .records import RegionRecord
+
+# ---- the plan --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RegionPlan:
+    signature: Any
+    mode: str  # checkpoint | plain-keep | plain-offload
+    actions: Dict[int, Tuple[str, str, str]]  # index -> (op name, action, tier)
+
+
+@dataclasses.dataclass
+class Plan:
+    regions: List[RegionPlan]
+    budget: Optional[int]
+    plain_bytes: int  # what no checkpointing holds
+    full_bytes: int  # what full recompute holds (inputs + the rest of the model)
+    planned_bytes: int
+    recompute_seconds: float
+    transfer_seconds: float  # exposed (not hidden) transfer time
+    fits: bool
+    note: str = ""
+    #: the modeled peak of the step (held after forward + the largest region rebuilt in
+    #: backward), before the measured correction (Note [peak feedback])
+    model_peak: int = 0
+    #: measured peak - modeled peak, from the steps measured so far (None: not measured)
+    peak_offset: Optional[int] = None
+    variant: str = ""
+
+
+
+
+#: The variants make_plan tries for the regions not run plainly at the end.
+KINDS = ("checkpoint", "checkpoint+offload", "plain-offload")
+
+
+def family(kind: str) -> str:
+    """Variants whose backward peaks the same offset corrects: regions rebuilt at once in
+    backward ("checkpoint"), reloaded one by one ("plain-offload"), or all plain."""
+    if kind.startswith("plain-offload"):
+        return "plain-offload"
+    return "plain" if kind == "plain" else "checkpoint"
+
+
+def make_plan(
+    regions: List[RegionRecord],
+    machine: Machine,
+    budget: Optional[int],
+    outside_bytes: int = 0,
+    peak_offset: Optional[int | Dict[str, int]] = None,
+    kinds: Sequence[str] = KINDS,
+) -> Plan:
+    """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
+
+    With ``peak_offset`` None the budget bounds what the step holds after forward (the model
+    alone). With a number, the budget bounds the step's peak: what it holds after forward, plus
+    the largest region rebuilt in backward, plus ``peak_offset`` (the measured peak minus that
+    model, Note [peak feedback]); a dict gives one per variant family (:func:`family`), with
+    "learning" for the families not measured yet.
+
+    Mutates the records (``mode``, ``action``, ``tier``, ``reason``) so that they explain
+    themselves, and returns the :class:`Plan` the next steps follow. ``kinds`` are the variants
+    tried for the regions not run plainly at the end: op by op without offloading
+    ("checkpoint"), with it ("checkpoint+offload"), or all run plainly with the offload context
+    taking what they save ("plain-offload").
+    """
+    plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
+    full = outside_bytes + sum(r.input_bytes for r in regions)
+    peak = peak_offset is not None
+
+    def off(kind: str) -> int:
+        if isinstance(peak_offset, dict):
+            return peak_offset.get(family(kind), peak_offset.get("learning", 0))
+        return peak_offset or 0
+
+    if not regions or budget is None or plain + off("plain") <= budget:
+        for r in regions:
+            r.mode = "plain-keep"
+            for o in r.ops:
+                o.action, o.tier = "keep", ""
+                o.reason = "everything fits the budget"
+        return Plan(
+            [RegionPlan(r.signature, "plain-keep", {}) for r in regions],
+            budget, plain, full, plain, 0.0, 0.0, True, model_peak=plain,
+            peak_offset=off("plain") if peak else None, variant="plain",
+        )
+    ctx = regions[0].offload
+    device_is_host = regions[0].device == "cpu"
+    # The last k regions run plainly (they are needed first in backward and cost nothing to
+    # rebuild); the others are planned op by op in what remains of the budget, with and
+    # without offloading op outputs, or all run plainly with the context taking what they save.
+    variants: List[_Greedy] = []
+    n = len(regions)
+    for k in range(n):
+        plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
+        if k and plain_tail + off("checkpoint") > budget:
+            break
+        head = regions[: n - k]
+        tried = [("checkpoint", False)] if "checkpoint" in kinds else []
+        if ctx is not None:
+            tried += [(kd, True) for kd in ("checkpoint+offload", "plain-offload") if kd in kinds]
+        for kind, use_offload in tried:
+            cls = _PlainOffload if kind == "plain-offload" else _Greedy
+            g = cls(head, machine, 0, outside_bytes, ctx, device_is_host, use_offload)
+            if kind == "plain-offload" and not g.use_offload:
+                continue  # the context frees nothing here (a CPU host's host tier)
+            g.bwd = g.rebuilt_bytes() if peak else 0
+            # The plain tail's backward comes first and frees it before the others rebuild.
+            g.budget = budget - off(kind) - (max(plain_tail, g.bwd) if peak else plain_tail)
+            g.run()
+            g.add_plain_tail(regions[n - k:], plain_tail)
+            g.kind = kind + (f", last {k} plain" if k else "")
+            variants.append(g)
+    if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
+        return make_plan(regions, machine, budget, outside_bytes, peak_offset)
+    fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
+    best = (min(fitting, key=lambda v: (v.recompute + v.transfer, v.peak)) if fitting
+            else min(variants, key=lambda v: v.peak + off(v.kind)))
+    for ri, r in enumerate(regions):
+        r.mode = best.modes[ri]
+        for o in r.ops:
+            o.action, o.tier, o.reason = best.ops[(ri, o.index)]
+    note = ""
+    if not fitting:
+        what = "peak" if peak else "least this plan can hold"
+        note = (
+            f"the budget ({format_size(budget)}) is below the {what} this plan reaches "
+            f"({format_size(best.peak + off(best.kind))}): everything that can be freed is"
+        )
+    plans = [
+        RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops})
+        for r in regions
+    ]
+    return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
+                bool(fitting), note, model_peak=best.peak,
+                peak_offset=off(best.kind) if peak else None,
+                variant=best.kind)
+
+
+
+class _Greedy(Costs):
+    """One planning pass (with or without offloading op outputs); see the package docstring."""
+
+    def run(self) -> _Greedy:
+        by_rc = sorted(self.items, key=lambda it: (it.rc, it.region, it.op.index))
+        # Offload candidates: dearest to recompute first, the last region's after all others.
+        by_off = sorted(
+            (it for it in self.items if self.use_offload),
+            key=lambda it: (it.region == self.last, -it.rc, it.region, it.op.index),
+        )
+        taken: set = set()
+        lo = hi = 0
+        while self.mem > self.budget:
+            while lo < len(by_rc) and id(by_rc[lo]) in taken:
+                lo += 1
+            while hi < len(by_off) and (
+                id(by_off[hi]) in taken or not self.can_offload(by_off[hi])
+            ):
+                hi += 1
+            if lo >= len(by_rc):
+                break
+            cand = by_rc[lo]
+            off = by_off[hi] if hi < len(by_off) else None
+            off_cost, hidden = self.offload_cost(off) if off is not None else (float("inf"), False)
+            if off is None or cand.rc <= off_cost / off.op.bytes:
+                taken.add(id(cand))
+                self.kept -= cand.op.bytes
+                self.ops[(cand.region, cand.op.index)] = (
+                    "recompute", "", f"cheapest to free ({_rate_text(cand)})")
+            else:
+                taken.add(id(off))
+                self.kept -= off.op.bytes
+                self._take_offload(off, off_cost, "the transfer hides behind compute" if hidden
+                                   else "cheaper to move than to recompute")
+        for it in self.items:
+            if id(it) not in taken:
+                self.ops[(it.region, it.op.index)] = ("keep", "", "fits the budget")
+        self._save_chain_ends()
+        self._label_tiers()
+        self._total_recompute()
+        return self
+
+    def _take_offload(self, it: _Item, cost: float, why: str) -> None:
+        """Decide to offload ``it`` (its bytes already left out of ``kept``)."""
+        self.link_used += self.transfer_seconds(it.op.bytes)
+        self.offloaded += it.op.bytes
+        if not self.chunked(it):
+            self.region_off[it.region] += it.op.bytes
+        self.transfer += cost
+        self.region_transfer[it.region] += cost
+        self.ops[(it.region, it.op.index)] = ("offload", "", why)
+
+    def _save_chain_ends(self) -> None:
+        """Offload a recomputed output when that lets the runtime skip the ops feeding it and
+        costs less than rerunning them all (e.g. a softmax output: then the scores matmul,
+        scaling and masking before it are not rerun either), within the budget."""
+        # Chain ends first: a softmax output spares the matmul, scaling and masking before it.
+        for it in sorted(self.items, key=lambda it: (it.region, -it.op.index)):
+            k = (it.region, it.op.index)
+            if self.ops[k][0] != "recompute" or not self.use_offload or not self.can_offload(it):
+                continue
+            ops = self.regions[it.region].ops
+            before = self._dead(it.region, ops)
+            decided = self.ops[k]
+            self.ops[k] = ("offload", "", "")
+            gained = self._dead(it.region, ops) - before
+            self.ops[k] = decided
+            saved_s = it.seconds + sum(self.machine.op_seconds(o) for o in ops
+                                       if o.index in gained)
+            cost, _ = self.offload_cost(it)
+            if not gained or cost >= saved_s:
+                continue
+            self.offloaded += it.op.bytes  # what the pool would hold with it
+            fits = self.mem <= self.budget
+            self.offloaded -= it.op.bytes
+            if not fits:
+                continue
+            self._take_offload(it, cost, f"saving it spares rerunning {len(gained)} ops "
+                               f"before it ({_ms(saved_s)} > {_ms(cost)})")
+
+    def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int) -> None:
+        """Append regions that run plainly and keep everything (after planning the rest)."""
+        base = len(self.modes)
+        for i, r in enumerate(tail):
+            self.modes.append("plain-keep")
+            for o in r.ops:
+                self.ops[(base + i, o.index)] = (
+                    "keep", "", "region runs plainly: backward needs it first and it fits")
+        self.tail_bytes += tail_bytes
+        self.budget += tail_bytes
+
+    def _label_tiers(self) -> None:
+        """The NVMe tier writes out the earliest packed first: what was packed last stays in
+        the pool, up to its resident share; everything packed before that goes to disk."""
+        room = self.resident
+        spilled = False
+        for ri in range(self.last, -1, -1):
+            for o in reversed(self.regions[ri].ops):
+                act, _tier, why = self.ops[(ri, o.index)]
+                if act != "offload":
+                    continue
+                if not self.nvme or (not spilled and o.bytes <= room):
+                    room -= o.bytes
+                    self.ops[(ri, o.index)] = (act, "host", why)
+                else:
+                    spilled = True
+                    self.ops[(ri, o.index)] = (act, "nvme", why)
+
+
+class _PlainOffload(_Greedy):
+    """The variant where the regions run plainly and the offload context takes everything
+    autograd saves: nothing is recomputed, and backward reloads tensors one by one as it needs
+    them (no region is rebuilt at once), so its backward peak is the lowest."""
+
+    def rebuilt_bytes(self) -> int:
+        largest = max((o.bytes for r in self.regions for o in r.ops if o.needed), default=0)
+        return 2 * largest  # the one in use and the next one read ahead
+
+    def run(self) -> _PlainOffload:
+        self.modes = ["plain-offload"] * len(self.regions)
+        self.kept = 0
+        total = sum(r.needed_bytes for r in self.regions)
+        t = self.transfer_seconds(total)
+        last = self.regions[self.last].needed_bytes if self.regions else 0
+        exposed = max(0.0, t - self.hide_seconds, self.transfer_seconds(last))
+        self.offloaded = total
+        self.transfer = exposed + 2 * total * self.per_byte_cpu
+        self.link_used = t
+        why = "region runs plainly: the offload context takes what autograd saves"
+        for ri, r in enumerate(self.regions):
+            for o in r.ops:
+                k = (ri, o.index)
+                if o.needed and o.bytes:
+                    self.ops[k] = ("offload", "", why)
+                else:
+                    self.ops[k] = ("recompute", "", "region runs plainly: not held")
+        self._label_tiers()
+        self.recompute = 0.0
+        return self
+
+
+def _rate_text(it: _Item) -> str:
+    return f"{it.seconds * 1e3:.2f} ms for {format_size(it.op.bytes)}"

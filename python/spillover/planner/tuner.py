@@ -1,0 +1,344 @@
+"""The online tuner: :class:`Planner`, the ``"auto"`` policy. It learns a step, plans it, and
+corrects the plan by the peaks the first planned steps reach (Note [peak feedback]).
+
+Note [peak feedback]
+    The budget is the step's peak (forward and backward), not what it holds after forward. The
+    model adds to what a plan holds after forward the largest region rebuilt in backward
+    (recomputation brings back everything autograd saved in a region before its backward
+    starts; a region run plainly under the context reloads tensors one by one), but it cannot
+    see gradients being computed, copies in flight, tensors under the minimum offload size or
+    pieces being assembled. So the learning step (every region recomputed in full) has its
+    peak measured (:mod:`spillover._peak`) and the difference from its model becomes an offset
+    added to every variant's modeled peak. The first planned steps (``TUNING_STEPS``) are
+    measured too: a plan over the budget, or more than ``SLACK`` under it, re-plans with the
+    offset it showed; after them the fastest measured plan within the budget is kept (else the
+    one with the least peak). With the same calibration and the same measured peaks the plans
+    are the same.
+
+Note [planner step boundaries]
+    ``wrap`` starts a step at each forward of the wrapped model. A standalone
+    ``checkpoint(..., policy=planner)`` starts one when a region runs after a backward has
+    reached a region of the current step (seen by a hook on the region's output).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import psutil
+import torch
+
+from ..config import Config, format_size
+from .cost import learning_peak
+from .machine import Machine
+from .records import RegionRecord, _ctx_signature, input_signature
+from .search import KINDS, Plan, RegionPlan, family, make_plan
+
+#: Share of free memory the planner may use when no budget is given.
+DEFAULT_BUDGET_SHARE = 0.5
+
+
+class Planner:
+    """The ``"auto"`` policy: one per wrapped model (``wrap(model, policy="auto")``), or shared
+    by standalone ``checkpoint(fn, ..., policy=planner)`` calls.
+
+    Args:
+        budget_bytes: the peak memory the step may reach on its device, forward and backward
+            (activations, gradients and everything else the step allocates); default
+            SPILLOVER_DEVICE_BUDGET_BYTES, else half of the device's free memory when planning.
+        machine: rates to plan with (default: this machine's calibration, measured on first use
+            and cached on disk).
+        measure_peak: measure the peak of the learning step and of the first planned steps and
+            correct the plan by it (Note [peak feedback]); with False the budget bounds what
+            the step holds after forward, as modeled, and nothing is measured.
+    """
+
+    #: planned steps whose measured peak may still re-plan (Note [peak feedback])
+    TUNING_STEPS = 3
+    #: a measured peak within this share under the budget is close enough: no re-plan
+    SLACK = 0.05
+
+    def __init__(self, budget_bytes: Optional[int | str] = None, machine: Optional[Machine] = None,
+                 measure_peak: bool = True):
+        cfg = Config.load()
+        if budget_bytes is not None:
+            cfg = cfg.replace(device_budget_bytes=budget_bytes)
+        self.budget_bytes: Optional[int] = cfg.device_budget_bytes
+        self._machine = machine
+        self._lock = threading.Lock()
+        self.plan: Optional[Plan] = None
+        self.learning = True
+        self.explicit_steps = False  # set by wrap: it calls begin_step() itself
+        self.steps = 0
+        self.replans = 0
+        self._records: List[RegionRecord] = []  # this step's
+        self.last_records: List[RegionRecord] = []  # the last finished step's
+        self.planned_records: List[RegionRecord] = []  # the records the plan was made from
+        self._ordinals: Dict[Any, int] = {}
+        self._pos = 0
+        self._dirty = False
+        self._all_learned = True
+        self._backward_seen = False
+        self.outside_bytes = 0
+        # Note [peak feedback]
+        self.measure_peak = measure_peak
+        self._meter: Optional[Any] = None
+        self._step_peak: Optional[int] = None  # this step's, read at the end of its backward
+        self._metering = False
+        #: measured peak - modeled peak per variant family ("learning": the learning step's)
+        self.peak_offsets: Dict[str, int] = {}
+        self.tuning_left = 0
+        self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
+        self.last_peak: Optional[int] = None
+
+    def __reduce__(self) -> Any:
+        # Pickled with a wrapped model (Note [pickling a wrapped model] in recompute/blocks.py):
+        # the settings travel; what it learned and planned is this machine's and is learned
+        # again in the loaded model's first step.
+        return (_planner_from, (self.budget_bytes, self._machine, self.measure_peak,
+                                self.explicit_steps))
+
+    # -- steps --
+
+    def machine(self, device: str) -> Machine:
+        if self._machine is not None:
+            return self._machine
+        from . import machine_for  # the package's cache (tests replace it)
+
+        return machine_for(device)
+
+    @property
+    def tuned(self) -> bool:
+        """True once the plan is final: planned, and no longer corrected by measured peaks."""
+        return self.plan is not None and not self.learning and self.tuning_left == 0
+
+    def begin_step(self) -> None:
+        """Close the step that ran (plan from it if it was a learning step, correct the plan by
+        its measured peak while tuning) and open one."""
+        with self._lock:
+            recs = self._records
+            ran = self._pos > 0  # regions ran (planned plain regions leave no record)
+            learned = bool(recs) and self._all_learned
+            peak = self._finish_peak(recs if learned else self.planned_records)
+            if recs:
+                self.last_records = recs
+            if learned:  # every region of the step recorded a learning run
+                self.peak_offsets = {}
+                if peak is not None:
+                    self.peak_offsets["learning"] = peak - learning_peak(
+                        recs, self.machine(recs[0].device), self.outside_bytes)
+                self._make_plan(recs)
+                self.tuning_left = self.TUNING_STEPS if self.peak_offsets else 0
+                self.measured = []
+            elif ran and self._dirty:  # part of the step followed a plan that no longer fits
+                self.learning = True
+                self.plan = None
+            elif ran and self.plan is not None and peak is not None and self.tuning_left > 0:
+                self._tune(peak)
+            self._all_learned = True
+            self._records = []
+            self._ordinals = {}
+            self._pos = 0
+            self._dirty = False
+            self._backward_seen = False
+            self.steps += 1
+            self._metering = False
+
+    def _finish_peak(self, recs: List[RegionRecord]) -> Optional[int]:
+        """The peak of the step that ran (None when it was not measured)."""
+        if not self._metering or self._meter is None:
+            return None
+        peak = self._step_peak if self._step_peak is not None else self._meter.read()
+        self._step_peak = None
+        if peak is not None and recs:
+            peak += self._pool_charge(recs)
+        self.last_peak = peak
+        return peak
+
+    @staticmethod
+    def _pool_charge(recs: List[RegionRecord]) -> int:
+        """On a CPU host the offload context's pool is this same memory, faulted in when the
+        context opened (before the step): charged in full, as the budget counts it."""
+        info = recs[0].offload
+        return int(info["pool_bytes"]) if info and recs[0].device == "cpu" else 0
+
+    def _tune(self, peak: int) -> None:
+        """Note [peak feedback]: correct the model by the peak the planned step reached."""
+        plan = self.plan
+        assert plan is not None
+        self.measured.append((plan, peak))
+        self.tuning_left -= 1
+        budget = self._budget_for(self.planned_records[0].device)
+        self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
+        if budget * (1 - self.SLACK) <= peak <= budget or self.tuning_left <= 0:
+            self.tuning_left = 0
+            self._settle(budget)
+            return
+        old = [(r.mode, r.actions) for r in plan.regions]
+        self._make_plan(self.planned_records)
+        if [(r.mode, r.actions) for r in self.plan.regions] == old and peak > budget:  # type: ignore[union-attr]
+            # Over budget and the correction changes nothing: try a family not measured yet
+            # (its offset may differ from the learning step's: e.g. regions reloading their
+            # tensors one by one peak lower than the model of a rebuilt region says).
+            for fam, kinds in (("checkpoint", KINDS[:2]), ("plain-offload", KINDS[2:])):
+                if fam not in self.peak_offsets:
+                    self._make_plan(self.planned_records, kinds)
+                    if [(r.mode, r.actions) for r in self.plan.regions] != old:  # type: ignore[union-attr]
+                        return
+            self.tuning_left = 0
+            self._settle(budget)
+        elif [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore[union-attr]
+            self.tuning_left = 0  # settled: the correction changes nothing
+            self._settle(budget)
+
+    def _settle(self, budget: int) -> None:
+        """Tuning over: keep the fastest measured plan within the budget, else the one whose
+        measured peak was least."""
+        if not self.measured:
+            return
+        fits = [(p, m) for p, m in self.measured if m <= budget]
+        if fits:
+            best = min(fits, key=lambda pm: (pm[0].recompute_seconds + pm[0].transfer_seconds,
+                                             pm[1]))
+        else:
+            best = min(self.measured, key=lambda pm: pm[1])
+        if best[0] is not self.plan:
+            self.plan = best[0]
+            self._apply(self.plan)
+
+    def _apply(self, plan: Plan) -> None:
+        """Write a plan's decisions back into the records it was made from (for explain)."""
+        for r, rp in zip(self.planned_records, plan.regions):
+            r.mode = rp.mode
+            for o in r.ops:
+                a = rp.actions.get(o.index)
+                if a is not None:
+                    o.action, o.tier = a[1], a[2]
+
+    def use_plan(self, plan: Plan) -> None:
+        """Follow ``plan`` from the next step on, without learning or measuring (e.g. a plan
+        tuned in another process on the same model, shapes and offload context: its regions
+        are matched by call order, input shapes and context as a learned plan's are)."""
+        with self._lock:
+            self.plan = plan
+            self.learning = False
+            self.tuning_left = 0
+            self.measure_peak = False
+
+    def _start_peak(self, device: str) -> None:
+        """Measure this step's peak if it learns or tunes the plan."""
+        if not self.measure_peak or self._metering or not (self.learning or self.tuning_left):
+            return
+        if self._meter is None or self._meter.device != device:
+            from .._peak import PeakMeter
+
+            self._meter = PeakMeter(device)
+        self._step_peak = None
+        self._metering = self._meter.start()
+
+    def end_of_backward(self) -> None:
+        """The step's backward reached its first region: read the step's peak now (before the
+        optimizer allocates its state)."""
+        if self._metering and self._meter is not None and self._step_peak is None:
+            self._step_peak = self._meter.read()
+
+    def _budget_for(self, device: str) -> int:
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if device.startswith("cuda") and torch.cuda.is_available():
+            free, _total = torch.cuda.mem_get_info(torch.device(device))
+            return int(free * DEFAULT_BUDGET_SHARE)
+        return int(psutil.virtual_memory().available * DEFAULT_BUDGET_SHARE)
+
+    @property
+    def peak_offset(self) -> Optional[int]:
+        """The offset the current plan was made with (None: no measured peak)."""
+        return self.plan.peak_offset if self.plan is not None and self.peak_offsets else None
+
+    def _make_plan(self, recs: List[RegionRecord], kinds: Sequence[str] = KINDS) -> None:
+        device = recs[0].device
+        offsets: Optional[Dict[str, int]] = dict(self.peak_offsets)
+        if not offsets:
+            # nothing measured: the modeled peak alone, or (measure_peak=False) held bytes
+            offsets = {"learning": 0} if self.measure_peak else None
+        self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
+                              self.outside_bytes, peak_offset=offsets, kinds=kinds)
+        self.planned_records = recs
+        self.learning = False
+        self.replans += 1
+
+    # -- regions (called by spillover.recompute) --
+
+    def note_backward(self) -> None:
+        self._backward_seen = True
+
+    def region_plan(self, key: Any, args: Sequence[Any], kwargs: Dict[str, Any], ctx: Any
+                    ) -> Tuple[Any, Optional[RegionPlan]]:
+        """(signature, plan for this region or None to learn). Starts a step when needed."""
+        if not self.explicit_steps and self._backward_seen:
+            self.begin_step()
+        with self._lock:
+            n = self._ordinals.get(key, 0)
+            self._ordinals[key] = n + 1
+            sig = (key, n, input_signature(args, kwargs), _ctx_signature(ctx))
+            pos = self._pos
+            self._pos += 1
+            if pos == 0:
+                self._start_peak(_device_of_args(args, kwargs))
+                if self._metering:
+                    _on_grad_of(args, self.end_of_backward)
+            if self.learning or self.plan is None or self._dirty:
+                return sig, None
+            plans = self.plan.regions
+            if pos < len(plans) and plans[pos].signature == sig:
+                self._all_learned = False
+                return sig, plans[pos]
+            self._dirty = True  # shapes, order or context changed: learn again next step
+            return sig, None
+
+    def add_record(self, rec: RegionRecord) -> None:
+        with self._lock:
+            self._records.append(rec)
+
+    def mark_stale(self) -> None:
+        """The op sequence of a planned region differed from the learned one."""
+        with self._lock:
+            self._dirty = True
+
+
+def _device_of_args(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    return "cpu"
+
+
+def _on_grad_of(args: Sequence[Any], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once backward has computed the gradient of the first region's input: the
+    regions' backward is over."""
+    t = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if t is None:
+        return
+    handle: List[Any] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        if handle:
+            handle.pop().remove()  # once: a leaf input would keep it for later steps
+        fn()
+
+    handle.append(t.register_hook(hook))
+
+
+def default_budget_text(planner: Planner) -> str:
+    if planner.budget_bytes is not None:
+        return format_size(planner.budget_bytes)
+    return f"{int(DEFAULT_BUDGET_SHARE * 100)}% of free memory"
+
+
+def _planner_from(budget_bytes: Optional[int], machine: Optional[Machine], measure_peak: bool,
+                  explicit_steps: bool) -> Planner:
+    planner = Planner(budget_bytes, machine, measure_peak)
+    planner.explicit_steps = explicit_steps
+    return planner
+
