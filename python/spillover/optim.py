@@ -126,63 +126,14 @@ Note [step in arrival order]
     what the update computes. An update started during backward would have to be undone or
     would be wrong in each case, so it is not the default; what overlaps backward is the
     copying, and (with the fingerprint) all of it is kept unless the user changed the gradient.
-    A loop that does none of these can opt in: Note [update in backward].
+    ``update_in_backward=True`` starts them during backward and undoes the ones these change:
+    Note [update in backward].
 
 Note [update in backward]
-    ``OffloadAdamW(..., update_in_backward=True)`` (like torch's
-    ``_apply_optimizer_in_backward`` or torchtune's ``optimizer_in_bwd``) runs the CPU update
-    during backward. When the hooks have staged, in this backward, the gradient of every member
-    of a bucket that requires grad, the bucket's update is handed to one worker thread (the
-    kernel releases the GIL): buckets are updated in the order they completed — the last
-    layers first — while backward goes on producing the earlier layers' gradients, and each
-    bucket's parameters go back to the device from the worker (on a GPU: asynchronous copies on
-    the host-to-device side stream, after an event the hook recorded on the compute stream).
-    The worker never makes the compute stream wait (that would put a wait between backward's
-    kernels); ``step()``, on the main thread, does, for every copy back, so the next forward
-    sees the new values. What overlaps backward is then the gradient copies *and* the CPU
-    updates and the copies back; ``step()`` waits for the worker, updates the buckets that
-    were not complete (a parameter whose hook did not fire, a gradient set by hand, a unit
-    whose state does not exist yet), and counts the step. Hyper-parameters are read when a
-    bucket is handed over: a scheduler stepped after ``step()`` applies from the next backward,
-    as with torch. The worker touches only the state, its bucket's staging buffers and its
-    bucket's parameters (backward reads a parameter only in nodes that run before its
-    gradient is accumulated); the bookkeeping it shares with the hooks is under a lock, and an
-    exception it raises is re-raised by ``step()`` (the state of that bucket is then
-    unspecified, as after any failed step).
-
-    The contract: gradients must not change between backward and ``step()``. ``step()``
-    fingerprints every gradient whose bucket was updated during backward (Note [gradient
-    fingerprint]) and raises a RuntimeError if one changed (clipping, an in-place all-reduce,
-    a ``.data`` write, set to None): that update used the old gradient and is kept (and
-    counted), the rest of the step is not done. Refused, each with a RuntimeError or
-    ValueError naming the default mode as the alternative: sharding (the step's collectives
-    cannot run from a hook; ``shard=False`` or one rank works), CPU parameters without
-    ``_force_staging`` (updated in place at ``step()``: nothing to overlap), DTensors (FSDP2
-    assigns gradients itself and the hooks do not fire), ``torch.amp.GradScaler`` (the
-    updates would use scaled gradients and could not be skipped on inf/NaN; the optimizer
-    keeps ``_step_supports_amp_scaling`` so that every ``scaler.step(opt)`` reaches
-    ``step()``, which refuses it — on the very first step, before anything was updated in
-    backward, since the first step runs at ``step()``), and gradient accumulation: a hook
-    firing for a parameter whose bucket was already updated since the last ``step()`` raises
-    from the hook, which aborts backward. ``step()`` ends the round: the next backward starts
-    a new one. ``state_dict()`` between backward and ``step()`` is refused (the state is
-    mid-step); ``load_state_dict`` and dropping the state wait for the worker first and discard
-    the round.
-
-    Backward returns only once the worker has finished the round's updates (a callback queued
-    on the autograd engine when the first bucket is handed over waits for it): in the usual
-    loop ``step()`` follows at once and would wait for the same updates, and a forward run
-    before ``step()`` (accumulation, refused below) then never races the worker's in-place
-    writes of the parameters, so the second backward's hook reliably raises the error meant
-    for it instead of autograd's "modified by an inplace operation" (seen on the CI's 2 cores
-    when the worker still wrote the first layers while the next forward saved them).
-
-    The first step of a unit runs at ``step()`` (its master copy starts from the parameter
-    there, and the hooks exist only once the state does: Note [lazy state]), so the first step
-    of all is a default step (after ``load_state_dict`` the loaded units update in backward).
-    With the NVMe tier the worker streams each bucket's state as ``step()`` would. It is
-    opt-in because the contract excludes what many loops do between backward and ``step()``
-    (above), and it gives up the accumulation of Note [gradient accumulation].
+    ``OffloadAdamW(..., update_in_backward=True)`` runs each bucket's CPU update during
+    backward, on a worker thread, as a speculation that ``step()`` keeps, or undoes and redoes
+    (clipping applied, a GradScaler's inf/NaN step, a later micro-batch): the whole contract
+    is in ``_inbwd.py`` (Note [update in backward], Note [speculative update]).
 
 Note [sharding]
     Under ``torch.distributed`` with world size W > 1 (unless ``shard=False``), the parameters
@@ -283,7 +234,6 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
-import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -292,6 +242,7 @@ import torch
 
 from . import _adamw_switches as _switches
 from . import _native, _runtime, _tiers
+from ._inbwd import INBWD_STATS, InBackward
 from .config import Config
 from .errors import PoolExhaustedError
 from .transfer import block_tensor
@@ -343,6 +294,9 @@ _STATS = (
     "heap_chunks",
 )
 _CUMULATIVE = ("bytes_read", "bytes_written", "io_wait_seconds", "compute_seconds")
+# Note [speculative update]: steps that kept an update made during backward, that undid and
+# redid one, that GradScaler skipped.
+_ROUND_STATS = ("steps_in_backward", "steps_redone", "steps_skipped")
 _HYPER = np.dtype(
     [(n, "<f8") for n in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
 )
@@ -463,27 +417,19 @@ class _Copies:
         src.record_stream(self.d2h)
         return ev
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
-        """Copy `src` (host) into `dst` (device). Without `after` (the main thread, at
-        ``step()``) the copy waits for the compute stream and the compute stream for the copy;
-        with `after` (an event on the compute stream, from the update-in-backward worker: Note
-        [update in backward]) the copy waits for that event only and the compute stream is not
-        made to wait: ``step()`` does that, on the main thread."""
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy `src` (host) into `dst` (device): the copy waits for the compute stream and the
+        compute stream for the copy (on the main thread, at ``step()``)."""
         if not self.cuda:
             dst.copy_(src)
             return None
-        compute = None
-        if after is None:
-            compute = torch.cuda.current_stream(dst.device)
-            self.h2d.wait_stream(compute)  # kernels queued before may still read the parameter
-        else:
-            self.h2d.wait_event(after)
+        compute = torch.cuda.current_stream(dst.device)
+        self.h2d.wait_stream(compute)  # kernels queued before may still read the parameter
         with torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-        if compute is not None:
-            compute.wait_event(ev)  # Note [staged gradients]: the next forward sees new values
+        compute.wait_event(ev)  # Note [staged gradients]: the next forward sees new values
         return ev
 
     def stage(
@@ -554,7 +500,7 @@ class _Staged:
         self.events, self.fp_event, self.grad, self.version = events, fp_event, grad, version
 
 
-class _Space:
+class _Space(InBackward):
     """The state of the parameters of one (dtype, device): a native AdamState over *units*
     (whole parameters, the parts of them this rank owns, or — on the staged path — pieces of
     at most ``_UNIT_MAX`` elements, so every staging buffer fits a pool block)."""
@@ -568,7 +514,8 @@ class _Space:
         self.members = members  # global parameter indices, in order
         self.params = [opt._params[i] for i in members]
         self.sharded = opt._world > 1
-        self.staged = device.type != "cpu" or opt._force_staging
+        # update_in_backward stages CPU parameters too (Note [update in backward])
+        self.staged = device.type != "cpu" or opt._force_staging or opt._inbwd
         self.master = dtype != torch.float32 or self.staged
         self.esize = torch.empty((), dtype=dtype).element_size()
         self.numels = [_local(p).numel() for p in self.params]
@@ -609,11 +556,13 @@ class _Space:
         self.arrival: Dict[int, int] = {}  # member -> sequence number of its staging this step
         self.seq = 0
         self.order: List[int] = []  # buckets in the order the last step processed them
-        self.counters = {k: 0 for k in _GRAD_STATS}
+        self.counters = {k: 0 for k in _GRAD_STATS + INBWD_STATS}
         # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
         self.inbwd = bool(opt._inbwd) and self.staged and not self.sharded
         self.lock = threading.Lock()
         self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
+        self.undo: Dict[int, torch.Tensor] = {}  # Note [speculative update]: per bucket
+        self.last_round = (0, 0)  # the last step's buckets kept, redone
         self._new_round()
         self._alloc_buffers()
         self.state = self._make_state([u[2] for u in self.units])
@@ -827,193 +776,17 @@ class _Space:
         self.arrival[k] = self.seq  # the last staging counts: its copy lands last
         return True
 
-    # ---- updates during backward (Note [update in backward]) ----
-
-    def _new_round(self) -> None:
-        """Forget the round (the backward since the last ``step()``): called by ``step()``."""
-        with self.lock:
-            self.pending: Optional[List[set]] = None  # per bucket: members still to arrive
-            self.submitted: set = set()  # buckets handed to the worker this round
-            self.futures: List[Any] = []
-            self.done_units: List[int] = []  # units the worker updated this round
-            self.bwd_events: List[Any] = []  # its copies back to the device (CUDA events)
-            self.log: List[Tuple[int, float, float]] = []
-            self.end_queued = False  # join() queued to run when this backward ends
-
-    def _stage_inbwd(self, k: int, p: torch.Tensor) -> None:
-        """The hook in update-in-backward mode: refuse a second gradient for an updated bucket
-        (accumulation), stage the gradient, and hand every bucket it completes to the worker."""
-        self.fired[k] += 1
-        mine = self.buckets_of.get(k, [])
-        with self.lock:
-            again = any(b in self.submitted for b in mine)
-        if again:
-            raise RuntimeError(
-                f"OffloadAdamW(update_in_backward=True): parameter {self.members[k]} received "
-                "a second gradient after its bucket was already updated in this backward "
-                "(gradient accumulation, or two backward passes without step()); "
-                "update_in_backward updates at every backward: call step() (and zero_grad()) "
-                "after each backward, or use the default mode (update_in_backward=False) to "
-                "accumulate gradients over several backward passes"
-            )
-        g = p.grad
-        if g is None or not self._stage_copy(k, g):
-            return
-        if self.pending is None:  # the round's first gradient: which members to wait for
-            self.pending = [
-                {m for m in members if self.params[m].requires_grad}
-                for members in self.bucket_members
-            ]
-        for b in mine:
-            self.pending[b].discard(k)
-            if not self.pending[b]:
-                self._submit(b)
-
-    def _submit(self, b: int) -> None:
-        """Hand bucket b's update to the worker, if all its units have state (the first step
-        of a unit, which starts its master from the parameter, runs at ``step()``)."""
-        rows = [ui for ui in self.buckets[b][0] if self.units[ui][0] in self.staged_grads]
-        if not rows or not self.inited[rows].all():
-            return
-        hyper = self.opt._hyper()  # read now: the update is now (Note [update in backward])
-        after = None
-        if self.copies.cuda:  # the copies back wait for what backward queued so far
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
-        waits = []
-        for ui in rows:
-            k = self.units[ui][0]
-            waits.append(self.staged_grads[k].events[self.units_of[k].index(ui)])
-        with self.lock:
-            self.submitted.add(b)
-            self.futures.append(
-                self.opt._executor().submit(self._update_bucket, b, rows, waits, hyper, after)
-            )
-            queue, self.end_queued = not self.end_queued, True
-        if queue:  # backward returns once the worker is done: Note [update in backward]
-            torch.autograd.Variable._execution_engine.queue_callback(self.join)
-
-    def _update_bucket(
-        self, b: int, rows: List[int], waits: List[Any], hyper: np.ndarray, after: Any
-    ) -> None:
-        """The worker: bucket b's CPU update from its staged gradients, then its parameters
-        back to the device. Touches only bucket b's buffers, the state and its parameters."""
-        t0 = time.perf_counter()
-        with self.lock:
-            old = self.h2d_events.pop(b, [])
-        for ev in old + waits:  # the last copies back read the output buffer; ours must land
-            self.copies.wait(ev)
-        idx = np.asarray(rows, dtype=np.int64)
-        self._fill_hyper(idx, hyper)
-        self.state.step(self._flat_records(idx))
-        back = []
-        with torch.no_grad():
-            for ui in rows:
-                k, start, n, _ = self.units[ui]
-                p = _local(self.params[k])
-                if n == p.numel():
-                    dst, src = p, self.out_view[ui].view(p.shape)
-                else:
-                    dst, src = p.view(-1)[start : start + n], self.out_view[ui]
-                back.append(self.copies.to_device(dst, src, after=after))
-        with self.lock:
-            self.h2d_events[b] = back
-            self.bwd_events.extend(back)
-            self.done_units.extend(rows)
-            self.log.append((b, t0, time.perf_counter()))
-
-    def join(self) -> Optional[BaseException]:
-        """Wait for the worker's updates of this round; the first exception one raised."""
-        with self.lock:
-            futures = list(self.futures)
-        err = None
-        for f in futures:
-            e = f.exception()
-            if e is not None and err is None:
-                err = e
-        return err
-
-    def in_round(self) -> bool:
-        """Whether the worker updated something since the last ``step()``."""
-        with self.lock:
-            return bool(self.submitted)
-
-    def _close_round(self) -> Tuple[List[int], List[int]]:
-        """End the round after `join`: make the compute stream wait for the worker's copies
-        back; returns (the units it updated, its buckets in order)."""
-        with self.lock:
-            done, events, log = list(self.done_units), list(self.bwd_events), list(self.log)
-        if self.copies.cuda and events:
-            compute = torch.cuda.current_stream(self.device)
-            for ev in events:  # here, on the main thread: the next forward sees new values
-                compute.wait_event(ev)
-        self.inbwd_log = log
-        self._new_round()
-        return done, [b for b, _, _ in log]
+    # ---- updates during backward: _inbwd.InBackward ----
 
     def _count(self, done: List[int]) -> np.ndarray:
         """Global indices of the parameters with units in `done`."""
         return np.unique(self.unit_global[np.asarray(done, dtype=np.int64)])
 
-    def abort_round(self) -> bool:
-        """Wait for the worker and end the round without a step; the updates it made are
-        counted (the state moved). Whether there were any."""
-        self.join()
-        done, _ = self._close_round()
-        self.end_without_step(done)
-        return bool(done)
-
-    def end_without_step(self, done: Iterable[int] = ()) -> None:
-        """End a step that updates nothing more: the units in `done` (updated during backward)
-        count one step, the staged copies are dropped, and the hooks' counts are learnt."""
-        self.opt._steps[self._count(list(done))] += 1
+    def end_without_step(self) -> None:
+        """End a step that updates nothing: the staged copies are dropped and the hooks'
+        counts are learnt."""
         self.staged_grads = {}
         self.end_step()
-
-    def _step_inbwd(self, hyper: np.ndarray) -> np.ndarray:
-        """``step()`` in update-in-backward mode: wait for the worker, check that no gradient
-        changed after its bucket was updated, update the rest (Note [update in backward])."""
-        err = self.join()
-        if err is not None:
-            self._new_round()
-            self.end_without_step()
-            raise err
-        staged = self.staged_grads
-        with self.lock:
-            done_units = list(self.done_units)
-        done_members = sorted({self.units[ui][0] for ui in done_units})
-        changed = []
-        check = {}
-        for k in done_members:
-            g = self.params[k].grad
-            if g is None:
-                changed.append(k)
-            else:
-                check[k] = g
-        now = self._fingerprints_now(check)
-        for k, fp in now.items():
-            self.copies.wait(staged[k].fp_event)
-            lo, hi = self.fp_rows[k]
-            if _fp_combine(self.fp_host[lo:hi].numpy()) != fp:
-                changed.append(k)
-        done, bwd_order = self._close_round()
-        if changed:
-            self.end_without_step(done)
-            self.opt._updates += 1
-            names = ", ".join(str(self.members[k]) for k in sorted(changed)[:8])
-            raise RuntimeError(
-                f"OffloadAdamW(update_in_backward=True): the gradient of parameter(s) {names} "
-                "changed (or was set to None) between backward and step(), after its bucket "
-                "had already been updated during backward with the old gradient; the updates "
-                "made in backward are kept (and counted), the other parameters were not updated "
-                "this step. With update_in_backward=True gradients must not be changed between "
-                "backward and step(); to clip, unscale (GradScaler) or all-reduce gradients, "
-                "use the default mode (update_in_backward=False)"
-            )
-        rest = self._step_staged(hyper, frozenset(done))  # reads the step counts unmoved
-        self.order = bwd_order + self.order
-        self.inited = np.asarray(self.state.initialized(), dtype=bool)
-        return np.unique(np.concatenate([rest, self._count(done)]))
 
     def end_step(self) -> None:
         """Learn how many times each hook fires per step (Note [gradient accumulation]) and
@@ -1155,9 +928,7 @@ class _Space:
                 decided.add(k)
                 st = staged.get(k)
                 if k in now:
-                    self.copies.wait(st.fp_event)
-                    lo, hi = self.fp_rows[k]
-                    if _fp_combine(self.fp_host[lo:hi].numpy()) == now[k]:
+                    if self._staged_fingerprint_of(st, k) == now[k]:
                         evs = st.events
                         uis = self.units_of.get(k, [])
                     else:  # the same tensor and version, other bytes: Note [staged gradients]
@@ -1189,18 +960,31 @@ class _Space:
             self._fill_hyper(rows, hyper)
             self.state.step(self._flat_records(rows))
             updated.extend(rows.tolist())
-            back = []
-            with torch.no_grad():
-                for ui in rows.tolist():
-                    k, start, n, _ = self.units[ui]
-                    p = _local(self.params[k])
-                    if n == p.numel():
-                        dst, src = p, self.out_view[ui].view(p.shape)
-                    else:  # a piece of a large parameter (contiguous: checked at build)
-                        dst, src = p.view(-1)[start : start + n], self.out_view[ui]
-                    back.append(self.copies.to_device(dst, src))
-            self.h2d_events[b] = back
+            self._send_back(b, rows.tolist())
         return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
+
+    def _send_back(self, b: int, rows: List[int]) -> None:
+        """Copy the parameters of bucket b's units `rows` from its output buffer."""
+        back = []
+        with torch.no_grad():
+            for ui in rows:
+                k, start, n, _ = self.units[ui]
+                p = _local(self.params[k])
+                if n == p.numel():
+                    dst, src = p, self.out_view[ui].view(p.shape)
+                else:  # a piece of a large parameter (contiguous: checked at build)
+                    dst, src = p.view(-1)[start : start + n], self.out_view[ui]
+                back.append(self.copies.to_device(dst, src))
+        self.h2d_events[b] = back
+
+    def _staged_fingerprint(self, k: int) -> Tuple[int, int]:
+        """Note [gradient fingerprint] of member k's staged copy (waits for it)."""
+        return self._staged_fingerprint_of(self.staged_grads[k], k)
+
+    def _staged_fingerprint_of(self, st: _Staged, k: int) -> Tuple[int, int]:
+        self.copies.wait(st.fp_event)
+        lo, hi = self.fp_rows[k]
+        return _fp_combine(self.fp_host[lo:hi].numpy())
 
     def _fingerprints_now(self, grads: Dict[int, torch.Tensor]) -> Dict[int, Tuple[int, int]]:
         """Note [gradient fingerprint] of each gradient as it is now: computed on its device
@@ -1412,10 +1196,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             while the kernel runs: measured here with 8 MiB chunks, 8 buffers gave 1.2x the
             engine's bound, 12 gave 1.02x, 16 gave 0.98x.
         update_in_backward: run each bucket's CPU update during backward, on a worker
-            thread, as soon as its gradients have been staged (Note [update in backward]):
-            parameters on a GPU, one rank or ``shard=False``; gradients must not be changed
-            between backward and ``step()`` (no clipping, GradScaler, all-reduce or
-            accumulation: use the default mode for those).
+            thread, as soon as its gradients have been staged, and keep it at ``step()`` when
+            it is the update ``step()`` computes; undone and redone when clipping applied or
+            the gradients changed, undone when GradScaler skips the step or a later
+            micro-batch accumulates into them (Note [update in backward], Note [speculative
+            update] in _inbwd.py). One rank or ``shard=False``; pays with parameters on a GPU;
+            costs 12 bytes of host memory per parameter for the undo copy.
+        max_grad_norm: clip the gradients at ``step()`` as ``clip_grad_norm_(params,
+            max_grad_norm)`` does (after unscaling them in place as ``scaler.unscale_(opt)``
+            does, when ``torch.amp.GradScaler`` steps this optimizer), with the same results;
+            the norm is left in ``opt.grad_norm``. One rank or ``shard=False``. With
+            ``update_in_backward`` and a GradScaler it keeps the overlap that clipping after
+            ``scaler.unscale_(opt)`` loses (Note [speculative update]).
         **config: any knob of :class:`spillover.Config` (``optim_pool_bytes``, ``io_engine``,
             ...). The optimizer's state and staging buffers use a pool of their own, never the
             activations' (``SPILLOVER_OPTIM_POOL_BYTES``); ``host_pool_bytes=`` given here is
@@ -1440,6 +1232,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         chunk_bytes: Optional[int] = None,
         nvme_buffers: int = 16,
         update_in_backward: bool = False,
+        max_grad_norm: Optional[float] = None,
         foreach: Optional[bool] = None,
         capturable: bool = False,
         differentiable: bool = False,
@@ -1462,6 +1255,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._reduce_grads = reduce_grads
         self._force_staging = _force_staging
         self._inbwd = bool(update_in_backward)
+        if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
+            raise ValueError(f"OffloadAdamW: max_grad_norm must be > 0, got {max_grad_norm}")
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grad_norm: Optional[torch.Tensor] = None
+        # Note [speculative update]: the inverse scale updates in backward assume (the last
+        # step()'s), and the step counters of stats().
+        self._spec_inv = 1.0
+        self._round_steps = {k: 0 for k in _ROUND_STATS}
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._spaces: List[_Space] = []  # Note [lazy state]: grows as parameters get gradients
         self._updates = 0  # steps that updated at least one parameter
@@ -1481,6 +1282,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._setup_distributed(shard, process_group)
         if self._inbwd:
             self._check_inbwd()
+        if self._max_grad_norm is not None and self._world > 1:
+            raise ValueError(
+                "OffloadAdamW(max_grad_norm=...) works with one rank or shard=False: sharded "
+                "ranks hold their own unreduced gradients, whose norms are not the step's; clip "
+                "with torch.nn.utils.clip_grad_norm_ on the reduced gradients instead"
+            )
         self._pool = _runtime.host_pool(self._cfg, purpose="optim", need=self._pool_need())
         self._swap: Any = None
         if tier == "nvme":
@@ -1488,8 +1295,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._swap = _tiers.swap_for(self._cfg, self._pool)
         self._index()
         # Note [GradScaler]: one rank unscales in the kernel; sharded ranks let the scaler do it.
-        # With update_in_backward it stays set so that every scaler.step(opt) reaches step(),
-        # which refuses it (Note [update in backward]).
         self._step_supports_amp_scaling = self._world == 1
 
     def _check_inbwd(self) -> None:
@@ -1508,13 +1313,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{mode} does not support DTensor parameters (FSDP2): FSDP2 assigns the sharded "
                 "gradients itself, so the post-accumulate-grad hooks that start the updates do "
                 "not fire; use the default mode (update_in_backward=False)"
-            )
-        if not self._force_staging and any(_local(p).device.type == "cpu" for p in params):
-            raise ValueError(
-                f"{mode} needs parameters on a GPU: CPU parameters are updated in place at "
-                "step() (Note [cpu parameters in place]), with no gradient copy for backward "
-                "to hide, so there is nothing to overlap; use the default mode "
-                "(update_in_backward=False)"
             )
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -1585,7 +1383,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         need = 0
         for (dtype, device), n in kinds.items():
             n = -(-n // self._world) + _ALIGN if self._world > 1 else n
-            staged = device.type != "cpu" or self._force_staging
+            staged = device.type != "cpu" or self._force_staging or self._inbwd
             cols = 3 if dtype != torch.float32 or staged else 2
             if self._tier == "host":
                 need += n * cols * 4
@@ -1705,39 +1503,67 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler: Note [GradScaler]
-        if self._inbwd and (found_inf is not None or getattr(self, "grad_scale", None) is not None):
-            for space in self._spaces:
-                space.abort_round()
-            for name in ("grad_scale", "found_inf"):  # the scaler's del is skipped by the raise
-                if hasattr(self, name):
-                    delattr(self, name)
-            raise RuntimeError(
-                "OffloadAdamW(update_in_backward=True) cannot be used with torch.amp.GradScaler: "
-                "the updates run during backward, before the scaler could unscale the gradients "
-                "or skip a step with inf/NaN gradients; use the default mode "
-                "(update_in_backward=False), whose step() unscales in the kernel"
-            )
+        grad_scale = getattr(self, "grad_scale", None)
+        inv = None
+        if grad_scale is not None:  # unscaled in the kernel, as GradScaler.unscale_ would
+            inv = _float(torch.as_tensor(grad_scale).double().reciprocal().float())
         if found_inf is not None and _float(found_inf) != 0.0:
-            for space in self._spaces:  # the next step's hooks count afresh
-                space.end_without_step()
+            for space in self._spaces:  # undone, and the next step's hooks count afresh
+                space.skip_round()
+            self._round_steps["steps_skipped"] += 1
             return loss
         self._works.clear()  # the last step's collectives: Note [collectives at exit]
         hyper = self._hyper()
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None:  # unscaled here, as GradScaler.unscale_ would
-            inv = torch.as_tensor(grad_scale).double().reciprocal().float()
-            hyper["grad_scale"] *= _float(inv)
-        elif found_inf is not None:  # unscale_ was called: the staged copies may be scaled
-            for space in self._spaces:
+        if inv is not None:
+            hyper["grad_scale"] *= inv
+        for space in self._spaces:  # before the clipping below changes gradients itself
+            space.verify_round(hyper)
+        if grad_scale is None and found_inf is not None:
+            for space in self._spaces:  # unscale_ was called: the staged copies may be scaled
                 space.staged_grads = {}
+        if self._max_grad_norm is not None and not self._clip(inv, hyper):
+            for space in self._spaces:
+                space.invalidate_round()
+        self._spec_inv = 1.0 if inv is None else inv
         self._grow()
         stepped = False
+        kept = redone = 0
         for space in self._spaces:
+            space.last_round = (0, 0)
             updated = space.step(hyper)
             self._steps[updated] += 1
             stepped = stepped or len(updated) > 0
+            kept += space.last_round[0]
+            redone += space.last_round[1]
         self._updates += stepped
+        self._round_steps["steps_in_backward"] += kept > 0
+        self._round_steps["steps_redone"] += redone > 0
         return loss
+
+    def _clip(self, inv: Optional[float], hyper: np.ndarray) -> bool:
+        """``max_grad_norm``: unscale the gradients in place as ``GradScaler.unscale_`` does
+        (when `inv`), clip them with ``clip_grad_norm_`` and set `hyper`'s scale to match.
+        Whether the gradients the kernel now sees are those an update assuming `inv` saw:
+        nothing was clipped and the unscaling was the kernel's own multiplication (fp32
+        gradients): Note [speculative update]."""
+        params = [p for p in self._params if p.grad is not None]
+        if not params:
+            return True
+        same = True
+        if inv is not None:
+            groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+            for p in params:
+                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for (dev, _), grads in groups.items():
+                found = torch.zeros(1, dtype=torch.float32, device=dev)
+                scale = torch.full((), inv, dtype=torch.float32, device=dev)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale)
+            hyper["grad_scale"] = np.where(hyper["grad_scale"] < 0, -1.0, 1.0)  # maximize
+            same = all(p.grad.dtype == torch.float32 for p in params)
+        norm = torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm)
+        self.grad_norm = norm
+        coef = torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s
+        return same and bool(coef == 1.0)
 
     # ---- checkpoints ----
 
@@ -1824,10 +1650,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         heap_chunks; on the staged path (parameters on a GPU, one rank), grad_copies and
         grad_bytes_copied (device-to-host gradient copies, one per unit of at most
         ``_UNIT_MAX`` elements) and grad_stale_copies (those made again because the staged
-        copy's fingerprint no longer matched: Note [staged gradients]). All zero before the
-        first step."""
-        total: Dict[str, Any] = {k: 0 for k in _STATS + _GRAD_STATS}
+        copy's fingerprint no longer matched: Note [staged gradients]); steps_skipped
+        (GradScaler's inf/NaN steps); with ``update_in_backward``, steps_in_backward,
+        steps_redone, inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone and
+        undo_bytes (Note [speculative update] in _inbwd.py). All zero before the first
+        step."""
+        total: Dict[str, Any] = {k: 0 for k in _STATS + _GRAD_STATS + INBWD_STATS}
         total.update(self._past)
+        total.update(self._round_steps)
+        total["undo_bytes"] = sum(s.undo_bytes() for s in self._spaces)
         for s in self._spaces:
             for k, v in s.state.stats().items():
                 if k != "steps":
