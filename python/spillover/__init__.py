@@ -8,8 +8,8 @@ gradients bitwise equal to training without it.
 from __future__ import annotations
 
 from . import _native, dcp  # noqa: F401  (dcp: spillover.dcp, DCP checkpoints of OffloadAdamW)
+from .activations import OffloadContext, keep, offload_context
 from .config import Config, format_size, parse_size
-from .context import OffloadContext, keep, offload_context
 from .errors import (
     ConfigError,
     IntegrityError,

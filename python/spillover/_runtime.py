@@ -27,7 +27,7 @@ Note [node budget]
       to the rest of the process warns once.
     The two pools are separate so that neither can starve the other: an optimizer's state
     filling its pool falls back to heap memory with a warning; activations that do not fit
-    theirs stay on the device (guardrail: Note [guardrails] in context.py).
+    theirs stay on the device (guardrail: Note [guardrails] in activations/guardrails.py).
 """
 
 from __future__ import annotations

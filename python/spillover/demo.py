@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import psutil
 import torch
 
+from .activations import offload_context
 from .config import format_size
-from .context import offload_context
 from .models import ATTENTION_KINDS, GPT, GPTConfig, synthetic_batch
 
 MODES: Dict[str, str] = {

@@ -168,7 +168,7 @@ def probe_bandwidth(r: Report, pool: _native.Pool, d: Optional[str], engine: str
     r.add(OK, f"host tier: copy into the pool {moved / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
     if torch.cuda.is_available():
         dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-        from .transfer import block_tensor
+        from .activations.link import block_tensor
 
         host = block_tensor(blk)
         torch.cuda.synchronize()

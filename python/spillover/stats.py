@@ -1,6 +1,6 @@
 """Counters of an ``offload_context``, per step and in total: what was packed, where it went,
 what stayed and why; the text of ``ctx.report()``; and the arithmetic of the guardrails that
-say when offload is not working (Note [guardrails] in context.py)."""
+say when offload is not working (Note [guardrails] in activations/guardrails.py)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class OffloadStats:
     bytes_deduplicated: int = 0
     #: Bytes that stayed where they were, by reason: below SPILLOVER_MIN_OFFLOAD_BYTES; a
     #: parameter or buffer; marked with ``spillover.keep``; held by a recompute policy
-    #: (Note [kept by a policy] in context.py); no room in the host pool; a layout, device or
-    #: tensor subclass spillover does not offload (or CUDA graph capture).
+    #: (Note [kept by a policy] in activations/hooks.py); no room in the host pool; a layout, device
+    #: or tensor subclass spillover does not offload (or CUDA graph capture).
     bytes_kept_small: int = 0
     bytes_kept_parameter: int = 0
     bytes_kept_marked: int = 0
@@ -65,7 +65,8 @@ class OffloadStats:
     #: returned] in context.py): no bytes came back over the link.
     unpacks_from_source: int = 0
     #: Packs that made the compute stream wait for an older copy because the bytes of copies in
-    #: flight passed SPILLOVER_COPY_INFLIGHT_BYTES (Note [back-pressure] in transfer.py).
+    #: flight passed SPILLOVER_COPY_INFLIGHT_BYTES (Note [back-pressure] in
+    #: activations/link/policy.py).
     copy_waits_forced: int = 0
     #: Most bytes of device->host copies in flight at once after one of the step's packs.
     bytes_in_flight_peak: int = 0
@@ -152,7 +153,7 @@ class OffloadStats:
         )
 
 
-# ---- guardrail arithmetic (Note [guardrails] in context.py) ----------------------------------
+# ---- guardrail arithmetic (Note [guardrails] in activations/guardrails.py) -------------------
 
 #: A step is "slower than calibration" when it stalled more than this many times the seconds
 #: its bytes take at the calibrated bandwidths ...

@@ -107,14 +107,11 @@ class no_offload(ContextDecorator):
     """
 
     def __enter__(self) -> no_offload:
-        from .context import _active
+        from .activations.registry import stack
 
         taken = {id(h) for frame in _frames() for _, h, _p in frame}
-        pending: List[Tuple[Any, Any]] = []
-        for ctx in _active():
-            stack = ctx._thread_stack()
-            if stack and id(stack[-1][1]) not in taken:
-                pending.append((ctx, stack[-1][1]))
+        pending: List[Tuple[Any, Any]] = [(a.ctx, a.hooks) for a in stack()
+                                          if id(a.hooks) not in taken]
         popped: List[_Entry] = []
         try:
             while pending:

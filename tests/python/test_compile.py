@@ -1,6 +1,6 @@
-"""torch.compile under offload_context (Note [compiled modules] in context.py): the same graphs
-and breaks as without the context, and offload still happens where the compiled graph saves
-tensors through autograd, with gradients bitwise equal to the compiled run without it."""
+"""torch.compile under offload_context (Note [compiled modules] in activations/registry.py): the
+same graphs and breaks as without the context, and offload still happens where the compiled graph
+saves tensors through autograd, with gradients bitwise equal to the compiled run without it."""
 
 from __future__ import annotations
 

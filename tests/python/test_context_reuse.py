@@ -1,7 +1,7 @@
-"""One offload_context entered once per step (Note [one context, many steps] in context.py):
-gradients bitwise equal to no offload on every step, per-step counters that add up to the
-total, re-entry while active refused, gradient accumulation, and nothing held once a step's
-graph is gone."""
+"""One offload_context entered once per step (Note [one context, many steps] in
+activations/registry.py): gradients bitwise equal to no offload on every step, per-step counters
+that add up to the total, re-entry while active refused, gradient accumulation, and nothing held
+once a step's graph is gone."""
 
 import dataclasses
 import gc

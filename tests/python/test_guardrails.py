@@ -1,5 +1,5 @@
-"""The guardrails (Note [guardrails] in context.py): each fires once per process in the
-situation it names, naming the knob, and not in a normal run; ``report()`` says where a step's
+"""The guardrails (Note [guardrails] in activations/guardrails.py): each fires once per process in
+the situation it names, naming the knob, and not in a normal run; ``report()`` says where a step's
 memory went."""
 
 import time
@@ -12,7 +12,7 @@ from conftest import assert_bitwise, gpt_step
 import spillover
 from spillover import _runtime
 from spillover import calibrate as _calibrate
-from spillover import transfer as _transfer
+from spillover.activations import link as _transfer
 
 #: A distinctive phrase of each guardrail's message.
 POOL_FULL = "host pool was full"
@@ -192,7 +192,7 @@ def slow_link(monkeypatch):
     """Every wait for a device->host copy takes 150 ms longer: a link far slower than the fake
     calibration's 1 TB/s. The CPU is reached as through a link (the simulated device's
     asynchronous copies, no bandwidth of its own): on a plain CPU host pack copies at once and
-    nothing waits for a link (Note [host link] in context.py)."""
+    nothing waits for a link (Note [host link] in activations/hooks.py)."""
     monkeypatch.setattr(_transfer.CpuDevice, "host_is_device", False)
     monkeypatch.setattr(_transfer, "_cache", {})  # no plain-CPU Transfers made before this
     wait = _transfer.Copy.wait

@@ -1,7 +1,8 @@
 """Issue 20, found running real model code: parameters recognised by identity, not by an address
-remembered for ever (Note [parameters by identity] in context.py); a default pool that grows from
-small and leaves with its context (Note [growing pool] in _growth.py); report() counting what a
-recompute policy keeps (Note [kept by a policy]). Guardrails said once: test_issue20_warnings.py."""
+remembered for ever (Note [parameters by identity] in activations/registry.py); a default pool that
+grows from small and leaves with its context (Note [growing pool] in _growth.py); report() counting
+what a recompute policy keeps (Note [kept by a policy]). Guardrails said once:
+test_issue20_warnings.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The transfer policy (python/spillover/transfer.py) on the simulated device, on plain CPU and,
-when there is one, on CUDA: bitwise copies, back-pressure, source and device-tensor lifetimes,
-on_landed exactly once, in-place detection."""
+"""The link's copy policy (python/spillover/activations/link) on the simulated device, on plain
+CPU and, when there is one, on CUDA: bitwise copies, back-pressure, source and device-tensor
+lifetimes, on_landed exactly once, in-place detection."""
 
-import importlib.util
-import pathlib
 import subprocess
 import sys
 import threading
@@ -12,24 +10,9 @@ import time
 import pytest
 import torch
 
+from spillover.activations import link
 
-def _load_transfer():
-    """This checkout's transfer.py: the installed one when it is the same, else from its path
-    (the installed package may be absent or older than the source)."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "python" / "spillover" / "transfer.py"
-    try:
-        from spillover import transfer
-    except ImportError:
-        transfer = None
-    if path.exists() and (transfer is None
-                          or pathlib.Path(transfer.__file__).read_bytes() != path.read_bytes()):
-        spec = importlib.util.spec_from_file_location("_spillover_transfer", path)
-        transfer = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(transfer)
-    return transfer
-
-
-T = _load_transfer()
+T = link
 MiB = 1 << 20
 HUGE = 1 << 40
 
@@ -332,15 +315,14 @@ def test_exit_with_copies_in_flight(tmp_path):
     """Workers are joined at exit: a daemon thread stopped inside copy_ aborts the process."""
     script = tmp_path / "exit.py"
     script.write_text(
-        "import importlib.util, sys, torch\n"
-        "spec = importlib.util.spec_from_file_location('t', sys.argv[1])\n"
-        "T = importlib.util.module_from_spec(spec); spec.loader.exec_module(T)\n"
+        "import torch\n"
+        "from spillover.activations import link as T\n"
         "tr = T.Transfers(T.CpuDevice(), 1 << 40)\n"
         "src = torch.ones(32 << 20, dtype=torch.uint8)\n"
         "for _ in range(16):\n"
         "    tr.to_host(src, torch.empty(32 << 20, dtype=torch.uint8))\n"
     )
-    r = subprocess.run([sys.executable, str(script), T.__file__], capture_output=True, timeout=60)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
 
 
@@ -392,3 +374,23 @@ def test_cuda_policy():
     probe = torch.empty(1, device="cuda")  # the allocator frees record_stream'd blocks at a malloc
     assert torch.cuda.memory_allocated() - base <= MiB
     del probe
+
+
+def test_old_import_paths():
+    """spillover.context / transfer / guardrails still import, as the same objects."""
+    import spillover.context as old_ctx
+    import spillover.guardrails as old_guard
+    import spillover.transfer as old_tr
+    from spillover.activations import context, guardrails
+
+    assert old_ctx.OffloadContext is context.OffloadContext is spillover_ctx()
+    assert old_ctx.offload_context is context.offload_context
+    assert old_tr.Transfers is T.Transfers and old_tr.transfers_for is T.transfers_for
+    assert old_tr.block_tensor is T.block_tensor and old_tr.SimDevice is T.SimDevice
+    assert old_guard.Guardrails is guardrails.Guardrails
+
+
+def spillover_ctx():
+    import spillover
+
+    return type(spillover.offload_context("host"))

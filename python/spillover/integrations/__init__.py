@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 from torch import nn
 
-from ..context import OffloadContext, offload_context
+from ..activations import OffloadContext, offload_context
 from ..stats import OffloadStats
 
 __all__ = ["StepContext", "check_not_double_checkpointed"]
@@ -60,7 +60,7 @@ class StepContext:
         """Enter the context for one step (ending a step left open by an exception first)."""
         if self._open is not None:
             self.end()
-        self.context.__enter__()  # Note [one context, many steps] in context.py
+        self.context.__enter__()  # Note [one context, many steps] in activations/registry.py
         self._open = self.context
 
     def end(self) -> None:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch.utils.checkpoint as _tc
 from torch import nn
 
-from ..context import OffloadContext
+from ..activations import OffloadContext
 from ..planner import Planner
 from ..recompute.blocks import _WrappedBlock, _WrapState
 from ..recompute.policies import Policy, RegionPolicy, SelectivePolicy, _Auto, resolve_policy

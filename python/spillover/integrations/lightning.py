@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional, Union
 
 from torch import nn
 
-from ..context import OffloadContext
+from ..activations import OffloadContext
 from ..suspend import forward_regions
 from . import StepContext, _StepCallback
 

@@ -369,7 +369,7 @@ class _SaveMode(TorchDispatchMode):
                 if op.index >= stop and self.storage[key].get(idx) is not RECOMPUTE:
                     self.storage[key][idx] = RECOMPUTE
         self._skip_dead(stop)
-        if self.run.ctx is not None:  # Note [kept by a policy] in spillover/context.py
+        if self.run.ctx is not None:  # Note [kept by a policy] in activations/hooks.py
             for entries in self.cached.values():
                 for key, idx, _ in entries:
                     entry = self.storage[key].get(idx)

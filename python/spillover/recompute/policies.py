@@ -23,7 +23,7 @@ import torch.utils.checkpoint as _tc
 from torch import nn
 
 from .. import planner as _planner
-from ..context import current_context
+from ..activations import current_context
 from ..planner import (
     Explanation,
     Machine,

@@ -1,0 +1,73 @@
+"""The CUDA link's primitives: torch.cuda streams and events (Note [stream ordering] in
+policy.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .common import default_cap_bytes
+
+__all__ = ["CudaDevice"]
+
+
+class CudaDevice:
+    """torch.cuda streams and events (Note [stream ordering])."""
+
+    host_is_device = False
+    has_callbacks = False
+
+    def __init__(self, device: Any, bandwidth_bytes_per_s: Optional[float] = None):
+        self.device = torch.device(device)
+        self.default_cap = default_cap_bytes(bandwidth_bytes_per_s)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def query(self, ev: Any) -> bool:
+        return ev.query()
+
+    def synchronize(self, ev: Any) -> None:
+        ev.synchronize()
+
+    def wait(self, stream: Any, ev: Any) -> None:
+        stream.wait_event(ev)
+
+    def timed_wait(self, stream: Any, ev: Any) -> Any:
+        """``wait``, bracketed by timing events on ``stream``; resolved by :meth:`elapsed`."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(ev)
+        end.record(stream)
+        return start, end
+
+    def elapsed(self, token: Any) -> Optional[float]:
+        start, end = token
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
+    def empty(self, nbytes: int, stream: Any) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def record_stream(self, storage: Any, stream: Any) -> None:
+        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(stream)
+
+    def track(self, t: torch.Tensor) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+

@@ -1,0 +1,416 @@
+"""Device <-> host copies: one policy, :class:`Transfers`, over a small primitive interface
+(streams; ``copy`` on a stream; ``record`` / ``query`` / ``synchronize`` / ``wait`` an event;
+``empty`` on a stream; timed waits) with three implementations: :class:`CudaDevice`;
+:class:`SimDevice`, a simulated device for CPU tests whose copies finish only after
+bytes / bandwidth; and :class:`CpuDevice`, plain CPU tensors (the "device" is the host).
+
+Note [stream ordering]
+    A D2H copy runs on the copy stream after the compute stream's current point (an event
+    recorded on compute and waited for by the copy stream, never a host sync). An H2D copy
+    allocates its output on the H2D stream, which first waits for the D2H event that filled the
+    block (``after``); the compute stream waits for the H2D event before using the tensor (at
+    once, or at ``use()`` for a tensor staged ahead). On the simulated device the compute stream
+    is the calling thread and every other stream a worker thread: a wait on the compute stream
+    blocks the caller. Nothing here calls torch.cuda.synchronize().
+
+Note [source lifetime]
+    A copy reads its source after ``to_host`` has returned, so the policy holds the source until
+    either the copy is observed complete, or the compute stream the source was produced on (the
+    one current at ``to_host``) has been made to wait on the copy's event (Note [back-pressure]).
+    The second is safe without a host wait: the source was allocated on that stream, and the
+    caching allocator hands a freed block only to later work of the same stream, which is now
+    ordered after the copy. Never ``record_stream`` on the source: the allocator would then keep
+    the bytes until it notices the copy stream passed, invisible to any cap. (A tensor produced
+    on another stream breaks this, as it breaks the copy's own ordering.) The destination is
+    held until the copy is observed complete.
+
+Note [back-pressure]
+    Forward produces activations faster than the link drains them. Unbounded, every source
+    would stay alive until backward and offloading would save nothing. So the bytes of copies
+    whose source the policy still holds are capped (``cap_bytes``; the newest copy may pass it
+    alone): past the cap the compute stream waits on the oldest copies' events (one wait, on the
+    newest of them, as a copy stream runs in order) and their sources are dropped. Sources are
+    also all released at every unpack and at the end of backward (``release_sources``), so
+    nothing offloaded stays on the device after backward. The default cap is 20 ms of link
+    bandwidth, clamped to [64 MiB, 2 GiB]: enough to keep the link busy, small beside device
+    memory. What the cap costs shows as ``stall_seconds`` and ``forced_waits``.
+
+Note [in-place after pack]
+    Under saved_tensors_hooks autograd no longer checks that a saved tensor was not modified in
+    place before backward, and an asynchronous copy could read a half-modified tensor. So the
+    saved tensor is watched: its version counter is compared when the copy is observed complete
+    (``Copy.modified``), and again at unpack while it is alive; either mismatch raises the error
+    autograd itself would raise. The watch is a weak reference: a strong one would close a cycle
+    through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor) that gc
+    cannot see. Guarded by test_context.py::test_inplace_after_save_is_an_error.
+
+Note [freed by events]
+    A tensor ``to_device`` hands out was allocated on the H2D stream but is used by the compute
+    stream; freed as soon as its last reference goes, the allocator could give its bytes to the
+    next H2D copy while compute still reads them. So the policy keeps every handed-out storage
+    until a compute event recorded after everyone else let go of it has fired: at each
+    ``to_device``, ``use`` and ``end_of_backward`` a storage nobody else references gets the
+    event recorded then (every use of it was enqueued before), and is dropped once that event
+    has fired. Only a storage still referenced at ``end_of_backward`` (a tensor autograd or the
+    caller keeps), or one whose event has not fired by then, goes to ``record_stream(compute)``
+    and is dropped: after backward there is no later point of ours before the next step, and
+    the allocator's own deferral frees it as soon as compute passes.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from .common import use_count as _use_count
+
+__all__ = ["Copy", "Transfers"]
+
+
+class Copy:
+    """A device->host copy. ``done()`` never blocks; ``wait()`` returns the seconds it blocked
+    and re-raises what the copy or its ``on_landed`` raised. Both see ``on_landed`` finished."""
+
+    __slots__ = ("nbytes", "modified", "_tr", "_event", "_stream", "_src", "_dst", "_watch",
+                 "_version", "_on_landed", "_finished", "_landed", "_error", "_sink",
+                 "__weakref__")
+
+    def __init__(self, tr: Transfers, event: Any, stream: Any, src: torch.Tensor,
+                 dst: torch.Tensor, watch: Optional[torch.Tensor],
+                 on_landed: Optional[Callable[[], Any]]):
+        self.nbytes = src.numel()
+        #: True when the watched tensor was modified in place before the copy was observed
+        #: complete (Note [in-place after pack]).
+        self.modified = False
+        self._tr, self._event, self._stream = tr, event, stream
+        self._src: Optional[torch.Tensor] = src  # Note [source lifetime]
+        self._dst: Optional[torch.Tensor] = dst
+        self._watch = weakref.ref(watch) if watch is not None else None
+        self._version = watch._version if watch is not None else 0
+        self._on_landed = on_landed
+        self._finished = False  # observed complete (under the policy's lock)
+        self._landed = threading.Event()  # ... and on_landed has returned
+        self._error: Optional[BaseException] = None
+        # where an error nobody waited for goes (Note [errors go to their owner])
+        self._sink: Optional[List[BaseException]] = None
+
+    def source(self) -> Optional[torch.Tensor]:
+        """The device source while the policy still holds it, else None."""
+        return self._src
+
+    def done(self) -> bool:
+        if not self._finished:
+            self._tr._try_observe(self)
+        return self._landed.is_set()
+
+    def wait(self) -> float:
+        """Block until complete; the seconds spent waiting (0 when already done)."""
+        dt = 0.0
+        if not self._landed.is_set():
+            t0 = time.perf_counter()
+            self._sync()
+            dt = time.perf_counter() - t0
+        if self._error is not None:
+            self._tr._forget(self._error, self._sink)
+            raise self._error
+        return dt
+
+    def _sync(self) -> None:
+        if not self._finished:
+            try:
+                self._tr.dev.synchronize(self._event)
+                self._tr._observe(self)
+            except Exception as e:
+                self._tr._observe(self, e)
+        self._landed.wait()
+
+
+class Transfers:
+    """The copy policy of one device (Notes [back-pressure], [source lifetime], [freed by
+    events]). Thread-safe; made by :func:`transfers_for`."""
+
+    def __init__(self, dev: Any, cap_bytes: Optional[int] = None):
+        self.dev = dev
+        self.host_is_device: bool = dev.host_is_device
+        self.cap_bytes = int(cap_bytes) if cap_bytes is not None else dev.default_cap
+        self._d2h = dev.new_stream()
+        self._h2d = None if dev.host_is_device else dev.new_stream()
+        self._lock = threading.Lock()
+        self._fifo: Deque[Copy] = collections.deque()  # not observed complete, issue order
+        self._held: Deque[Copy] = collections.deque()  # sources held, issue order
+        self._h2d_fifo: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        self._handed: List[list] = []  # [storage, compute event or None] (Note [freed by events])
+        self._timings: Deque[Any] = collections.deque()
+        self._errors: List[BaseException] = []
+        self._stall = 0.0
+        self.copies = self.forced_waits = self.sources_released = 0
+        #: bytes of copies not yet observed complete / of sources the policy holds
+        self.bytes_in_flight = self.peak_bytes_in_flight = 0
+        self.bytes_held = self.peak_bytes_held = 0
+
+    @property
+    def stall_seconds(self) -> float:
+        """Time the compute stream waited on copies (CUDA: timed by events, counted once they
+        have fired). Copy.wait() and synchronize() are host waits the caller accounts for."""
+        with self._lock:
+            while self._timings:
+                s = self.dev.elapsed(self._timings[0])
+                if s is None:
+                    break
+                self._timings.popleft()
+                self._stall += s
+            return self._stall
+
+    @property
+    def device_tensors_held(self) -> int:
+        """Handed-out device storages the policy still keeps (Note [freed by events])."""
+        return len(self._handed)
+
+    # -- device -> host --
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, *, watch: Optional[torch.Tensor] = None,
+                on_landed: Optional[Callable[[], Any]] = None,
+                errors: Optional[List[BaseException]] = None) -> Copy:
+        """Start copying ``src`` (1-D uint8 on the device) into ``dst`` (1-D uint8 on the CPU,
+        same length). ``on_landed`` runs once when the copy is observed complete (on any
+        thread); what it raises comes out of ``wait()``, else out of the next ``reap(errors)``
+        given the same ``errors`` list (Note [errors go to their owner]), or of any ``reap()``
+        when ``errors`` is None."""
+        if (src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1
+                or dst.dim() != 1 or dst.numel() != src.numel() or dst.device.type != "cpu"):
+            raise ValueError("to_host: src and dst must be 1-D uint8 of one length, dst on cpu")
+        dev = self.dev
+        compute = dev.current_stream()
+        dev.wait(self._d2h, dev.record(compute))  # Note [stream ordering]
+        dev.track(src)
+        dev.copy(dst, src, self._d2h)
+        c = Copy(self, dev.record(self._d2h), compute, src, dst, watch, on_landed)
+        c._sink = errors
+        n = c.nbytes
+        with self._lock:
+            self.copies += 1
+            while self._fifo and self._fifo[0]._finished:
+                self._fifo.popleft()
+            self._fifo.append(c)
+            self._held.append(c)
+            self.bytes_in_flight += n
+            self.bytes_held += n
+            self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
+            self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
+            victims = []  # Note [back-pressure]: the oldest held sources, the newest spared
+            while self.bytes_held > self.cap_bytes and self._held[0] is not c:
+                v = self._held.popleft()
+                if v._src is not None:
+                    victims.append((v, v._src))
+                    v._src = None
+                    self.bytes_held -= v.nbytes
+        if dev.has_callbacks:
+            dev.then(c._event, lambda: self._try_observe(c))
+        self._release(victims, forced=True)
+        dev.poll()
+        return c
+
+    def release_sources(self) -> None:
+        """Make the compute stream wait on every copy whose source is held; drop the sources."""
+        with self._lock:
+            victims = [(c, c._src) for c in self._held if c._src is not None]
+            for c, _ in victims:
+                c._src = None
+                self.bytes_held -= c.nbytes
+            self._held.clear()
+        self._release(victims, forced=False)
+
+    def _release(self, victims: List[Tuple[Copy, torch.Tensor]], forced: bool) -> None:
+        if not victims:
+            return
+        newest: Dict[Any, Copy] = {}  # per compute stream: its copies finish in issue order
+        for v, _ in victims:
+            newest[v._stream] = v
+        for v in newest.values():
+            self._wait_compute(v._stream, v._event)
+        with self._lock:
+            self.sources_released += len(victims)
+            self.forced_waits += forced
+        victims.clear()  # the sources go now (Note [source lifetime])
+
+    def _wait_compute(self, stream: Any, ev: Any) -> None:
+        try:
+            if self.dev.query(ev):
+                return
+        except Exception:
+            return  # a failed copy is raised where it is observed
+        token = self.dev.timed_wait(stream, ev)
+        with self._lock:
+            if isinstance(token, float):
+                self._stall += token
+            else:
+                self._timings.append(token)
+
+    def _try_observe(self, c: Copy) -> None:
+        try:
+            if self.dev.query(c._event):
+                self._observe(c)
+        except Exception as e:
+            self._observe(c, e)
+
+    def _observe(self, c: Copy, error: Optional[BaseException] = None) -> None:
+        """The copy is complete: drop what it held and run on_landed, exactly once."""
+        with self._lock:
+            if c._finished:
+                return
+            c._finished = True
+            self.bytes_in_flight -= c.nbytes
+            if c._src is not None:
+                c._src = None
+                self.bytes_held -= c.nbytes
+            c._dst = None
+            watched = c._watch() if c._watch is not None else None
+            if watched is not None:  # Note [in-place after pack]
+                c.modified = watched._version != c._version
+            c._watch = None
+            landed, c._on_landed = c._on_landed, None
+            sink = c._sink if c._sink is not None else self._errors
+            if error is not None:
+                c._error, landed = error, None
+                sink.append(error)
+        try:
+            if landed is not None:
+                landed()
+        except Exception as e:
+            with self._lock:
+                c._error = e
+                sink.append(e)
+        finally:
+            c._landed.set()
+
+    def _forget(self, error: BaseException,
+                sink: Optional[List[BaseException]] = None) -> None:
+        with self._lock:
+            for errs in (self._errors, sink) if sink is not None else (self._errors,):
+                errs[:] = [e for e in errs if e is not error]
+
+    def _poll(self) -> None:
+        while True:  # the front of the FIFO: a copy stream finishes in issue order
+            with self._lock:
+                while self._fifo and self._fifo[0]._finished:
+                    self._fifo.popleft()
+                c = self._fifo[0] if self._fifo else None
+            if c is None:
+                break
+            self._try_observe(c)
+            if not c._finished:
+                break
+        query = self.dev.query
+        with self._lock:
+            while self._held and self._held[0]._src is None:
+                self._held.popleft()
+            while self._h2d_fifo and query(self._h2d_fifo[0][0]):
+                self._h2d_fifo.popleft()
+            if self._handed:
+                self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
+        self.dev.poll()
+
+    def reap(self, errors: Optional[List[BaseException]] = None) -> None:
+        """Drop what copies seen complete held; cheap when none is. Raises the first error,
+        nobody has seen yet, of a copy (or its on_landed) started without an ``errors`` list or
+        with this one.
+
+        Note [errors go to their owner]
+            One Transfers serves every context of the process. An error of a copy whose step
+            was abandoned (its forward raised: a full disk, a failed write) must not come out
+            of another context's next pack: each step hands its own list to ``to_host`` and
+            reaps only that one; an abandoned step's list goes with it."""
+        self._poll()
+        with self._lock:
+            error = self._errors.pop(0) if self._errors else None
+            if error is None and errors:
+                error = errors.pop(0)
+        if error is not None:
+            raise error
+
+    def synchronize(self, errors: Optional[List[BaseException]] = None) -> None:
+        """Wait for every copy in flight (tests, measurements, a full pool); raises as reap()."""
+        with self._lock:
+            pending, h2d = list(self._fifo), [ev for ev, _ in self._h2d_fifo]
+        for c in pending:
+            c._sync()
+        for ev in h2d:
+            self.dev.synchronize(ev)
+        self.reap(errors)
+
+    # -- host -> device --
+
+    def to_device(self, host: torch.Tensor, *, after: Optional[Copy] = None,
+                  wait: bool = True) -> Tuple[torch.Tensor, Any]:
+        """Bring ``host`` (1-D uint8 on the CPU) to the device, after the copy ``after`` that
+        filled it; returns (device tensor, event). ``wait=False`` stages it ahead: pass the pair
+        to :meth:`use` before using the tensor. Plain CPU returns ``host`` itself."""
+        if host.dtype != torch.uint8 or host.dim() != 1 or host.device.type != "cpu":
+            raise ValueError("to_device: host must be a 1-D uint8 CPU tensor")
+        dev = self.dev
+        if self.host_is_device:
+            if after is not None:
+                dt = after.wait()  # raises what the copy raised
+                with self._lock:
+                    self._stall += dt
+            return host, None
+        compute = dev.current_stream()
+        self._fence(compute)
+        out = dev.empty(host.numel(), self._h2d)
+        if after is not None:
+            if after.done():
+                after.wait()  # raises what the copy raised
+            else:
+                dev.wait(self._h2d, after._event)  # Note [stream ordering]
+        dev.copy(out, host, self._h2d)
+        ev = dev.record(self._h2d)
+        with self._lock:
+            self._h2d_fifo.append((ev, host))  # the block must outlive the copy
+            self._handed.append([out.untyped_storage(), None])
+        if wait:
+            self._wait_compute(compute, ev)
+        dev.poll()
+        return out, ev
+
+    def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
+        """The tensor of a ``to_device(..., wait=False)`` pair, the compute stream ordered
+        after its copy."""
+        t, ev = staged
+        if ev is not None:
+            compute = self.dev.current_stream()
+            self._fence(compute)
+            self._wait_compute(compute, ev)
+        return t
+
+    def _fence(self, compute: Any) -> None:
+        """Note [freed by events]: a compute event for handed-out storages nobody else holds."""
+        with self._lock:
+            todo = [h for h in self._handed if h[1] is None and _use_count(h[0]) <= 1]
+        ev = self.dev.record(compute) if todo else None
+        query = self.dev.query
+        with self._lock:
+            for h in todo:
+                h[1] = ev
+            self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
+            while self._h2d_fifo and query(self._h2d_fifo[0][0]):
+                self._h2d_fifo.popleft()  # host views hold pool blocks: let them go early
+
+    def end_of_backward(self) -> None:
+        """Release every source, hand every device tensor the policy keeps back to the
+        allocator (Note [freed by events]), reap."""
+        self.release_sources()
+        compute = self.dev.current_stream()
+        self._fence(compute)
+        self._poll()
+        with self._lock:
+            rest, self._handed = self._handed, []
+        for storage, _ in rest:
+            self.dev.record_stream(storage, compute)
+        del rest
+        self.reap()
+

@@ -1,0 +1,229 @@
+"""Which context is active on this thread, the global module hook that lists each step's
+parameters and buffers, and the record of one step (its tier step, counters, dedup tables).
+
+Note [parameters by identity]
+    Parameters and buffers stay on the device (they are there anyway), recognised by what they
+    are, never by an address remembered: the caching allocator hands a freed parameter's
+    address to the next activation of that size (a second model on a reused context, a sweep,
+    FSDP2 freeing unsharded parameters after each layer), and an address-keyed set kept such
+    activations as "parameters" (measured: one context over six fresh models kept 3.25 ->
+    5.75 MiB per step). A saved tensor is a parameter when it, or the base it is a view of
+    (``w.t()`` saved by linear), is an ``nn.Parameter`` or a leaf that requires grad; or when
+    its storage *is* (same StorageImpl, alive) the storage of a parameter or buffer of a module
+    this step ran (a global forward pre-hook lists them, per step, holding weak references to
+    the storages: a weak reference keeps the StorageImpl's address from being reused, and an
+    activation at a freed or resized-away storage's old address has a StorageImpl of its own).
+
+Note [compiled modules]
+    The global module forward pre-hook that lists each step's parameters and buffers is traced
+    by Dynamo under ``torch.compile`` and returns at once there (``torch.compiler.is_compiling``),
+    so the context adds no graph and no break: a ``torch.compiler.disable``d hook broke the
+    graph at every module call (nanoGPT, 2 layers: 1 graph / 0 breaks without the context, 5 / 4
+    with it; ``fullgraph=True`` failed naming the private hook). Inside compiled graphs
+    parameters are still recognised by identity (AOTAutograd saves the Parameter objects
+    themselves); buffers there are not listed, and are offloaded like activations (a copy that
+    frees nothing, never a wrong value). pack and unpack run when AOTAutograd saves and
+    reloads the graph's tensors, outside the traced graph. Guarded by test_compile.py.
+
+Note [one context, many steps]
+    One context object serves a whole training run: it is entered once per step (``with ctx:``
+    around each forward), any number of times in sequence. Each entry begins a *step*: a step
+    of the tier (its entries, pack order, counters and read-ahead forecast, taught by the step
+    before it) and a record of the step's counters. Every handle a step packs points at its
+    record, so the step's backward may run after its ``with`` block, and also after the context
+    was entered again for the next step (gradient accumulation: forward 1, backward 1, forward
+    2, backward 2; or forward 1, forward 2, then both backwards). A step's record and tier step
+    live as long as its entries; once no entry of a step is alive and a later step has begun,
+    its counters are folded into the context's total and the record goes. ``stats()`` is the
+    latest step's, ``stats(total=True)`` the sum over every step. Entering a context that is
+    already active on the same thread raises (a nested region takes an ``offload_context`` of
+    its own); another thread may enter it meanwhile, as a step of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from ..stats import OffloadStats
+
+if TYPE_CHECKING:
+    from .context import OffloadContext
+
+__all__ = ["Active", "StepRecord", "active_record", "capturing", "current_context", "is_param",
+           "keep", "note_module", "stack", "storage_key"]
+
+try:  # torch >= 2.0
+    from torch.multiprocessing.reductions import StorageWeakRef
+except ImportError:  # pragma: no cover
+    StorageWeakRef = None  # type: ignore[assignment,misc]
+
+_tls = threading.local()
+
+
+class Active(NamedTuple):
+    """A step active on this thread: its context, its record, its saved-tensor hooks."""
+
+    ctx: OffloadContext
+    rec: StepRecord
+    hooks: Any
+
+
+def stack() -> List[Active]:
+    """The steps active on this thread, innermost last."""
+    st = getattr(_tls, "stack", None)
+    if st is None:
+        st = _tls.stack = []
+    return st
+
+
+def current_context() -> Optional[OffloadContext]:
+    """The innermost ``offload_context`` active on this thread, or None."""
+    st = stack()
+    return st[-1].ctx if st else None
+
+
+def active_record(ctx: OffloadContext) -> Optional[StepRecord]:
+    """``ctx``'s step active on this thread, or None."""
+    for a in reversed(stack()):
+        if a.ctx is ctx:
+            return a.rec
+    return None
+
+
+def keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor``'s storage to stay where it is in the innermost active context of this
+    thread (e.g. a tensor backward needs first). Returns ``tensor``. No-op outside a context."""
+    st = stack()
+    if st:
+        st[-1].ctx.keep(tensor)
+    return tensor
+
+
+def storage_key(t: torch.Tensor) -> Tuple[str, int, int]:
+    """(device type, index, storage address): how a step's tables name a storage."""
+    return (t.device.type, t.device.index or 0, t.untyped_storage().data_ptr())
+
+
+def capturing() -> bool:
+    """Under CUDA graph capture nothing may be queried or copied out: pack passes through."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ---- module hook: learn parameter and buffer storages of the modules a context runs ----------
+
+_hook_lock = threading.Lock()
+_hook_users = 0
+_hook_handle: Any = None
+
+
+def _module_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    # Note [compiled modules]: under torch.compile this hook is traced and does nothing, so it
+    # never breaks the graph (a `torch.compiler.disable`d hook broke it at every module: 2
+    # layers of nanoGPT went from 1 graph to 5 graphs and 4 breaks under the context).
+    if torch.compiler.is_compiling():
+        return
+    st = getattr(_tls, "stack", None)
+    if st:
+        note_module(st[-1].rec, module)
+
+
+def note_module(rec: StepRecord, module: torch.nn.Module) -> None:
+    """Note [parameters by identity]: the storages of a module's own parameters and buffers,
+    the first time the step runs it."""
+    if StorageWeakRef is None:
+        return
+    seen = rec.modules.get(id(module))
+    if seen is not None and seen() is module:
+        return
+    rec.modules[id(module)] = weakref.ref(module)
+    for t in (*module._parameters.values(), *module._buffers.values()):
+        if t is None:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # e.g. a sharded DTensor between steps
+            continue
+        rec.params[storage._cdata] = StorageWeakRef(storage)
+
+
+def is_param(rec: StepRecord, t: torch.Tensor, storage: Any) -> bool:
+    """Note [parameters by identity]."""
+    base = t._base if t._base is not None else t
+    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
+        return True
+    ref = rec.params.get(storage._cdata)
+    return ref is not None and not ref.expired()
+
+
+def acquire_module_hook() -> None:
+    """One more active step needs the global module pre-hook."""
+    global _hook_users, _hook_handle
+    with _hook_lock:
+        _hook_users += 1
+        if _hook_handle is None:
+            _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                _module_pre_hook
+            )
+
+
+def release_module_hook() -> None:
+    global _hook_users, _hook_handle
+    with _hook_lock:
+        _hook_users -= 1
+        if _hook_users == 0 and _hook_handle is not None:
+            _hook_handle.remove()
+            _hook_handle = None
+
+
+class StepRecord:
+    """One step of a context (Note [one context, many steps]): its tier step and counters,
+    what its forward deduplicated and marked, and what its guardrails found."""
+
+    __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
+                 "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
+                 "node", "compiled", "checked", "findings", "errors", "__weakref__")
+
+    def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
+        self.index = index
+        self.begin(tier)
+        self.stats = OffloadStats(steps=1)
+        self.stored: Any = weakref.WeakSet()  # live Stored of this step
+        self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
+        self.dedup: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
+        self.marked: set = set()
+        self.kept: Dict[Tuple[str, int, int], Any] = {}  # Note [kept by a policy]: weak refs
+        #: Note [parameters by identity]: storage (StorageImpl address) -> its weak reference,
+        #: of the parameters and buffers of the modules this step ran; id(module) -> weakref.
+        self.params: Dict[int, Any] = {}
+        self.modules: Dict[int, Any] = {}
+        self.active = True
+        self.tr_base = tr_base  # per device: (stall seconds, forced waits) when it began
+        self.tr_end: Optional[Dict[Any, Tuple]] = None  # ... when the next step began
+        self.devices: set = set()
+        self.others = others  # pool bytes other users held when it began
+        self.node: Optional[List[Any]] = None  # [node key, storages, bytes] of the last unpack
+        self.compiled: Optional[Tuple[int, int, str]] = None  # most a compiled node unpacked
+        self.checked: set = set()
+        self.findings: List[Tuple[str, str]] = []  # (guardrail, message)
+        #: errors of this step's copies nobody waited for (Note [errors go to their owner])
+        self.errors: List[BaseException] = []
+
+    def begin(self, tier: Any) -> None:
+        """Go on in a new tier step over ``tier`` (the first, or a grown pool's: Note [growing
+        pool] in _growth.py); the earlier tier steps stay in ``steps`` for the counters."""
+        self.tier, self.step = tier, tier.begin_step()
+        self.steps = getattr(self, "steps", []) + [self.step]
+        self.by_seq = {}  # seqs of different tiers' steps are unrelated
+
+    def tier_stats(self) -> Dict[str, Any]:
+        """The counters of the step's tier steps, added."""
+        out: Dict[str, Any] = {}
+        for step in self.steps:
+            for k, v in step.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
