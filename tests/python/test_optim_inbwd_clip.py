@@ -1,0 +1,270 @@
+"""OffloadAdamW(update_in_backward=True) in the loops people run (Note [speculative update] in
+spillover/_inbwd.py): gradient clipping, torch.amp.GradScaler (with inf steps), gradient
+accumulation, an LR changed between backward and step(). Each table runs the same plain torch
+loop on our optimizer (CPU parameters, the mode's staged path) and on torch's fused AdamW, on
+the host and NVMe tiers, with one bucket for the model or one per parameter, and compares
+parameters and state with torch.equal (bitwise where the kernel has FMA, as every parity test
+of OffloadAdamW); the counters in stats() say which steps were kept from backward, redone or
+skipped, and are checked against what the reference loop did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_optim_worker import make_model
+from test_optim_lazy import assert_state
+from test_optim_staged import assert_params, data
+
+import spillover
+from spillover import optim as so
+
+POOL = 72 << 20  # this file's own pool (pools are shared per capacity)
+F = torch.nn.functional
+STEPS = 7
+TIERS = ["host", "nvme"]
+# Clip limits for this model and data: the unclipped norms lie between about 1 and 6.
+CLIP = {"never": 1e6, "sometimes": 2.5, "always": 1e-3}
+
+
+@pytest.fixture(params=["one", "each"], ids=["one-bucket", "bucket-per-param"])
+def bucket(request, monkeypatch):
+    if request.param == "each":
+        monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+    return request.param
+
+
+def offload(model, tier, tmp_path, **kw):
+    return spillover.OffloadAdamW(
+        model.parameters(),
+        lr=1e-2,
+        update_in_backward=True,
+        tier=tier,
+        nvme_path=str(tmp_path),
+        chunk_bytes=4096,
+        host_pool_bytes=POOL,
+        **kw,
+    )
+
+
+def reference(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+
+def batch(s, m=0, inf=False):
+    """Micro-batch m of step s; targets of alternating size, so the gradients' norm varies
+    (clipping applies at some steps only); `inf`: an inf in the input (every gradient
+    becomes inf/NaN during backward, as an overflow would)."""
+    x, y = data(s * 8 + m)
+    y = y * (1.0 + 3.0 * (s % 2))
+    if inf:
+        x = x.clone()
+        x[0, 0] = float("inf")
+    return x, y
+
+
+def loop(model, opt, steps=STEPS, *, clip=None, scaler=None, unscale=False, inf_at=(), micro=1):
+    """The plain torch loop. `clip`: clip_grad_norm_ before the step (after scaler.unscale_
+    when `unscale`). `micro`: micro-batches per step (an int, or one count per step).
+    Returns the norms clip_grad_norm_ returned, and the scaler's scale at each step."""
+    norms, scales = [], []
+    for s in range(steps):
+        n = micro if isinstance(micro, int) else micro[s]
+        opt.zero_grad()
+        for m in range(n):
+            x, y = batch(s, m, inf=s in inf_at and m == n - 1)
+            loss = F.mse_loss(model(x), y) / n
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None and unscale:
+            scaler.unscale_(opt)
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        if scaler is not None:
+            scales.append(scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return norms, scales
+
+
+def clipped(norms, limit):
+    """Steps after the first (the first is made at step(): Note [lazy state]) whose clipping
+    applied, as clip_grad_norm_ decides it."""
+    return sum(bool(limit / (n + 1e-6) < 1.0) for n in norms[1:])
+
+
+def check(ours, opt, ref, ropt):
+    assert_params(ours, ref)
+    assert_state(opt.state_dict(), ropt.state_dict())
+
+
+# ---- clipping ----
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("applies", list(CLIP))
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "max_grad_norm"])
+def test_clipping_matches_torch(tier, applies, how, bucket, tmp_path):
+    """clip_grad_norm_ between backward and step() (or max_grad_norm= on the optimizer):
+    equal to torch's loop with clip_grad_norm_; the steps whose clipping applied are redone,
+    the others keep the update made during backward."""
+    limit = CLIP[applies]
+    ours, ref = make_model(), make_model()
+    if how == "max_grad_norm":
+        opt = offload(ours, tier, tmp_path, max_grad_norm=limit)
+        loop(ours, opt)
+    else:
+        opt = offload(ours, tier, tmp_path)
+        loop(ours, opt, clip=limit)
+    ropt = reference(ref)
+    norms, _ = loop(ref, ropt, clip=limit)
+    check(ours, opt, ref, ropt)
+    n = clipped(norms, limit)
+    assert {"never": n == 0, "sometimes": 0 < n < STEPS - 1, "always": n == STEPS - 1}[applies]
+    st = opt.stats()
+    assert st["steps"] == STEPS
+    assert st["steps_redone"] == n
+    assert st["steps_in_backward"] == STEPS - 1 - n
+    assert st["inbwd_buckets_redone"] == n * len(opt._spaces[0].buckets)
+    if how == "max_grad_norm":
+        assert torch.equal(opt.grad_norm, norms[-1])
+
+
+# ---- GradScaler ----
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("flow", ["scale-step", "unscale-clip", "max_grad_norm"])
+def test_grad_scaler_with_inf_steps_matches_torch(tier, flow, bucket, tmp_path):
+    """GradScaler with a scale that grows every 3 steps and inf/NaN gradients at two steps
+    (the updates made during backward then ran on them and are undone; the scaler backs off):
+    equal to torch's loop with its own identical scaler. scale-step: scale, backward,
+    scaler.step; a step whose scale is not the last step's is redone. unscale-clip:
+    scaler.unscale_ and clip_grad_norm_ before scaler.step (every update is redone: the
+    gradients were rewritten). max_grad_norm: the optimizer unscales and clips, against
+    torch's unscale-clip loop; redone when the scale changed or clipping applied."""
+    inf_at = (3, 5)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) for _ in "ab"]
+    ours, ref = make_model(), make_model()
+    ropt = reference(ref)
+    limit = CLIP["sometimes"]
+    if flow == "max_grad_norm":
+        opt = offload(ours, tier, tmp_path, max_grad_norm=limit)
+        loop(ours, opt, scaler=scalers[0], inf_at=inf_at)
+        norms, scales = loop(ref, ropt, scaler=scalers[1], inf_at=inf_at, unscale=True, clip=limit)
+    else:
+        opt = offload(ours, tier, tmp_path)
+        clip = limit if flow == "unscale-clip" else None
+        unscale = flow == "unscale-clip"
+        loop(ours, opt, scaler=scalers[0], inf_at=inf_at, unscale=unscale, clip=clip)
+        norms, scales = loop(
+            ref, ropt, scaler=scalers[1], inf_at=inf_at, unscale=unscale, clip=clip
+        )
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    check(ours, opt, ref, ropt)
+    st = opt.stats()
+    assert st["steps_skipped"] == len(inf_at)
+    assert st["steps"] == STEPS - len(inf_at)
+    stepped = [s for s in range(STEPS) if s not in inf_at]
+    redo = 0
+    for prev, s in zip(stepped, stepped[1:]):  # the first step is made at step()
+        clip_applied = flow == "max_grad_norm" and limit / (norms[s] + 1e-6) < 1.0
+        redo += flow == "unscale-clip" or scales[s] != scales[prev] or clip_applied
+    assert st["steps_redone"] == redo
+    assert st["steps_in_backward"] == len(stepped) - 1 - redo
+    if flow != "unscale-clip":
+        assert 0 < redo < len(stepped) - 1
+
+
+def test_inf_step_leaves_parameters_and_state_unchanged(bucket, tmp_path):
+    """A skipped step undoes the updates made during backward (on inf/NaN gradients):
+    parameters, state and step counts are exactly those before it."""
+    model = make_model()
+    opt = offload(model, "host", tmp_path)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    loop(model, opt, steps=3, scaler=scaler)
+    params = [p.detach().clone() for p in model.parameters()]
+    sd = opt.state_dict()
+    opt.zero_grad()
+    x, y = batch(3, inf=True)
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    assert opt._spaces[0].in_round()  # updated during backward, on NaN gradients
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    after = opt.state_dict()
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    n = len(opt._spaces[0].buckets)
+    assert opt.stats()["inbwd_buckets_undone"] == n and opt.stats()["steps_skipped"] == 1
+
+
+# ---- accumulation ----
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("micro", [2, 4, [3, 2, 2, 4, 1, 3, 3]], ids=["2", "4", "varying"])
+def test_accumulation_matches_torch(tier, micro, bucket, tmp_path):
+    """2 or 4 micro-batches per step, or a varying number, with clipping: equal to torch's
+    loop. From the third step on (the second learns the count) a steady loop updates each
+    bucket once per step, during the last micro-batch's backward; a step with more
+    micro-batches than the last undoes the early update from the extra micro-batch's hook, one
+    with fewer updates at step()."""
+    limit = 1.0  # the loss is averaged over the micro-batches: smaller norms (0.4 to 2.3)
+    ours, ref = make_model(), make_model()
+    opt = offload(ours, tier, tmp_path)
+    ropt = reference(ref)
+    loop(ours, opt, micro=micro, clip=limit)
+    norms, _ = loop(ref, ropt, micro=micro, clip=limit)
+    check(ours, opt, ref, ropt)
+    st = opt.stats()
+    nb = len(opt._spaces[0].buckets)
+    n = clipped(norms, limit)
+    assert 0 < n < STEPS - 1
+    assert st["steps_redone"] == n
+    if isinstance(micro, int):
+        assert st["steps_in_backward"] == STEPS - 1 - n
+        # the second step updates at every micro-batch and undoes all but the last one's
+        assert st["inbwd_buckets_undone"] == (micro - 1) * nb
+        assert st["inbwd_buckets"] == (STEPS - 1 + micro - 1) * nb
+    else:
+        assert st["inbwd_buckets_undone"] > (micro[1] - 1) * nb  # more undone later (2 -> 4)
+
+
+# ---- hyper-parameters changed between backward and step() ----
+
+
+def test_lr_changed_between_backward_and_step_is_redone(bucket, tmp_path):
+    """A scheduler stepped before step() (warm-up written that way) changes the lr the update
+    used: redone with the new one, as torch would use it."""
+    ours, ref = make_model(), make_model()
+    opt = offload(ours, "host", tmp_path)
+    ropt = reference(ref)
+    for s in range(4):
+        for m, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            x, y = batch(s)
+            F.mse_loss(m(x), y).backward()
+            if s == 2:
+                o.param_groups[0]["lr"] = 3e-3
+            o.step()
+    check(ours, opt, ref, ropt)
+    st = opt.stats()
+    assert st["steps_redone"] == 1 and st["steps_in_backward"] == 2
+
+
+def test_undo_copy_is_counted(tmp_path):
+    """stats()["undo_bytes"]: 12 bytes per parameter once every bucket was updated during
+    backward (fp32 master, exp_avg, exp_avg_sq)."""
+    model = make_model()
+    opt = offload(model, "host", tmp_path)
+    loop(model, opt, steps=2)
+    n = sum(p.numel() for p in model.parameters())
+    assert n * 12 <= opt.stats()["undo_bytes"] <= (n + 16 * 4) * 12
+
+
+def test_max_grad_norm_is_checked():
+    model = make_model()
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        spillover.OffloadAdamW(model.parameters(), max_grad_norm=0.0, host_pool_bytes=POOL)
