@@ -268,3 +268,66 @@ def test_max_grad_norm_is_checked():
     model = make_model()
     with pytest.raises(ValueError, match="max_grad_norm"):
         spillover.OffloadAdamW(model.parameters(), max_grad_norm=0.0, host_pool_bytes=POOL)
+
+
+# ---- transformers.Trainer: clipping (max_grad_norm=1.0, its default) and accumulation ----
+
+
+def test_hf_trainer_matches_torch_adamw(tmp_path):
+    """The README's one argument: Trainer(optimizers=(OffloadAdamW(..., update_in_backward=
+    True), None)) with Trainer's own clipping (max_grad_norm) at a limit that applies at some
+    steps, 2 micro-batches per step and its LR schedule gives the parameters of the same
+    Trainer with torch's fused AdamW."""
+    transformers = pytest.importorskip("transformers")
+
+    def train(make_opt):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 128, (16, 32), generator=g)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=4,
+            learning_rate=1e-2,
+            max_grad_norm=1.2,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            seed=0,
+            data_seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        opt = make_opt(model)
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            optimizers=(opt, None),
+            train_dataset=[{"input_ids": x, "labels": x.clone()} for x in ids],
+        )
+        trainer.train()
+        return model, opt
+
+    ours, opt = train(
+        lambda m: spillover.OffloadAdamW(
+            m.parameters(), lr=1e-2, update_in_backward=True, host_pool_bytes=POOL
+        )
+    )
+    ref, _ = train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))
+    assert_params(ours, ref)
+    st = opt.stats()
+    assert st["steps"] == 4 and st["inbwd_buckets"] > 0
+    assert st["steps_in_backward"] + st["steps_redone"] == 3  # the first made at step()
+    assert st["steps_in_backward"] > 0 and st["steps_redone"] > 0  # clipping applied at some
