@@ -1524,7 +1524,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._max_grad_norm is not None and not self._clip(inv, hyper):
             for space in self._spaces:
                 space.invalidate_round()
-        self._spec_inv = 1.0 if inv is None else inv
+        if inv is not None:  # the scale the next updates in backward assume
+            self._spec_inv = inv
+        elif found_inf is None:  # no scaler; after scaler.unscale_ the last scale is kept
+            self._spec_inv = 1.0
         self._grow()
         stepped = False
         kept = redone = 0

@@ -331,3 +331,67 @@ def test_hf_trainer_matches_torch_adamw(tmp_path):
     assert st["steps"] == 4 and st["inbwd_buckets"] > 0
     assert st["steps_in_backward"] + st["steps_redone"] == 3  # the first made at step()
     assert st["steps_in_backward"] > 0 and st["steps_redone"] > 0  # clipping applied at some
+
+
+# ---- against the default mode: bf16 parameters, parameters on a GPU ----
+
+
+def _against_default_mode(dtype, device, use_scaler):
+    """The same loop (2 micro-batches; without a scaler, clipping that applies at some steps;
+    with GradScaler, an inf step and scaler.unscale_ + clipping at some steps) with
+    update_in_backward and with the default mode (itself equal to torch's recipes:
+    test_optim.py, test_optim_staged.py): bitwise equal parameters and state."""
+    runs = []
+    for inbwd in (True, False):
+        model = make_model(dtype).to(device)
+        opt = spillover.OffloadAdamW(
+            model.parameters(),
+            lr=1e-2,
+            update_in_backward=inbwd,
+            host_pool_bytes=POOL,
+            _force_staging=True,
+        )
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3)
+        for s in range(STEPS):
+            opt.zero_grad()
+            for m in range(2):
+                x, y = batch(s, m, inf=use_scaler and s == 3 and m == 1)
+                loss = F.mse_loss(model(x.to(device, dtype)), y.to(device, dtype)) / 2
+                (scaler.scale(loss) if use_scaler else loss).backward()
+            if not use_scaler:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                continue
+            if s % 3 == 2:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        runs.append((model, opt))
+    (ours, opt), (ref, ropt) = runs
+    for i, (a, b) in enumerate(zip(ours.parameters(), ref.parameters())):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
+    sd, rsd = opt.state_dict()["state"], ropt.state_dict()["state"]
+    for i, st in rsd.items():
+        for k, v in st.items():
+            assert torch.equal(sd[i][k], v), (i, k)
+    st = opt.stats()
+    assert st["steps_in_backward"] > 0 and st["steps_redone"] > 0
+    assert st["steps_skipped"] == use_scaler
+
+
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["clip", "scaler"])
+def test_bf16_parameters_match_the_default_mode(use_scaler, bucket):
+    _against_default_mode(torch.bfloat16, "cpu", use_scaler)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_scaler", [False, True], ids=["clip", "scaler"])
+def test_cuda_parameters_match_the_default_mode(dtype, use_scaler):
+    """Parameters on the GPU: staging copies and fingerprints on the device, updates on the
+    worker, parameters written at step() by asynchronous copies the compute stream waits for."""
+    _against_default_mode(dtype, "cuda", use_scaler)
