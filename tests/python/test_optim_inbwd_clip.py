@@ -395,3 +395,56 @@ def test_cuda_parameters_match_the_default_mode(dtype, use_scaler):
     """Parameters on the GPU: staging copies and fingerprints on the device, updates on the
     worker, parameters written at step() by asynchronous copies the compute stream waits for."""
     _against_default_mode(dtype, "cuda", use_scaler)
+
+
+def test_lightning_matches_torch_adamw():
+    """Lightning: configure_optimizers returns OffloadAdamW(..., update_in_backward=True);
+    Trainer(gradient_clip_val=..., accumulate_grad_batches=2) clips with clip_grad_norm_ at a
+    limit that applies at some steps: the parameters of the same fit with torch's fused
+    AdamW."""
+    L = pytest.importorskip("lightning")
+    import warnings
+
+    class Lit(L.LightningModule):
+        def __init__(self, make_opt):
+            super().__init__()
+            self.net, self.make_opt = make_model(), make_opt
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            self.opt = self.make_opt(self.net.parameters())
+            return self.opt
+
+    def fit(make_opt):
+        xs, ys = zip(*(batch(s, m) for s in range(5) for m in range(2)))
+        loader = torch.utils.data.DataLoader(list(zip(xs, ys)), batch_size=None, shuffle=False)
+        lit = Lit(make_opt)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=5,
+            accumulate_grad_batches=2,
+            gradient_clip_val=1.5,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on num_workers and the like
+            trainer.fit(lit, train_dataloaders=loader)
+        return lit
+
+    ours = fit(
+        lambda ps: spillover.OffloadAdamW(
+            ps, lr=1e-2, update_in_backward=True, host_pool_bytes=POOL
+        )
+    )
+    ref = fit(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
+    assert_params(ours.net, ref.net)
+    st = ours.opt.stats()
+    assert st["steps"] == 5 and st["steps_in_backward"] + st["steps_redone"] == 4
+    assert st["steps_in_backward"] > 0 and st["steps_redone"] > 0
