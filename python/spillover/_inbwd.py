@@ -86,7 +86,7 @@ Note [speculative update]
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -106,13 +106,38 @@ class InBackward:
     """The in-backward half of ``optim._Space`` (mixed in; uses its buffers, state, hooks and
     lock): Note [update in backward], Note [speculative update]."""
 
-    # Set by _Space: the space's bookkeeping this mixin reads and writes.
+    # What _Space provides: the bookkeeping this mixin reads and writes, and its methods.
+    opt: Any
     lock: Any
     state: Any
+    copies: Any
+    inbwd: bool
+    params: List[torch.Tensor]
     units: List[Tuple[int, int, int, int]]
+    units_of: Dict[int, List[int]]
     buckets: List[Any]
+    buckets_of: Dict[int, List[int]]
+    bucket_members: List[List[int]]
     unit_global: np.ndarray
     counters: Dict[str, int]
+    fired: np.ndarray
+    expect: np.ndarray
+    inited: np.ndarray
+    staged_grads: Dict[int, Any]
+    h2d_events: Dict[int, List[Any]]
+    undo: Dict[int, torch.Tensor]
+    order: List[int]
+    inbwd_log: List[Tuple[int, float, float]]
+    last_round: Tuple[int, int]
+    _stage_copy: Callable[[int, torch.Tensor], bool]
+    _fill_hyper: Callable[..., None]
+    _flat_records: Callable[[np.ndarray], bytes]
+    _fingerprints_now: Callable[[Dict[int, torch.Tensor]], Dict[int, Tuple[int, int]]]
+    _staged_fingerprint: Callable[[int], Tuple[int, int]]
+    _send_back: Callable[[int, List[int]], None]
+    _step_staged: Callable[..., np.ndarray]
+    _count: Callable[[List[int]], np.ndarray]
+    end_without_step: Callable[[], None]
 
     # ---- the round (the backward(s) since the last step()) ----
 
@@ -175,7 +200,7 @@ class InBackward:
             self.spec[b] = (rows, used)
             queue, self.end_queued = not self.end_queued, True
         if queue:  # backward returns once the worker is done: Note [update in backward]
-            torch.autograd.Variable._execution_engine.queue_callback(self.join)
+            torch.autograd.Variable._execution_engine.queue_callback(self._join_quietly)
 
     def _update_bucket(self, b: int, rows: List[int], waits: List[Any], hyper: np.ndarray) -> None:
         """The worker: save what bucket b's update overwrites, then update it from its staged
@@ -219,7 +244,8 @@ class InBackward:
         rows, _ = self.spec[b]
         if b in self.saved:
             self.state.import_state(self._undo_records(b, rows))
-        self.counters[counter] += 1
+        with self.lock:  # the worker counts too
+            self.counters[counter] += 1
 
     def _undo(self, b: int) -> None:
         """Undo bucket b's update of this round from a hook (a later micro-batch), after
@@ -246,6 +272,10 @@ class InBackward:
             if e is not None and err is None:
                 err = e
         return err
+
+    def _join_quietly(self) -> None:
+        """The end-of-backward callback: wait; an error is raised by ``step()``."""
+        self.join()
 
     def in_round(self) -> bool:
         """Whether the worker updated something since the last ``step()``."""

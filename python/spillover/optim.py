@@ -927,7 +927,7 @@ class _Space(InBackward):
                     continue
                 decided.add(k)
                 st = staged.get(k)
-                if k in now:
+                if st is not None and k in now:  # k in now: staged, same tensor and version
                     if self._staged_fingerprint_of(st, k) == now[k]:
                         evs = st.events
                         uis = self.units_of.get(k, [])
@@ -950,17 +950,17 @@ class _Space(InBackward):
         for i, b in enumerate(order):
             if i + 1 < len(order):
                 prepare(order[i + 1])
-            rows = [ui for ui in self.buckets[b][0] if ui in events and ui not in done]
-            rows = np.asarray(rows, dtype=np.int64)
-            if not len(rows):
+            mine = [ui for ui in self.buckets[b][0] if ui in events and ui not in done]
+            if not mine:
                 continue
-            for ui in rows.tolist():
+            for ui in mine:
                 for ev in events[ui]:
                     self.copies.wait(ev)
+            rows = np.asarray(mine, dtype=np.int64)
             self._fill_hyper(rows, hyper)
             self.state.step(self._flat_records(rows))
-            updated.extend(rows.tolist())
-            self._send_back(b, rows.tolist())
+            updated.extend(mine)
+            self._send_back(b, mine)
         return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
 
     def _send_back(self, b: int, rows: List[int]) -> None:
@@ -1550,22 +1550,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         nothing was clipped and the unscaling was the kernel's own multiplication (fp32
         gradients): Note [speculative update]."""
         params = [p for p in self._params if p.grad is not None]
-        if not params:
+        grads = [p.grad for p in params if p.grad is not None]
+        limit = self._max_grad_norm
+        if not grads or limit is None:
             return True
         same = True
         if inv is not None:
             groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-            for p in params:
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for g in grads:
+                groups.setdefault((g.device, g.dtype), []).append(g)
             for (dev, _), grads in groups.items():
                 found = torch.zeros(1, dtype=torch.float32, device=dev)
                 scale = torch.full((), inv, dtype=torch.float32, device=dev)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale)
             hyper["grad_scale"] = np.where(hyper["grad_scale"] < 0, -1.0, 1.0)  # maximize
-            same = all(p.grad.dtype == torch.float32 for p in params)
-        norm = torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm)
+            same = all(g.dtype == torch.float32 for g in grads)
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
         self.grad_norm = norm
-        coef = torch.clamp(self._max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s
+        coef = torch.clamp(limit / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s
         return same and bool(coef == 1.0)
 
     # ---- checkpoints ----
