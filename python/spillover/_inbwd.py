@@ -59,12 +59,16 @@ Note [speculative update]
       (no clipping, fp32 gradients: the kernel's ``g * (1/scale)`` is the same single
       multiplication as ``unscale_``'s), and keeps the overlap.
 
-    Undo: before a bucket's update the worker exports the state it is about to overwrite
-    (fp32 master, exp_avg, exp_avg_sq of the bucket's units: 12 bytes per parameter, in
-    ordinary host memory, one buffer per bucket kept for the next steps; on the NVMe tier
-    the export is one more read of the bucket's state per step) and an undo imports it back.
-    The step count is kept by ``step()``, not by the update, and parameters are written only
-    at ``step()``, so the undo is exact and a redo computes what ``step()`` would have.
+    Undo: before a bucket's update the worker copies the state it is about to overwrite
+    (fp32 master, exp_avg, exp_avg_sq of the bucket's units: 12 bytes per parameter) and an
+    undo puts it back. Host tier: the copy is in ordinary host memory (not the pool), one
+    buffer per bucket, kept for the next steps. NVMe tier: the copy is a second state on the
+    swap files (12 bytes per parameter of swap space), written through a bounce buffer of the
+    largest bucket's size (two of them in host memory: saving, restoring); each update made
+    in backward then costs one more read of its bucket's state and one write of the copy,
+    which doubles the step's NVMe traffic, and an undo one read and one write more. The step
+    count is kept by ``step()``, not by the update, and parameters are written only at
+    ``step()``, so the undo is exact and a redo computes what ``step()`` would have.
 
     Gradient accumulation: each space learns how many times each hook fires per step (Note
     [gradient accumulation] in optim.py) and stages, hence updates, only from the expected
@@ -80,7 +84,8 @@ Note [speculative update]
     during backward), ``steps_redone`` (steps that undid and redid one), ``steps_skipped``
     (GradScaler's inf/NaN steps), per bucket ``inbwd_buckets`` (updates made during backward),
     ``inbwd_buckets_redone`` and ``inbwd_buckets_undone`` (undone by a later micro-batch or a
-    skipped or abandoned round), and ``undo_bytes`` (host memory the undo copies hold).
+    skipped or abandoned round), ``undo_bytes`` (host memory the undo copies hold) and
+    ``undo_swap_bytes`` (swap space they hold, NVMe tier).
 """
 
 from __future__ import annotations
@@ -125,7 +130,9 @@ class InBackward:
     inited: np.ndarray
     staged_grads: Dict[int, Any]
     h2d_events: Dict[int, List[Any]]
-    undo: Dict[int, torch.Tensor]
+    undo: Dict[Any, torch.Tensor]
+    undo_state: Any
+    _make_state: Callable[[List[int]], Any]
     order: List[int]
     inbwd_log: List[Tuple[int, float, float]]
     last_round: Tuple[int, int]
@@ -211,7 +218,7 @@ class InBackward:
         for ev in old + waits:  # the last copies back read the output buffer; ours must land
             self.copies.wait(ev)
         idx = np.asarray(rows, dtype=np.int64)
-        self.state.export_state(self._undo_records(b, rows))
+        self._save(b, rows)
         with self.lock:
             self.saved.add(b)
         self._fill_hyper(idx, hyper)
@@ -222,13 +229,36 @@ class InBackward:
 
     # ---- the undo copy ----
 
-    def _undo_records(self, b: int, rows: List[int]) -> bytes:
-        """BUFFER_RECORDs of bucket b's undo copy for `rows` (made at its first use)."""
-        _, f_lo, f_hi, _, _ = self.buckets[b]
-        buf = self.undo.get(b)
+    def _save(self, b: int, rows: List[int]) -> None:
+        """Copy the state of bucket b's `rows` to its undo copy (the worker, before the
+        update): host memory on the host tier, the swap files through a bounce buffer on the
+        NVMe tier."""
+        if self.opt._tier != "nvme":
+            self.state.export_state(self._undo_records(b, rows, self._undo_buffer(b)))
+            return
+        recs = self._undo_records(b, rows, self._undo_buffer("save"))
+        self.state.export_state(recs)
+        if self.undo_state is None:
+            self.undo_state = self._make_state([u[2] for u in self.units])
+        self.undo_state.import_state(recs)
+
+    def _undo_buffer(self, key: Any) -> torch.Tensor:
+        """Host buffer `key` of the undo copy, made at its first use: per bucket on the host
+        tier (the copy itself); on the NVMe tier one bounce buffer for saving (the worker) and
+        one for restoring (the hooks, then ``step()``), each of the largest bucket's size."""
+        buf = self.undo.get(key)
         if buf is None:
-            buf = torch.empty((len(_COLUMNS), max(f_hi - f_lo, 1)), dtype=torch.float32)
-            self.undo[b] = buf
+            if isinstance(key, int):
+                n = self.buckets[key][2] - self.buckets[key][1]
+            else:
+                n = max(f_hi - f_lo for _, f_lo, f_hi, _, _ in self.buckets)
+            buf = torch.empty((len(_COLUMNS), max(n, 1)), dtype=torch.float32)
+            self.undo[key] = buf
+        return buf
+
+    def _undo_records(self, b: int, rows: List[int], buf: torch.Tensor) -> bytes:
+        """BUFFER_RECORDs of bucket b's `rows` in `buf` (laid out as the bucket)."""
+        f_lo = self.buckets[b][1]
         recs = np.zeros(len(rows), _optim().BUFFER_RECORD)
         recs["unit"] = rows
         off = np.asarray([self.units[ui][3] - f_lo for ui in rows], dtype=np.uint64)
@@ -236,14 +266,22 @@ class InBackward:
             recs[name] = np.uint64(buf[c].data_ptr()) + off * np.uint64(4)
         return recs.tobytes()
 
-    def undo_bytes(self) -> int:
-        return sum(t.numel() * 4 for t in self.undo.values())
+    def undo_bytes(self) -> Tuple[int, int]:
+        """Bytes the undo copies hold: (host memory, swap files)."""
+        host = sum(t.numel() * 4 for t in self.undo.values())
+        swap = 0 if self.undo_state is None else int(self.undo_state.stats()["state_bytes"])
+        return host, swap
 
     def _restore(self, b: int, counter: str) -> None:
         """Put back the state bucket b's update overwrote (its worker is done)."""
         rows, _ = self.spec[b]
         if b in self.saved:
-            self.state.import_state(self._undo_records(b, rows))
+            if self.opt._tier != "nvme":
+                self.state.import_state(self._undo_records(b, rows, self._undo_buffer(b)))
+            else:
+                recs = self._undo_records(b, rows, self._undo_buffer("restore"))
+                self.undo_state.export_state(recs)
+                self.state.import_state(recs)
         with self.lock:  # the worker counts too
             self.counters[counter] += 1
 

@@ -561,7 +561,8 @@ class _Space(InBackward):
         self.inbwd = bool(opt._inbwd) and self.staged and not self.sharded
         self.lock = threading.Lock()
         self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
-        self.undo: Dict[int, torch.Tensor] = {}  # Note [speculative update]: per bucket
+        self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
+        self.undo_state: Any = None  # ... and on the NVMe tier, the copy on the swap files
         self.last_round = (0, 0)  # the last step's buckets kept, redone
         self._new_round()
         self._alloc_buffers()
@@ -1456,9 +1457,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _drop_spaces(self) -> None:
         """Free every space's state, keeping its I/O and time counters for ``stats()``."""
         for s in self._spaces:
-            for k, v in s.state.stats().items():
-                if k in _CUMULATIVE:
-                    self._past[k] = self._past.get(k, 0) + v
+            for st in (s.state, s.undo_state):
+                for k, v in (st.stats() if st is not None else {}).items():
+                    if k in _CUMULATIVE:
+                        self._past[k] = self._past.get(k, 0) + v
             for k, v in s.counters.items():
                 self._past[k] = self._past.get(k, 0) + v
             s.close()
@@ -1657,17 +1659,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         ``_UNIT_MAX`` elements) and grad_stale_copies (those made again because the staged
         copy's fingerprint no longer matched: Note [staged gradients]); steps_skipped
         (GradScaler's inf/NaN steps); with ``update_in_backward``, steps_in_backward,
-        steps_redone, inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone and
-        undo_bytes (Note [speculative update] in _inbwd.py). All zero before the first
-        step."""
+        steps_redone, inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone,
+        undo_bytes and undo_swap_bytes (Note [speculative update] in _inbwd.py). All zero
+        before the first step."""
         total: Dict[str, Any] = {k: 0 for k in _STATS + _GRAD_STATS + INBWD_STATS}
         total.update(self._past)
         total.update(self._round_steps)
-        total["undo_bytes"] = sum(s.undo_bytes() for s in self._spaces)
+        total["undo_bytes"] = sum(s.undo_bytes()[0] for s in self._spaces)
+        total["undo_swap_bytes"] = sum(s.undo_bytes()[1] for s in self._spaces)
         for s in self._spaces:
             for k, v in s.state.stats().items():
                 if k != "steps":
                     total[k] = total.get(k, 0) + v
+            if s.undo_state is not None:  # its I/O is the step's (Note [speculative update])
+                for k, v in s.undo_state.stats().items():
+                    if k in _CUMULATIVE:
+                        total[k] += v
             for k, v in s.counters.items():
                 total[k] += v
         total["steps"] = self._updates
