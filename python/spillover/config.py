@@ -139,6 +139,16 @@ def rank_placeholders(path: str, name: str, environ: Optional[Mapping[str, str]]
     return _PLACEHOLDER_RE.sub(sub, path)
 
 
+def _seconds(value: Any, name: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = -1.0
+    if not v >= 0:
+        raise ConfigError(f"{name}={value!r}: expected a number of seconds >= 0")
+    return v
+
+
 def _paths(value: Any, name: str) -> Optional[Tuple[str, ...]]:
     if value is None:
         return None
@@ -182,6 +192,9 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
                             "link's bandwidth x 20 ms)"),
     "sim_link_bandwidth": (_opt_size, None,
                            "bytes/s of a simulated device link for CPU tensors (tests; off)"),
+    "sim_compute_lag": (_seconds, 0.0,
+                        "seconds the simulated device's compute stream runs behind the host "
+                        "(with sim_link_bandwidth; tests; 0)"),
     "verify": (_bool, False, "checksum every offloaded tensor and check it on reload"),
     "log": (_level, "WARNING", "log level of the 'spillover' logger"),
 }
@@ -206,6 +219,7 @@ class Config:
     device_budget_bytes: Optional[int] = None
     copy_inflight_bytes: Optional[int] = None
     sim_link_bandwidth: Optional[int] = None
+    sim_compute_lag: float = 0.0
     verify: bool = False
     log: str = "WARNING"
     #: field -> "keyword", "env" or "default": where each value came from (for `doctor`).

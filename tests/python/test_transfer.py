@@ -255,7 +255,7 @@ def test_sim_to_device_waits_for_after():
     assert torch.equal(tr.use(staged), src)  # the H2D stream waited for the D2H copy
 
 
-def test_handed_out_tensors_freed_by_events():
+def test_handed_out_tensors_freed_in_stream_order():
     n = MiB
     dev, tr = _sim(bandwidth=4e9)
     out, _ = tr.to_device(_bytes(n))

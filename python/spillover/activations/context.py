@@ -139,7 +139,7 @@ class OffloadContext(Hooks, Guardrails):
         self._pool_starts = [a for a, _ in self._pool_ranges]
         others = self._pool_others()
         with self._lock:
-            now = self._transfer_now()
+            now = {} if registry.capturing() else self._transfer_now()  # no event queried
             if self._last is not None and self._last.tr_end is None:
                 self._last.tr_end = now
             self._fold(keep_last=False)  # a new latest step begins
@@ -169,6 +169,8 @@ class OffloadContext(Hooks, Guardrails):
         rec.dedup.clear()
         rec.marked.clear()
         rec.kept.clear()
+        if registry.capturing():
+            return  # under CUDA graph capture no event may be queried (pack passed through)
         if exc[0] is None:
             self._check_pool(rec)
             self._check_compiled(rec)

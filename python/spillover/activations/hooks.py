@@ -191,7 +191,8 @@ class Hooks:
         tr = self._transfers.get(device)
         if tr is None:
             tr = transfers_for(device, sim_bandwidth=self.config.sim_link_bandwidth,
-                               cap_bytes=self.config.copy_inflight_bytes)
+                               cap_bytes=self.config.copy_inflight_bytes,
+                               sim_lag=self.config.sim_compute_lag)
             with self._lock:
                 self._transfer_base[device] = (tr.stall_seconds, tr.forced_waits)
                 self._transfers[device] = tr
@@ -201,9 +202,11 @@ class Hooks:
     def _pack(self, t: torch.Tensor, offload: bool = True) -> Any:
         rec = self._current()
         stats = rec.stats
+        device = t.device
+        kind = device.type
         if (
             t.layout != torch.strided
-            or t.device.type not in ("cpu", "cuda")
+            or kind not in ("cpu", "cuda")
             or (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter))
             or t.is_quantized
         ):
@@ -211,60 +214,67 @@ class Hooks:
             return t
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        stats.add(tensors_packed=1, bytes_packed=nbytes)
+        why = self._kept_why(rec, t, storage, nbytes, kind, offload)
+        if why is not None:
+            if type(why) is Packed:  # a view of a storage this step offloaded already
+                stats.add(tensors_packed=1, bytes_packed=nbytes, storages_deduplicated=1,
+                          bytes_deduplicated=nbytes)
+                return why
+            stats.add(tensors_packed=1, bytes_packed=nbytes, **{why: nbytes})
+            if why == "bytes_deduplicated":
+                stats.add(storages_deduplicated=1)
+            return t
+        key = (kind, device.index or 0, storage.data_ptr())
+        tr = self._transfer(device)
+        if tr.host_is_device:  # Note [host link]: one call into the tier, no copy in flight
+            stored = self._pack_host(rec, storage, t, nbytes)
+        else:
+            tr.reap(rec.errors)
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            if self._chunk_above and nbytes > self._chunk_above:
+                stored = self._pack_pieces(rec, tr, src, t, nbytes)
+            else:
+                stored = self._pack_whole(rec, tr, src, t, nbytes)
+        if stored is None:
+            stats.add(tensors_packed=1, bytes_packed=nbytes, bytes_kept_pool_full=nbytes)
+            return t
+        rec.dedup[key] = (weakref.ref(stored), StorageWeakRef(storage))
+        rec.stored.add(stored)
+        rec.devices.add(device)
+        stats.add(tensors_packed=1, bytes_packed=nbytes, tensors_offloaded=1)
+        if not tr.host_is_device:  # only a device's H2D copies are staged ahead
+            stats.raise_to(bytes_in_flight_peak=tr.bytes_in_flight)
+            rec.by_seq[stored.seq] = weakref.ref(stored)
+        return Packed(stored, t)
+
+    def _kept_why(self, rec: StepRecord, t: torch.Tensor, storage: Any, nbytes: int, kind: str,
+                  offload: bool) -> Any:
+        """Why ``t`` is not offloaded: the stats field its bytes count in, or the handle of the
+        storage this step already offloaded that it views; None when it is to be offloaded."""
         if nbytes < self.config.min_offload_bytes or nbytes == 0:
-            stats.add(bytes_kept_small=nbytes)
-            return t
-        if t.device.type == "cuda" and capturing():
-            stats.add(bytes_kept_unsupported=nbytes)
-            return t
-        key = (t.device.type, t.device.index or 0, storage.data_ptr())
+            return "bytes_kept_small"
+        if kind == "cuda" and capturing():
+            return "bytes_kept_unsupported"
         if is_param(rec, t, storage):
-            stats.add(bytes_kept_parameter=nbytes)
-            return t
+            return "bytes_kept_parameter"
+        key = (kind, t.device.index or 0, storage.data_ptr())
         if key in rec.marked:
-            stats.add(bytes_kept_marked=nbytes)
-            return t
+            return "bytes_kept_marked"
         held = rec.kept.get(key)  # Note [kept by a policy]
         if held is not None and held.cdata == storage._cdata and not held.expired():
-            stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
-            return t
+            return "bytes_deduplicated"
         if not offload:
-            stats.add(bytes_kept_policy=nbytes)
-            if StorageWeakRef is not None:
-                rec.kept[key] = StorageWeakRef(storage)
-            return t
-        if t.device.type == "cpu" and self._in_pool(key[2]):
+            rec.kept[key] = StorageWeakRef(storage)
+            return "bytes_kept_policy"
+        if kind == "cpu" and self._in_pool(key[2]):
             # Already a view of a pool block (e.g. an unpacked tensor saved again).
-            stats.add(bytes_kept_unsupported=nbytes)
-            return t
+            return "bytes_kept_unsupported"
         hit = rec.dedup.get(key)
         if hit is not None:
             stored = hit[0]()
-            if stored is not None and (hit[1] is None or not hit[1].expired()):
-                stats.add(storages_deduplicated=1, bytes_deduplicated=nbytes)
+            if stored is not None and not hit[1].expired():
                 return Packed(stored, t)
-        tr = self._transfer(t.device)
-        if not tr.host_is_device:  # the host link starts no copies (Note [host link])
-            tr.reap(rec.errors)
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        if self._chunk_above and nbytes > self._chunk_above:
-            stored = self._pack_pieces(rec, tr, src, t, nbytes)
-        else:
-            stored = self._pack_whole(rec, tr, src, t, nbytes)
-        if stored is None:
-            stats.add(bytes_kept_pool_full=nbytes)
-            return t
-        if not tr.host_is_device:
-            stats.raise_to(bytes_in_flight_peak=tr.bytes_in_flight)
-        wref = StorageWeakRef(storage) if StorageWeakRef is not None else None
-        rec.dedup[key] = (weakref.ref(stored), wref)
-        rec.stored.add(stored)
-        rec.devices.add(t.device)
-        stats.add(tensors_offloaded=1)
-        if not tr.host_is_device:  # only a device's H2D copies are staged ahead
-            rec.by_seq[stored.seq] = weakref.ref(stored)
-        return Packed(stored, t)
+        return None
 
     def _put(self, rec: StepRecord, tr: Any, nbytes: int, grow: bool = True
              ) -> Tuple[Any, Any]:
@@ -275,7 +285,10 @@ class Hooks:
         try:
             return rec.step.put(nbytes)
         except PoolExhaustedError:
+            if rec.pool_full:  # found full after waiting: waiting again frees nothing
+                raise
             if not tr.bytes_in_flight and not (grow and self._grow(rec, nbytes)):
+                self._full(rec)
                 raise
         if tr.bytes_in_flight:
             t0 = time.perf_counter()
@@ -285,8 +298,17 @@ class Hooks:
                 return rec.step.put(nbytes)
             except PoolExhaustedError:
                 if not (grow and self._grow(rec, nbytes)):
+                    self._full(rec)
                     raise
         return rec.step.put(nbytes)
+
+    @staticmethod
+    def _full(rec: StepRecord) -> None:
+        """A pool without swap that is full once its copies landed stays full for the step (its
+        entries are freed only by a backward): later packs keep their tensors without waiting
+        for the device again. With swap, write-behind makes room: those packs still wait."""
+        if not rec.tier.has_swap:
+            rec.pool_full = True
 
     def _grow(self, rec: StepRecord, nbytes: int) -> bool:
         """Mid-step growth: ``rec`` goes on over a larger pool (another thread's step may have
@@ -299,9 +321,10 @@ class Hooks:
         rec.stats.pool_capacity = self._pool.capacity
         return True
 
-    def _put_from(self, rec: StepRecord, src: torch.Tensor, offset: int, nbytes: int,
+    def _put_from(self, rec: StepRecord, src: Any, offset: int, nbytes: int,
                   grow: bool = True) -> Any:
-        """Note [host link]: a sealed tier entry holding ``nbytes`` of ``src`` from ``offset``,
+        """Note [host link]: a sealed tier entry holding ``nbytes`` of ``src`` (a CPU storage or
+        tensor) from ``offset``,
         in one call into the tier. A full pool grows (``grow``, Note [growing pool]) or raises
         PoolExhaustedError."""
         try:
@@ -311,14 +334,28 @@ class Hooks:
                 raise
         return rec.step.put_from(src, src.data_ptr() + offset, nbytes)
 
-    def _pack_whole(self, rec: StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
-                    nbytes: int) -> Optional[Stored]:
-        if tr.host_is_device:  # Note [host link]
+    def _pack_host(self, rec: StepRecord, storage: Any, t: torch.Tensor, nbytes: int
+                   ) -> Optional[Stored]:
+        """Note [host link]: the storage's bytes into the tier in one call per entry (pieces
+        above the chunk size, Note [gathered storages] in rust/tier/gather.rs)."""
+        if not (self._chunk_above and nbytes > self._chunk_above):
             try:
-                handle = self._put_from(rec, src, 0, nbytes)
+                handle = self._put_from(rec, storage, 0, nbytes)
             except PoolExhaustedError:
                 return None
             return Stored(rec, handle, nbytes, t.device, [], handle.seq)
+        handles = []
+        try:
+            for off in range(0, nbytes, self._chunk_bytes):
+                n = min(self._chunk_bytes, nbytes - off)
+                handles.append(self._put_from(rec, storage, off, n, grow=False))
+        except PoolExhaustedError:
+            return None
+        rec.stats.add(tensors_chunked=1)
+        return Stored(rec, rec.step.gather(handles), nbytes, t.device, [], handles[-1].seq)
+
+    def _pack_whole(self, rec: StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
+                    nbytes: int) -> Optional[Stored]:
         try:
             handle, view = self._put(rec, tr, nbytes)
         except PoolExhaustedError:
@@ -335,9 +372,6 @@ class Hooks:
         try:
             for off in range(0, nbytes, self._chunk_bytes):
                 n = min(self._chunk_bytes, nbytes - off)
-                if tr.host_is_device:  # Note [host link]
-                    handles.append(self._put_from(rec, src, off, n, grow=False))
-                    continue
                 handle, view = self._put(rec, tr, n, grow=False)  # one tier step for all
                 copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
                                          on_landed=handle.seal, errors=rec.errors))
@@ -400,7 +434,9 @@ class Hooks:
         stats = s.record.stats
         src = s.source()
         if not tr.host_is_device:  # the host link holds no sources (Note [host link])
-            tr.release_sources()
+            # Copies seen complete drop their sources; the rest keep theirs (the next unpacks
+            # may return them: Note [source returned]) -- no wait on a copy still in flight.
+            tr.reap(s.record.errors)
         if src is not None:  # Note [source returned]
             stats.add(unpacks_from_source=1)
             s.entry.note_used()
@@ -463,7 +499,11 @@ class Hooks:
             if c is None or c.device != s.device or len(c.copies) != 1:
                 continue
             with c._lock:
-                if c.staged is not None or c._cached is not None:
+                if c.staged is not None:  # staged at an earlier unpack: within the distance
+                    staged += 1
+                    nbytes += c.nbytes
+                    continue
+                if c._cached is not None:
                     continue
                 if c.copies[0].source() is not None or not c.copies[0].done():
                     continue

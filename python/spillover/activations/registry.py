@@ -13,6 +13,9 @@ Note [parameters by identity]
     this step ran (a global forward pre-hook lists them, per step, holding weak references to
     the storages: a weak reference keeps the StorageImpl's address from being reused, and an
     activation at a freed or resized-away storage's old address has a StorageImpl of its own).
+    Autocast's casts of parameters (a bf16 copy of each fp32 weight, made from the weight at
+    every forward) are kept as parameters too: offloading them spent the link on weight bytes
+    every step; kept, they cost the step what half the fp32 weights take.
 
 Note [compiled modules]
     The global module forward pre-hook that lists each step's parameters and buffers is traced
@@ -153,10 +156,26 @@ def note_module(rec: StepRecord, module: torch.nn.Module) -> None:
 def is_param(rec: StepRecord, t: torch.Tensor, storage: Any) -> bool:
     """Note [parameters by identity]."""
     base = t._base if t._base is not None else t
-    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
-        return True
+    if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
+        return True  # (a Parameter is a leaf: activations skip the slow isinstance)
     ref = rec.params.get(storage._cdata)
-    return ref is not None and not ref.expired()
+    if ref is not None and not ref.expired():
+        return True
+    return _cast_of_param(base)
+
+
+def _cast_of_param(t: torch.Tensor) -> bool:
+    """Note [parameters by identity]: autocast's cast of a parameter (a ``_to_copy`` whose input
+    is the parameter itself): remade from the weight every step, parameter-sized, and offloading
+    it spent the link twice per step on bytes the weights already are."""
+    fn = t.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    if len(nxt) != 1 or nxt[0][0] is None:
+        return False
+    var = getattr(nxt[0][0], "variable", None)  # an AccumulateGrad's leaf
+    return isinstance(var, torch.nn.Parameter)
 
 
 def acquire_module_hook() -> None:
@@ -185,7 +204,7 @@ class StepRecord:
 
     __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
                  "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
-                 "node", "compiled", "checked", "findings", "errors", "__weakref__")
+                 "node", "compiled", "checked", "findings", "errors", "pool_full", "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
@@ -211,6 +230,7 @@ class StepRecord:
         self.findings: List[Tuple[str, str]] = []  # (guardrail, message)
         #: errors of this step's copies nobody waited for (Note [errors go to their owner])
         self.errors: List[BaseException] = []
+        self.pool_full = False  # a pool without swap found full after waiting (hooks._full)
 
     def begin(self, tier: Any) -> None:
         """Go on in a new tier step over ``tier`` (the first, or a grown pool's: Note [growing

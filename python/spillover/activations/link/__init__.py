@@ -34,22 +34,24 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def transfers_for(device: Any, *, sim_bandwidth: Optional[float] = None,
                   cap_bytes: Optional[int] = None,
-                  link_bandwidth: Optional[float] = None) -> Transfers:
+                  link_bandwidth: Optional[float] = None, sim_lag: float = 0.0) -> Transfers:
     """The process's :class:`Transfers` for ``device``: CUDA for a CUDA device (default cap
     from ``link_bandwidth``, 16 GB/s when None); for CPU tensors a :class:`SimDevice` of
-    ``sim_bandwidth`` bytes/s when given, else plain CPU. ``cap_bytes`` overrides the cap."""
+    ``sim_bandwidth`` bytes/s whose compute stream runs ``sim_lag`` seconds behind the host
+    when given, else plain CPU. ``cap_bytes`` overrides the cap."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     sim = sim_bandwidth if device.type == "cpu" and sim_bandwidth else None
-    key = (device.type, device.index, sim, cap_bytes, link_bandwidth, os.getpid())
+    lag = float(sim_lag) if sim else 0.0
+    key = (device.type, device.index, sim, lag, cap_bytes, link_bandwidth, os.getpid())
     with _cache_lock:
         tr = _cache.get(key)
         if tr is None:
             if device.type == "cuda":
                 dev: Any = CudaDevice(device, link_bandwidth)
             elif device.type == "cpu":
-                dev = SimDevice(sim) if sim else CpuDevice()
+                dev = SimDevice(sim, compute_lag_s=lag) if sim else CpuDevice()
             else:
                 raise ValueError(f"spillover: no transfers for device {device}")
             tr = _cache[key] = Transfers(dev, cap_bytes)

@@ -44,17 +44,25 @@ Note [in-place after pack]
     through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor) that gc
     cannot see. Guarded by test_context.py::test_inplace_after_save_is_an_error.
 
-Note [freed by events]
-    A tensor ``to_device`` hands out was allocated on the H2D stream but is used by the compute
-    stream; freed as soon as its last reference goes, the allocator could give its bytes to the
-    next H2D copy while compute still reads them. So the policy keeps every handed-out storage
-    until a compute event recorded after everyone else let go of it has fired: at each
-    ``to_device``, ``use`` and ``end_of_backward`` a storage nobody else references gets the
-    event recorded then (every use of it was enqueued before), and is dropped once that event
-    has fired. Only a storage still referenced at ``end_of_backward`` (a tensor autograd or the
-    caller keeps), or one whose event has not fired by then, goes to ``record_stream(compute)``
-    and is dropped: after backward there is no later point of ours before the next step, and
-    the allocator's own deferral frees it as soon as compute passes.
+Note [frees in stream order]
+    A tensor ``to_device`` hands out is allocated on the H2D stream (its pool) and used by the
+    compute stream; freed as soon as its last reference goes, the allocator could give its
+    bytes to the next H2D copy while compute still reads them. Nor may the host wait to *see*
+    that compute passed its last use: on a GPU the host runs ahead, and whatever it keeps until
+    then piles up (a link-bound backward would keep nearly everything it brought back). So a
+    handed-out storage is released in stream order. Each remembers the stream that used it (the
+    current stream at ``to_device(wait=True)`` or ``use``); once nobody else references it
+    (autograd let go after its node), an event is recorded on that stream -- every use was
+    enqueued before -- and the storage joins the *released* list. A released storage goes:
+    at once when its event has fired; or, when the released bytes pass the cap, after the H2D
+    stream was made to wait on the newest event among the oldest ones (the pool's next H2D
+    copies are then ordered after compute's uses), never by a host wait; or at
+    ``end_of_backward``, the same way. A storage never used by compute (staged, then dropped)
+    goes at once: only later work of the H2D stream can reuse it. One still referenced at
+    ``end_of_backward`` (kept by autograd or the caller) goes to ``record_stream`` of its using
+    stream. Where the allocation lives (the H2D stream's pool, apart from forward's) is what
+    ``max_memory_reserved`` shows; the simulated device counts reserved bytes per stream pool.
+    Guarded by test_link_sim.py, whose simulated compute stream lags the host.
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from .common import use_count as _use_count
+
+_USED_NOT = None  # a handed-out storage no compute stream used yet
 
 __all__ = ["Copy", "Transfers"]
 
@@ -98,6 +108,11 @@ class Copy:
         self._error: Optional[BaseException] = None
         # where an error nobody waited for goes (Note [errors go to their owner])
         self._sink: Optional[List[BaseException]] = None
+
+    @property
+    def event(self) -> Any:
+        """The copy stream's event recorded after this copy."""
+        return self._event
 
     def source(self) -> Optional[torch.Tensor]:
         """The device source while the policy still holds it, else None."""
@@ -144,7 +159,12 @@ class Transfers:
         self._fifo: Deque[Copy] = collections.deque()  # not observed complete, issue order
         self._held: Deque[Copy] = collections.deque()  # sources held, issue order
         self._h2d_fifo: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
-        self._handed: List[list] = []  # [storage, compute event or None] (Note [freed by events])
+        # Note [frees in stream order]: [storage, using stream or None] handed out and still
+        # referenced by others; (storage, event, bytes) released, waiting for stream order.
+        self._handed: List[list] = []
+        self._released: Deque[Tuple[Any, Any, int, int]] = collections.deque()
+        self._released_bytes = 0
+        self.released_by_wait = 0
         self._timings: Deque[Any] = collections.deque()
         self._errors: List[BaseException] = []
         self._stall = 0.0
@@ -168,8 +188,9 @@ class Transfers:
 
     @property
     def device_tensors_held(self) -> int:
-        """Handed-out device storages the policy still keeps (Note [freed by events])."""
-        return len(self._handed)
+        """Handed-out device storages the policy still keeps (Note [frees in stream order])."""
+        with self._lock:
+            return len(self._handed) + len(self._released)
 
     # -- device -> host --
 
@@ -311,8 +332,7 @@ class Transfers:
                 self._held.popleft()
             while self._h2d_fifo and query(self._h2d_fifo[0][0]):
                 self._h2d_fifo.popleft()
-            if self._handed:
-                self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
+        self._collect()
         self.dev.poll()
 
     def reap(self, errors: Optional[List[BaseException]] = None) -> None:
@@ -359,58 +379,92 @@ class Transfers:
                 with self._lock:
                     self._stall += dt
             return host, None
-        compute = dev.current_stream()
-        self._fence(compute)
+        self._collect()
         out = dev.empty(host.numel(), self._h2d)
         if after is not None:
             if after.done():
                 after.wait()  # raises what the copy raised
             else:
-                dev.wait(self._h2d, after._event)  # Note [stream ordering]
+                dev.wait(self._h2d, after.event)  # Note [stream ordering]
         dev.copy(out, host, self._h2d)
         ev = dev.record(self._h2d)
+        compute = dev.current_stream() if wait else _USED_NOT
         with self._lock:
             self._h2d_fifo.append((ev, host))  # the block must outlive the copy
-            self._handed.append([out.untyped_storage(), None])
+            self._handed.append([out.untyped_storage(), compute])
         if wait:
             self._wait_compute(compute, ev)
         dev.poll()
         return out, ev
 
     def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
-        """The tensor of a ``to_device(..., wait=False)`` pair, the compute stream ordered
-        after its copy."""
+        """The tensor of a ``to_device(..., wait=False)`` pair, the current stream ordered
+        after its copy (and the stream that frees it: Note [frees in stream order])."""
         t, ev = staged
         if ev is not None:
             compute = self.dev.current_stream()
-            self._fence(compute)
+            st = t.untyped_storage()
+            with self._lock:
+                for h in self._handed:
+                    if h[0]._cdata == st._cdata:
+                        h[1] = compute
+                        break
             self._wait_compute(compute, ev)
         return t
 
-    def _fence(self, compute: Any) -> None:
-        """Note [freed by events]: a compute event for handed-out storages nobody else holds."""
+    def _collect(self) -> None:
+        """Note [frees in stream order]: storages nobody else references are released on the
+        stream that used them; those compute has passed go, and past the cap the H2D stream
+        waits for the oldest before they go. Never a host wait."""
+        dev = self.dev
         with self._lock:
-            todo = [h for h in self._handed if h[1] is None and _use_count(h[0]) <= 1]
-        ev = self.dev.record(compute) if todo else None
-        query = self.dev.query
+            if not self._handed and not self._released:
+                return
+            free = [h for h in self._handed if _use_count(h[0]) <= 1]
+            if free:
+                self._handed = [h for h in self._handed if _use_count(h[0]) > 1]
+        events: Dict[Any, Any] = {}
+        for storage, stream in free:
+            if stream is _USED_NOT:
+                continue  # only the H2D stream ever used it: its own later work comes after
+            ev = events.get(id(stream))
+            if ev is None:
+                ev = events[id(stream)] = dev.record(stream)
+            n = storage.nbytes()
+            with self._lock:
+                self._released.append((storage, ev, n, id(stream)))
+                self._released_bytes += n
+        free.clear()
+        victims: List[Any] = []
+        wait_on: Dict[int, Any] = {}  # per using stream, the newest event to wait for
         with self._lock:
-            for h in todo:
-                h[1] = ev
-            self._handed = [h for h in self._handed if h[1] is None or not query(h[1])]
-            while self._h2d_fifo and query(self._h2d_fifo[0][0]):
-                self._h2d_fifo.popleft()  # host views hold pool blocks: let them go early
+            while self._released and dev.query(self._released[0][1]):
+                victims.append(self._released.popleft())
+                self._released_bytes -= victims[-1][2]
+            while self._released and self._released_bytes > self.cap_bytes:
+                v = self._released.popleft()
+                self._released_bytes -= v[2]
+                victims.append(v)
+                wait_on[v[3]] = v[1]  # a stream's events fire in order: the newest covers all
+                self.released_by_wait += 1
+        for ev in wait_on.values():
+            dev.wait(self._h2d, ev)
+        victims.clear()  # the storages go now
 
     def end_of_backward(self) -> None:
-        """Release every source, hand every device tensor the policy keeps back to the
-        allocator (Note [freed by events]), reap."""
+        """Release every source, give every device tensor the policy keeps back to the
+        allocator in stream order (Note [frees in stream order]), reap."""
         self.release_sources()
-        compute = self.dev.current_stream()
-        self._fence(compute)
         self._poll()
         with self._lock:
+            released, self._released = list(self._released), collections.deque()
+            self._released_bytes = 0
             rest, self._handed = self._handed, []
-        for storage, _ in rest:
-            self.dev.record_stream(storage, compute)
-        del rest
+        newest = {skey: ev for _, ev, _, skey in released}
+        for ev in newest.values():
+            self.dev.wait(self._h2d, ev)
+        for storage, stream in rest:
+            if stream is not _USED_NOT:
+                self.dev.record_stream(storage, stream)
+        del rest, released, newest
         self.reap()
-

@@ -4,6 +4,7 @@ benchmarks on machines without one (Note [stream ordering] in policy.py)."""
 from __future__ import annotations
 
 import atexit
+import heapq
 import queue
 import threading
 import time
@@ -93,24 +94,70 @@ def _stop_workers() -> None:
 # Before threading joins its threads (as concurrent.futures does); atexit where that is absent.
 getattr(threading, "_register_atexit", atexit.register)(_stop_workers)
 
-_HOST = "host"  # the simulated compute stream: the calling thread
+_HOST = "host"  # the simulated compute stream: the calling thread, ``compute_lag_s`` behind
+
+
+class _Clock:
+    """Fires events at given times, on one thread per simulated device (started on first use):
+    the compute stream's events of a device whose compute runs behind the host."""
+
+    def __init__(self) -> None:
+        self._heap: List[Tuple[float, int, Callable[[], None]]] = []
+        self._cv = threading.Condition()
+        self._n = 0
+        self._thread: Optional[threading.Thread] = None
+
+    def at(self, due: float, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._n += 1
+            heapq.heappush(self._heap, (due, self._n, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="spillover-sim-clock",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cv.wait(None if not self._heap
+                                  else max(0.0, self._heap[0][0] - time.monotonic()))
+                _, _, fn = heapq.heappop(self._heap)
+            fn()
 
 
 class SimDevice:
     """The CPU pretending to be a device behind a link of ``bandwidth_bytes_per_s``: device
     tensors are CPU tensors, a copy's bytes really move but it completes (and its event fires)
-    only ``latency_s + nbytes / bandwidth`` after its stream started it. ``live_bytes()`` is a
-    device-memory probe: the bytes of D2H sources and ``empty`` tensors still alive."""
+    only ``latency_s + nbytes / bandwidth`` after its stream started it.
+
+    The compute stream (the calling thread) runs ``compute_lag_s`` behind the host, as a GPU's
+    does when the host enqueues work faster than it runs: an event recorded on it fires that
+    long after it was recorded, and a storage given to ``record_stream`` is kept that long. A
+    host that waits to *see* a compute event therefore waits the lag, and what it keeps until
+    then piles up, as it would on a GPU.
+
+    Device memory is probed as a caching allocator keeps it: ``live_bytes()`` are the bytes of
+    D2H sources and ``empty`` tensors still alive (``max_memory_allocated``'s view), and each
+    allocation belongs to the pool of the stream it was made on; a stream's freed bytes serve
+    only that stream, so ``peak_reserved_bytes()`` is the sum over streams of each pool's peak
+    (``max_memory_reserved``'s view, the memory a process really takes)."""
 
     host_is_device = False
     has_callbacks = True
 
-    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0):
+    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0,
+                 compute_lag_s: float = 0.0):
         self.bandwidth = float(bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
         self.latency = float(latency_s)
+        self.compute_lag = float(compute_lag_s)
         self.default_cap = default_cap_bytes(self.bandwidth)
-        self._live: Dict[int, Tuple[Any, int]] = {}
+        self._live: Dict[int, Tuple[Any, int, Any]] = {}  # address -> (weak ref, bytes, pool)
         self._peak = 0
+        self._pool_peaks: Dict[Any, int] = {}
+        self._deferred: Dict[int, Any] = {}  # record_stream: storages kept for the lag
+        self._clock = _Clock()
         self._probe, self._probe_lock = True, threading.Lock()
 
     def current_stream(self) -> Any:
@@ -162,7 +209,11 @@ class SimDevice:
 
     def record(self, stream: Any) -> Any:
         if stream is _HOST:
-            return _SimEvent(fired=True)
+            if self.compute_lag <= 0:
+                return _SimEvent(fired=True)
+            ev = _SimEvent()
+            self._clock.at(time.monotonic() + self.compute_lag, lambda: ev.fire(None))
+            return ev
         ev, errors = _SimEvent(), stream.errors
         stream.put(lambda: ev.fire(errors.pop(0) if errors else None))
         return ev
@@ -199,13 +250,26 @@ class SimDevice:
 
     def empty(self, nbytes: int, stream: Any) -> torch.Tensor:
         t = torch.empty(nbytes, dtype=torch.uint8)
-        self.track(t)
+        self.track(t, stream)
         return t
 
     def record_stream(self, storage: Any, stream: Any) -> None:
-        pass  # the simulated compute stream never runs behind the host
+        """As CUDA's allocator: the storage is not reused until ``stream`` passes this point,
+        which for the lagging compute stream is ``compute_lag_s`` from now."""
+        if stream is not _HOST or self.compute_lag <= 0:
+            return
+        key = id(storage)
+        with self._probe_lock:
+            self._deferred[key] = storage
 
-    def track(self, t: torch.Tensor) -> None:
+        def free() -> None:
+            with self._probe_lock:
+                self._deferred.pop(key, None)
+
+        self._clock.at(time.monotonic() + self.compute_lag, free)
+
+    def track(self, t: torch.Tensor, stream: Any = _HOST) -> None:
+        """Count ``t``'s storage as device memory of ``stream``'s pool while it lives."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         if not self._probe:
@@ -214,20 +278,41 @@ class SimDevice:
         with self._probe_lock:
             old = self._live.get(st.data_ptr())
             if st.nbytes() and (old is None or old[0].expired()):
-                self._live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+                pool = "compute" if stream is _HOST else id(stream)
+                self._live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes(), pool)
+
+    def _live_by_pool(self) -> Dict[Any, int]:
+        """Under the probe lock: live bytes per pool (dead entries dropped)."""
+        for k in [k for k, (w, _, _) in self._live.items() if w.expired()]:
+            del self._live[k]
+        out: Dict[Any, int] = {}
+        for _, n, pool in self._live.values():
+            out[pool] = out.get(pool, 0) + n
+        return out
 
     def live_bytes(self) -> int:
         with self._probe_lock:
-            for k in [k for k, (w, _) in self._live.items() if w.expired()]:
-                del self._live[k]
-            return sum(n for _, n in self._live.values())
+            return sum(self._live_by_pool().values())
 
     def peak_live_bytes(self) -> int:
         return self._peak
 
+    def reset_peaks(self) -> None:
+        """Peaks from now on (``torch.cuda.reset_peak_memory_stats``)."""
+        with self._probe_lock:
+            by_pool = self._live_by_pool()
+            self._peak = sum(by_pool.values())
+            self._pool_peaks = dict(by_pool)
+
+    def peak_reserved_bytes(self) -> int:
+        """The sum over streams of each pool's peak (what a caching allocator reserves)."""
+        return sum(self._pool_peaks.values())
+
     def poll(self) -> None:
         if self._probe:
-            n = self.live_bytes()
             with self._probe_lock:
-                self._peak = max(self._peak, n)
+                by_pool = self._live_by_pool()
+                self._peak = max(self._peak, sum(by_pool.values()))
+                for pool, n in by_pool.items():
+                    self._pool_peaks[pool] = max(self._pool_peaks.get(pool, 0), n)
 

@@ -1,0 +1,169 @@
+"""The simulated device behaves like a GPU where it matters for memory (Note [stream ordering]
+in activations/link/policy.py): its compute stream runs behind the host, so a host that waits
+to *see* compute events keeps what it waits for; each stream has its own allocator pool. On it,
+tensors brought back for backward are freed in stream order, as soon as autograd lets go of
+them, behind a byte cap, never by the host waiting to see an event."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import spillover
+from spillover.activations import link as T
+
+MiB = 1 << 20
+HUGE = 1 << 40
+
+
+def _bytes(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_compute_events_fire_after_the_lag():
+    dev = T.SimDevice(None, compute_lag_s=0.2)
+    t0 = time.monotonic()
+    ev = dev.record(dev.current_stream())
+    assert not dev.query(ev)  # the host is ahead of the compute stream
+    dev.synchronize(ev)
+    assert time.monotonic() - t0 >= 0.19
+    assert dev.query(ev)
+    assert dev.query(T.SimDevice(None).record("host"))  # no lag: fired at once
+
+
+def test_backward_frees_in_stream_order_when_the_host_runs_ahead():
+    """Each block brought back, used and let go: the device holds one at a time. Freed only
+    once the host had seen a compute event fire, all of them stayed alive for the lag."""
+    dev = T.SimDevice(None, compute_lag_s=0.5)
+    tr = T.Transfers(dev, 2 * MiB)
+    blocks = [_bytes(MiB, i) for i in range(24)]
+    dev.reset_peaks()
+    for b in blocks:
+        out, _ = tr.to_device(b)
+        assert torch.equal(out, b)
+        del out  # autograd lets go after the node that used it
+        dev.poll()
+    # the cap's worth released and waiting for stream order, plus the one in use
+    assert dev.peak_live_bytes() <= 4 * MiB, dev.peak_live_bytes() / MiB
+    assert dev.peak_reserved_bytes() <= 4 * MiB
+    assert tr.released_by_wait > 0
+    tr.end_of_backward()
+    tr.synchronize()
+    assert tr.device_tensors_held == 0
+
+
+def test_reserved_is_counted_per_stream_pool():
+    """Forward's sources live in the compute stream's pool, backward's tensors in the H2D
+    stream's: the simulated device reserves both, as CUDA's caching allocator would."""
+    dev = T.SimDevice(None)
+    tr = T.Transfers(dev, HUGE)
+    srcs = [_bytes(MiB, i) for i in range(8)]
+    dsts = [torch.empty(MiB, dtype=torch.uint8) for _ in srcs]
+    dev.reset_peaks()
+    for s, d in zip(srcs, dsts):
+        tr.to_host(s, d)
+    tr.synchronize()
+    del srcs, s  # forward's activations are gone
+    outs = [tr.to_device(d)[0] for d in dsts]  # backward's set, alive at once
+    dev.poll()
+    assert all(torch.equal(o, d) for o, d in zip(outs, dsts))
+    assert dev.peak_live_bytes() == 8 * MiB
+    assert dev.peak_reserved_bytes() == 16 * MiB
+    del outs
+    tr.end_of_backward()
+
+
+def _chain(n=16, width=512):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width),
+                                                     torch.nn.ReLU()) for _ in range(n)])
+
+
+def test_offload_context_backward_peak_with_a_lagging_device():
+    """Through the public API on the simulated device whose compute runs 0.4 s behind: the
+    device bytes backward brings back stay near one layer's, and gradients are bitwise."""
+    model, x = _chain(), torch.randn(512, 512)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    bw = 3e9 + 7  # a device of this test's own (the link's cache is per bandwidth and lag)
+    ctx = spillover.offload_context("host", sim_link_bandwidth=bw, sim_compute_lag=0.4,
+                                    min_offload_bytes=0, host_pool_bytes=64 * MiB,
+                                    copy_inflight_bytes=2 * MiB)
+    with ctx:
+        loss = model(x).sum()
+    ctx.synchronize()  # every copy landed: backward brings each tensor back over the link
+    dev = T.transfers_for("cpu", sim_bandwidth=bw, sim_lag=0.4, cap_bytes=2 * MiB).dev
+    dev.reset_peaks()
+    loss.backward()
+    for p, r in zip(model.parameters(), ref):
+        assert torch.equal(p.grad, r)
+    s = ctx.stats()
+    assert s.tensors_unpacked >= 16 and s.unpacks_from_source == 0
+    # each layer saves 1 MiB (its input; ReLU its output); one layer's and the staged ahead
+    assert dev.peak_live_bytes() <= 8 * MiB, dev.peak_live_bytes() / MiB
+
+
+def test_full_pool_waits_for_the_device_once_per_step(monkeypatch):
+    """Host tier without swap: once the pool is full after its copies landed, later packs keep
+    their tensors without waiting for the device again. (Read as a defect -- "every later pack
+    synchronises" --, it was not one: the first full pack drains the copies in flight and no
+    pack starts one after it; this keeps it so, and the pool-full step no longer tries to grow
+    the pool at every later pack either.)"""
+    waits = []
+    sync = T.Transfers.synchronize
+
+    def counting(self, *a, **k):
+        waits.append(1)
+        return sync(self, *a, **k)
+
+    monkeypatch.setattr(T.Transfers, "synchronize", counting)
+    ctx = spillover.offload_context("host", sim_link_bandwidth=2e9 + 11, min_offload_bytes=0,
+                                    host_pool_bytes=4 * MiB)
+    xs = [torch.full((MiB // 4,), float(i)) for i in range(16)]
+    with ctx:
+        hs = [ctx.pack(x) for x in xs]
+    s = ctx.stats()
+    assert s.tensors_offloaded == 4 and s.bytes_kept_pool_full == 12 * MiB
+    assert len(waits) == 1, len(waits)
+    for h, x in zip(hs, xs):
+        assert torch.equal(ctx.unpack(h), x)
+
+
+def test_graph_capture_queries_no_event(monkeypatch):
+    """Entering and leaving the context while a CUDA graph is being captured queries no event
+    (that would invalidate the capture): pack passes through, exit reaps nothing."""
+    from spillover.activations import registry
+
+    ctx = spillover.offload_context("host", sim_link_bandwidth=2e9 + 13, min_offload_bytes=0,
+                                    host_pool_bytes=8 * MiB)
+    x = torch.randn(MiB // 4, requires_grad=True)
+    with ctx:  # a first step makes the link
+        (x * 2).sigmoid().sum().backward()
+
+    def refuse(*a, **k):
+        raise AssertionError("an event was queried under capture")
+
+    monkeypatch.setattr(registry, "capturing", lambda: True)
+    monkeypatch.setattr(T.Transfers, "reap", refuse)
+    monkeypatch.setattr(T.Transfers, "stall_seconds", property(refuse))
+    with ctx:
+        pass
+
+
+def test_autocast_weight_casts_stay_on_the_device():
+    """Under autocast the bf16 copy of each weight is saved by the matmul: it is the weight,
+    cast, remade every step; kept (as a parameter), not offloaded."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 1024)
+    x = torch.randn(512, 1024, requires_grad=True)  # so the matmul saves the weight's cast
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=64 * MiB)
+    with ctx, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    y.float().sum().backward()
+    s = ctx.stats()
+    # the weight's cast (2 MiB in bf16) is kept as a parameter; the input's cast is offloaded
+    assert s.bytes_kept_parameter >= 2 * MiB, s
+    assert s.bytes_offloaded == 1 * MiB, s
