@@ -73,7 +73,7 @@ cat <<EOF
 == ready. Copy dist/gpu (git-ignored) along with the repository to the GPU host, and there,
 from the repository root, run one of
 
-    OUT=gpu-out bash benches/gpu/run.sh            # everything, under 7 minutes on an H200
+    OUT=gpu-out bash benches/gpu/run.sh            # everything, under 7.5 minutes on an H200
     OUT=gpu-out bash benches/gpu/run.sh --quick    # parity, memory probes, the three answers: < 3 min
 
 Give the command a limit with some slack: about 8 minutes for the full run, 4 for --quick.

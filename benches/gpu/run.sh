@@ -2,7 +2,7 @@
 # The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
 # the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
 #
-#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7.5 minutes on an H200
 #     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, the three
 #                                                          # answers: under 3 minutes
 #     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
@@ -59,12 +59,12 @@ trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 415 s, quick 170 s, so that with the
-# header's few seconds the full run ends within 7 minutes and the quick one within 3.
+# `timeout -k 10` adds at most 10 s to the last): full 435 s, quick 170 s, so that with the
+# header's few seconds the full run ends within 7.5 minutes and the quick one within 3.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
-    B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 DEADLINE=170 TEST_TIMEOUT=40
+    B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 B_PACK=0 DEADLINE=170 TEST_TIMEOUT=40
     BENCH_ARGS=(--steps 2)
     # host against none, with full checkpointing beside: the three answers need these three.
     BENCH_MODES=(none full host)
@@ -72,7 +72,8 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream-ordering tests run in the full run
 else
     run_kind="full"
-    B_INSTALL=20 B_TESTS=85 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 DEADLINE=415 TEST_TIMEOUT=60
+    B_INSTALL=20 B_TESTS=85 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_PACK=20 DEADLINE=435
+    TEST_TIMEOUT=60
     BENCH_ARGS=(--steps 3)
     BENCH_MODES=(none full planned save_on_cpu host nvme auto)
     # nvme moves about four times its pool through the disk each way per step: the largest.
@@ -86,6 +87,7 @@ if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds
     ((B_SANITIZER > 0)) && B_SANITIZER=60
     ((B_OTHERS > 0)) && B_OTHERS=90
     ((B_OPTIM > 0)) && B_OPTIM=60
+    ((B_PACK > 0)) && B_PACK=60
     BENCH_ARGS=(--tiny --device cpu --steps 2)
     for m in "${BENCH_MODES[@]}"; do B_BENCH[$m]=40; done
 fi
@@ -313,6 +315,19 @@ if [ "$B_OPTIM" -gt 0 ]; then
         timeout -k 10 "$budget" "$PY" benches/gpu/bench.py --mode optim --out "$OUT/bench" \
             --summary "$SUMMARY" --optim-budget "$budget" "${BENCH_ARGS[@]}"
         verdict $? $((SECONDS - t0)) "$budget"
+    fi
+fi
+
+# ---- per-tensor cost of pack and unpack on the device --------------------------------------------
+if [ "$B_PACK" -gt 0 ]; then
+    budget=$(budget_left $B_PACK)
+    pack_dev=cuda
+    [ "$dry" = 1 ] && pack_dev=cpu
+    if section "pack_cost: pack / land / unpack per tensor, \`--device $pack_dev\`" "$budget"; then
+        t0=$SECONDS
+        timeout -k 10 "$budget" "$PY" benches/python/pack_cost.py --device "$pack_dev" \
+            --json "$OUT/bench/pack_cost.json" | tee -a "$SUMMARY"
+        verdict "${PIPESTATUS[0]}" $((SECONDS - t0)) "$budget"
     fi
 fi
 
