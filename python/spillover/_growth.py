@@ -197,9 +197,17 @@ class Pools:
         return [g.tier for g in self.gens]
 
     def chunk_sizes(self) -> Tuple[int, int]:
-        """Note [gathered storages]: the piece sizes of the current pool on the NVMe tier, (0, 0)
-        (never in pieces) on the host tier."""
+        """Note [gathered storages]: the piece sizes of the current pool: on the NVMe tier from
+        its capacity; on the host tier, storages larger than its largest arena (a block lives in
+        one arena: whole, such a storage could never be leased, however large the pool) go in
+        pieces of a quarter arena; (0, 0) -- never in pieces -- when the pool is one arena."""
         tier = self.tier
-        if tier is None or not tier.has_swap:
+        if tier is None:
             return 0, 0
-        return _tiers.chunk_sizes(self.pool.capacity)
+        if tier.has_swap:
+            return _tiers.chunk_sizes(self.pool.capacity)
+        arenas = [n for _, n in self.pool.arenas()]
+        if len(arenas) < 2:
+            return 0, 0
+        arena = max(arenas)
+        return arena, max(4096, (arena // 4) // 4096 * 4096)

@@ -273,6 +273,11 @@ def default_size(purpose: str) -> int:
     return default
 
 
+#: Largest arena of the pools made here (None: the crate's 1 GiB). Tests make it small to reach
+#: storages larger than one arena at small sizes (Note [gathered storages] in rust/tier/gather.rs).
+ARENA_BYTES: Optional[int] = None
+
+
 def host_pool(cfg: Config, purpose: str = "activations",
               need: Optional[int] = None) -> _native.Pool:
     """The process's pool for ``purpose`` (made on first use): ``"activations"`` (every
@@ -295,7 +300,7 @@ def host_pool(cfg: Config, purpose: str = "activations",
         pool = _pools.get((purpose, capacity))
         if pool is None:
             log.info("mapping a %s host pool for %s", format_size(capacity), purpose)
-            pool = _native.Pool(capacity)
+            pool = _native.Pool(capacity, arena_bytes=ARENA_BYTES)
             _pools[(purpose, capacity)] = pool
             lock_warning = pool.lock_warning
         else:
@@ -341,7 +346,7 @@ def lease_pool(capacity: int) -> _native.Pool:
     check_pool_size(capacity, "activations", mem)
     log.info("mapping a %s activation pool (growing default): %s", format_size(capacity),
              mem.describe())
-    pool = _native.Pool(capacity)  # outside the lock: mapping takes a while
+    pool = _native.Pool(capacity, arena_bytes=ARENA_BYTES)  # outside the lock: mapping is slow
     with _lease_lock:
         entry = _leased.setdefault(capacity, [pool, 0])
         entry[1] += 1
