@@ -169,6 +169,8 @@ class InBackward:
             again = [b for b in mine if b in self.submitted]
         for b in again:  # a later micro-batch: Note [speculative update]
             self._undo(b)
+            if self.pending is not None:  # its members' gradients are to arrive again
+                self.pending[b] = self._members_to_wait(b)
         g = p.grad
         if g is None or (self.expect[k] and self.fired[k] < self.expect[k]):
             return
@@ -177,8 +179,6 @@ class InBackward:
         if self.pending is None:  # the round's first gradient: which members to wait for
             self.pending = [self._members_to_wait(b) for b in range(len(self.buckets))]
         for b in mine:
-            if b in again:
-                self.pending[b] = self._members_to_wait(b)
             self.pending[b].discard(k)
             if not self.pending[b]:
                 self._submit(b)
@@ -268,7 +268,7 @@ class InBackward:
 
     def undo_bytes(self) -> Tuple[int, int]:
         """Bytes the undo copies hold: (host memory, swap files)."""
-        host = sum(t.numel() * 4 for t in self.undo.values())
+        host = sum(t.numel() * 4 for t in list(self.undo.values()))  # the worker adds
         swap = 0 if self.undo_state is None else int(self.undo_state.stats()["state_bytes"])
         return host, swap
 
