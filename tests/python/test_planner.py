@@ -345,8 +345,10 @@ def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
 
 
 def test_peak_budget_counts_the_region_rebuilt_in_backward():
-    # One block saves 208 MiB for backward: a checkpointed region brings all of it back at once.
-    budget = 400 * MiB
+    # One block saves 208 MiB for backward: a checkpointed region brings all of it back at once,
+    # and on the way rebuilds its 128 MiB of scores that autograd does not keep (Note
+    # [recompute transients]).
+    budget = 528 * MiB
     recs = _step()
     held_plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
     recs = _step()
@@ -354,7 +356,7 @@ def test_peak_budget_counts_the_region_rebuilt_in_backward():
     # The same budget as a peak costs more recomputation than as bytes held after forward.
     assert peak_plan.fits and peak_plan.model_peak <= budget
     assert peak_plan.recompute_seconds > held_plan.recompute_seconds
-    assert peak_plan.model_peak >= 208 * MiB + 16 * MiB
+    assert peak_plan.model_peak >= (208 + 128 + 16) * MiB
     # A measured offset (what the model misses: gradients, copies in flight) tightens it more.
     recs = _step()
     tighter = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB,

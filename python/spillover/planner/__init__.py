@@ -41,9 +41,9 @@ from .cost import (
     REGION_POOL_SHARE,
     SKIPPED_REASON,
     Costs,
-    learning_peak,
     region_skipped,
     skipped_ops,
+    transient_bytes,
     worth_saving,
 )
 from .explain import Explanation, explain_records
@@ -58,11 +58,21 @@ from .records import (
     output_tensors,
     storage_bytes,
 )
-from .search import KINDS, Plan, RegionPlan, family, make_plan
-from .tuner import DEFAULT_BUDGET_SHARE, Planner, default_budget_text
+from .search import (
+    FIXED_MODES,
+    KINDS,
+    Plan,
+    RegionPlan,
+    family,
+    fixed_modes,
+    learning_peak,
+    make_plan,
+)
+from .tuner import DEFAULT_BUDGET_SHARE, Phase, Planner, default_budget_text
 
 __all__ = [
     "Planner",
+    "Phase",
     "Machine",
     "OpRecord",
     "RegionRecord",
@@ -71,6 +81,9 @@ __all__ = [
     "RegionPlan",
     "Costs",
     "make_plan",
+    "fixed_modes",
+    "FIXED_MODES",
+    "transient_bytes",
     "learning_peak",
     "family",
     "KINDS",

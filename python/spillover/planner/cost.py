@@ -100,17 +100,19 @@ class _Item:
         self.rc = seconds / op.bytes
 
 
-def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0) -> int:
-    """The modeled peak of a learning step (every region recomputed in full, Note [peak
-    feedback]), counted as the plans' are: inputs and the rest of the model held (where the
-    context puts them), + the largest region rebuilt."""
-    if not regions:
-        return outside_bytes
-    g = Costs(regions, machine, 0, outside_bytes, regions[0].offload,
-              regions[0].device == "cpu", False)
-    g.kept = 0
-    g.bwd = g.rebuilt_bytes()
-    return g.peak
+def transient_bytes(rec: RegionRecord) -> int:
+    """Note [recompute transients]: the largest output a region's recomputation creates that
+    autograd does not keep.
+
+    Recomputation runs the region's ops up to the last saved tensor; an output autograd does
+    not save (e.g. the masked scores a softmax reads) lives until its readers ran, on top of
+    what is rebuilt. The model of a rebuilt region counts the largest such output once: an
+    upper bound for a chain (each dies as the next is made), what a measured step showed
+    (a region rebuilt under the NVMe context peaked higher than the same region's tensors
+    reloaded one by one by about one score tensor). Decision-independent, so the plans of one
+    variant family move together and the measured offset keeps them exact."""
+    return max((o.bytes for o in rec.ops if not o.needed and not o.after_stop
+                and o.forced != "view"), default=0)
 
 
 class Costs:
@@ -204,8 +206,10 @@ class Costs:
 
     def rebuilt_bytes(self) -> int:
         """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds
-        (or reloads) everything autograd saved in it before its backward starts."""
-        return max((r.needed_bytes for r in self.regions), default=0)
+        (or reloads) everything autograd saved in it before its backward starts, and on the way
+        creates outputs autograd does not keep (the scores before a softmax): Note [recompute
+        transients]."""
+        return max((r.needed_bytes + transient_bytes(r) for r in self.regions), default=0)
 
     def transfer_seconds(self, nbytes: int) -> float:
         m = self.machine

@@ -86,17 +86,25 @@ def make_plan(
             return peak_offset.get(family(kind), peak_offset.get("learning", 0))
         return peak_offset or 0
 
-    if not regions or budget is None or plain + off("plain") <= budget:
+    # On a CPU host the context's pool is this same memory, faulted in whole: a step run plainly
+    # under it peaks with the pool on top (the variants below count it as they charge it).
+    host_pool = (int(regions[0].offload["pool_bytes"]) if peak and regions
+                 and regions[0].offload and regions[0].device == "cpu" else 0)
+
+    def all_plain(fits: bool, note: str = "") -> Plan:
         for r in regions:
             r.mode = "plain-keep"
             for o in r.ops:
                 o.action, o.tier = "keep", ""
-                o.reason = "everything fits the budget"
+                o.reason = "everything fits the budget" if fits else "the least peak there is"
         return Plan(
             [RegionPlan(r.signature, "plain-keep", {}) for r in regions],
-            budget, plain, full, plain, 0.0, 0.0, True, model_peak=plain,
+            budget, plain, full, plain, 0.0, 0.0, fits, note, model_peak=plain + host_pool,
             peak_offset=off("plain") if peak else None, variant="plain",
         )
+
+    if not regions or budget is None or plain + host_pool + off("plain") <= budget:
+        return all_plain(True)
     ctx = regions[0].offload
     device_is_host = regions[0].device == "cpu"
     # The last k regions run plainly (they are needed first in backward and cost nothing to
@@ -129,6 +137,10 @@ def make_plan(
     fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
     best = (min(fitting, key=lambda v: (v.recompute + v.transfer, v.peak)) if fitting
             else min(variants, key=lambda v: v.peak + off(v.kind)))
+    if not fitting and plain + host_pool + off("plain") < best.peak + off(best.kind):
+        # Nothing fits, and the measured offsets say running plainly peaks least.
+        return all_plain(False, f"the budget ({format_size(budget)}) is below the least peak "
+                         f"there is ({format_size(plain + host_pool + off('plain'))})")
     for ri, r in enumerate(regions):
         r.mode = best.modes[ri]
         for o in r.ops:
@@ -258,6 +270,57 @@ class _Greedy(Costs):
                 else:
                     spilled = True
                     self.ops[(ri, o.index)] = (act, "nvme", why)
+
+
+#: The fixed modes the planner can choose among (what ``wrap(policy=...)`` runs without it):
+#: every region run plainly ("none"), recomputed in full ("full"), or run plainly under the
+#: NVMe or host tier ("offload", where the context frees memory).
+FIXED_MODES = ("none", "full", "offload")
+
+
+def fixed_modes(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0,
+                peak_offset: Optional[Dict[str, int]] = None) -> Dict[str, Tuple[int, float]]:
+    """The modeled (peak + offset, seconds per step) of each fixed mode that can run here, for
+    the records of one step, counted as :func:`make_plan` counts its variants: a plan it makes
+    should not be beaten on both by one of them. Pure: the records are not changed."""
+    import copy
+
+    offsets = dict(peak_offset or {})
+    offsets.setdefault("learning", 0)
+    out: Dict[str, Tuple[int, float]] = {}
+    for mode, kinds, budget in (("none", KINDS, None), ("full", ("checkpoint",), 0),
+                                ("offload", ("plain-offload",), 0)):
+        recs = copy.deepcopy(regions)
+        if mode == "offload":
+            ctx, host = recs[0].offload if recs else None, bool(recs) and recs[0].device == "cpu"
+            if not _PlainOffload(recs, machine, 0, outside_bytes, ctx, host, True).use_offload:
+                continue  # no context, or one that frees nothing here
+        if mode == "none":
+            plan = make_plan(recs, machine, 1 << 62, outside_bytes, offsets)
+        else:
+            plan = make_plan(recs, machine, budget, outside_bytes, offsets, kinds=kinds)
+        out[mode] = (plan.model_peak + (plan.peak_offset or 0),
+                     plan.recompute_seconds + plan.transfer_seconds)
+    return out
+
+
+def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0,
+                  kind: str = "checkpoint") -> int:
+    """The modeled peak of a learning step, counted as the plans' are (Note [peak feedback]):
+    inputs and the rest of the model held (where the context puts them), + the largest region
+    rebuilt (``kind`` "checkpoint": every region recomputed in full) or the largest tensors
+    reloaded one by one ("plain-offload": every region run plainly under the NVMe context,
+    Note [learning frugally])."""
+    if not regions:
+        return outside_bytes
+    ctx, host = regions[0].offload, regions[0].device == "cpu"
+    if kind == "plain-offload":
+        g: Costs = _PlainOffload(regions, machine, 0, outside_bytes, ctx, host, True).run()
+    else:
+        g = Costs(regions, machine, 0, outside_bytes, ctx, host, False)
+        g.kept = 0
+    g.bwd = g.rebuilt_bytes()
+    return g.peak
 
 
 class _PlainOffload(_Greedy):

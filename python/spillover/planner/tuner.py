@@ -5,15 +5,28 @@ Note [peak feedback]
     The budget is the step's peak (forward and backward), not what it holds after forward. The
     model adds to what a plan holds after forward the largest region rebuilt in backward
     (recomputation brings back everything autograd saved in a region before its backward
-    starts; a region run plainly under the context reloads tensors one by one), but it cannot
-    see gradients being computed, copies in flight, tensors under the minimum offload size or
-    pieces being assembled. So the learning step (every region recomputed in full) has its
-    peak measured (:mod:`spillover._peak`) and the difference from its model becomes an offset
-    added to every variant's modeled peak. The first planned steps (``TUNING_STEPS``) are
-    measured too: a plan over the budget, or more than ``SLACK`` under it, re-plans with the
-    offset it showed; after them the fastest measured plan within the budget is kept (else the
-    one with the least peak). With the same calibration and the same measured peaks the plans
-    are the same.
+    starts, Note [recompute transients] in cost.py; a region run plainly under the context
+    reloads tensors one by one), but it cannot see gradients being computed, copies in flight,
+    tensors under the minimum offload size or pieces being assembled. So the learning step has
+    its peak measured (:mod:`spillover._peak`) and the difference from its model becomes the
+    offset of its variant family (:func:`~spillover.planner.search.family`), and the offset
+    of the families not measured yet. The first planned steps (``TUNING_STEPS``) are measured
+    too: a plan over the budget, or more than ``SLACK`` under it, re-plans with the offset it
+    showed; a plan moves up (holds more) only where its model plus a measured offset predicts
+    it fits. After them the fastest measured plan within the budget is kept (else the one with
+    the least peak). With the same calibration and the same measured peaks the plans are the
+    same.
+
+Note [learning frugally]
+    The budget holds from the first step: the learning step runs the most frugal variant the
+    offload context allows, and the plans after it only move up from there. Without a context,
+    or under one that keeps what it takes in memory the budget counts, that is every region
+    recomputed in full. Under the NVMe tier it is every region run plainly with the context
+    taking what autograd saves (the "plain-offload" variant): backward reloads tensors one by
+    one instead of rebuilding a region at once, so it peaks lower than full recomputation
+    under the same context (measured on the CPU GPT, 6x512, seq 512, 64 MiB pool: 209 vs
+    253 MiB) and recomputes nothing. Either way the ops of each region are recorded as it
+    runs (bytes, FLOPs, what autograd saves), which is all the search needs.
 
 Note [planner step boundaries]
     ``wrap`` starts a step at each forward of the wrapped model. A standalone
@@ -23,6 +36,7 @@ Note [planner step boundaries]
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -30,13 +44,24 @@ import psutil
 import torch
 
 from ..config import Config, format_size
-from .cost import learning_peak
 from .machine import Machine
 from .records import RegionRecord, _ctx_signature, input_signature
-from .search import KINDS, Plan, RegionPlan, family, make_plan
+from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
 
 #: Share of free memory the planner may use when no budget is given.
 DEFAULT_BUDGET_SHARE = 0.5
+
+
+class Phase(enum.Enum):
+    """Where a :class:`Planner` stands (Note [peak feedback])."""
+
+    #: no plan: the next step records every region, run the most frugal way it knows (Note
+    #: [learning frugally]) and measured
+    LEARNING = "learning"
+    #: planned: the next steps are measured and may re-plan (``tuning_left`` of them)
+    TUNING = "tuning"
+    #: the plan is final: followed without measuring
+    SETTLED = "settled"
 
 
 class Planner:
@@ -68,7 +93,7 @@ class Planner:
         self._machine = machine
         self._lock = threading.Lock()
         self.plan: Optional[Plan] = None
-        self.learning = True
+        self.phase = Phase.LEARNING
         self.explicit_steps = False  # set by wrap: it calls begin_step() itself
         self.steps = 0
         self.replans = 0
@@ -88,7 +113,7 @@ class Planner:
         self._metering = False
         #: measured peak - modeled peak per variant family ("learning": the learning step's)
         self.peak_offsets: Dict[str, int] = {}
-        self.tuning_left = 0
+        self.tuning_left = 0  # measured steps left in Phase.TUNING
         self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
         self.last_peak: Optional[int] = None
 
@@ -109,9 +134,19 @@ class Planner:
         return machine_for(device)
 
     @property
+    def learning(self) -> bool:
+        """True while the next step learns (no plan to follow)."""
+        return self.phase is Phase.LEARNING
+
+    @property
     def tuned(self) -> bool:
         """True once the plan is final: planned, and no longer corrected by measured peaks."""
-        return self.plan is not None and not self.learning and self.tuning_left == 0
+        return self.plan is not None and self.phase is Phase.SETTLED
+
+    def learns_plainly(self, ctx: Any) -> bool:
+        """Note [learning frugally]: whether a learning run of a region under ``ctx`` runs
+        plainly, the context taking what autograd saves, instead of recomputed in full."""
+        return ctx is not None and bool(ctx.nvme)
 
     def begin_step(self) -> None:
         """Close the step that ran (plan from it if it was a learning step, correct the plan by
@@ -124,17 +159,24 @@ class Planner:
             if recs:
                 self.last_records = recs
             if learned:  # every region of the step recorded a learning run
+                # Note [learning frugally]: how the learning step ran is its variant family
+                kind = ("plain-offload" if all(r.mode == "plain-offload" for r in recs)
+                        else "checkpoint")
                 self.peak_offsets = {}
                 if peak is not None:
-                    self.peak_offsets["learning"] = peak - learning_peak(
-                        recs, self.machine(recs[0].device), self.outside_bytes)
+                    off = peak - learning_peak(recs, self.machine(recs[0].device),
+                                               self.outside_bytes, kind)
+                    self.peak_offsets[family(kind)] = off
+                    self.peak_offsets["learning"] = off  # for the families not measured yet
                 self._make_plan(recs)
                 self.tuning_left = self.TUNING_STEPS if self.peak_offsets else 0
+                self.phase = Phase.TUNING if self.tuning_left else Phase.SETTLED
                 self.measured = []
             elif ran and self._dirty:  # part of the step followed a plan that no longer fits
-                self.learning = True
+                self.phase = Phase.LEARNING
                 self.plan = None
-            elif ran and self.plan is not None and peak is not None and self.tuning_left > 0:
+            elif ran and self.plan is not None and peak is not None \
+                    and self.phase is Phase.TUNING:
                 self._tune(peak)
             self._all_learned = True
             self._records = []
@@ -172,7 +214,6 @@ class Planner:
         budget = self._budget_for(self.planned_records[0].device)
         self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
         if budget * (1 - self.SLACK) <= peak <= budget or self.tuning_left <= 0:
-            self.tuning_left = 0
             self._settle(budget)
             return
         old = [(r.mode, r.actions) for r in plan.regions]
@@ -180,21 +221,27 @@ class Planner:
         if [(r.mode, r.actions) for r in self.plan.regions] == old and peak > budget:  # type: ignore[union-attr]
             # Over budget and the correction changes nothing: try a family not measured yet
             # (its offset may differ from the learning step's: e.g. regions reloading their
-            # tensors one by one peak lower than the model of a rebuilt region says).
+            # tensors one by one peak lower than the model of a rebuilt region says), but only
+            # where its model + offset predicts a lower peak than this one measured.
             for fam, kinds in (("checkpoint", KINDS[:2]), ("plain-offload", KINDS[2:])):
                 if fam not in self.peak_offsets:
                     self._make_plan(self.planned_records, kinds)
-                    if [(r.mode, r.actions) for r in self.plan.regions] != old:  # type: ignore[union-attr]
+                    new = self.plan
+                    assert new is not None
+                    if [(r.mode, r.actions) for r in new.regions] != old \
+                            and new.model_peak + (new.peak_offset or 0) < peak:
                         return
-            self.tuning_left = 0
+            self.plan = plan
+            self._apply(plan)
             self._settle(budget)
         elif [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore[union-attr]
-            self.tuning_left = 0  # settled: the correction changes nothing
-            self._settle(budget)
+            self._settle(budget)  # the correction changes nothing
 
     def _settle(self, budget: int) -> None:
         """Tuning over: keep the fastest measured plan within the budget, else the one whose
         measured peak was least."""
+        self.tuning_left = 0
+        self.phase = Phase.SETTLED
         if not self.measured:
             return
         fits = [(p, m) for p, m in self.measured if m <= budget]
@@ -222,13 +269,13 @@ class Planner:
         are matched by call order, input shapes and context as a learned plan's are)."""
         with self._lock:
             self.plan = plan
-            self.learning = False
+            self.phase = Phase.SETTLED
             self.tuning_left = 0
             self.measure_peak = False
 
     def _start_peak(self, device: str) -> None:
         """Measure this step's peak if it learns or tunes the plan."""
-        if not self.measure_peak or self._metering or not (self.learning or self.tuning_left):
+        if not self.measure_peak or self._metering or self.phase is Phase.SETTLED:
             return
         if self._meter is None or self._meter.device != device:
             from .._peak import PeakMeter
@@ -265,7 +312,6 @@ class Planner:
         self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
                               self.outside_bytes, peak_offset=offsets, kinds=kinds)
         self.planned_records = recs
-        self.learning = False
         self.replans += 1
 
     # -- regions (called by spillover.recompute) --

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 import torch.utils.checkpoint as _tc
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import planner as _planner
 from ..activations import current_context
@@ -35,7 +36,7 @@ from ..planner import (
     output_tensors,
     storage_bytes,
 )
-from .modes import Decider, _Run
+from .modes import Decider, _Run, top_hooks
 from .ops import device_of, forced, input_bytes, key_of
 
 if TYPE_CHECKING:
@@ -331,7 +332,8 @@ def _normalise(decision: Any, policy: Any, op: Any) -> str:
 
 class _Auto(RegionPolicy):
     """``"auto"``: a :class:`Planner` decides keep, offload or recompute per op output from the
-    costs it measured in learning steps (which recompute everything)."""
+    costs it measured in learning steps (run the most frugal way the offload context allows:
+    Note [learning frugally] in planner/tuner.py)."""
 
     def __init__(self, planner: Planner):
         self.planner = planner
@@ -353,6 +355,16 @@ class _Auto(RegionPolicy):
                 out = fn(*args, **kwargs)
         elif rplan is not None and rplan.mode == "plain-offload":
             out = fn(*args, **kwargs)  # the context takes what autograd saves, reloads on use
+        elif rplan is None and pol.learns_plainly(ctx) and _context_hooks(state) is not None:
+            # Note [learning frugally] in planner/tuner.py: run plainly, the context's hooks
+            # taking what autograd saves, while the save mode records every op.
+            record = RegionRecord(key, name or str(key), sig, device, "plain-offload",
+                                  input_bytes=input_bytes(args),
+                                  offload=_planner.ctx_offload_info(ctx))
+            pack, unpack = _context_hooks(state)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+                    _Run(_learning, ctx, record, pol.add_record).contexts()[0]:
+                out = fn(*args, **kwargs)
         else:
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
                                   input_bytes=input_bytes(args),
@@ -400,6 +412,27 @@ class _Auto(RegionPolicy):
 
 def _learning(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
     return "recompute"
+
+
+def _context_hooks(state: Optional[_WrapState]) -> Any:
+    """The saved-tensor hooks under the learning step's counting hooks (the offload context's),
+    so that what a region learned plainly saves is not counted as outside the regions; with
+    no wrap state, the innermost active ones. Their pack runs with the dispatch modes off: the
+    ops it runs to stage a tensor (an empty block, a set_) are the context's, not the region's,
+    and the save mode must not record them."""
+    if state is not None and state.counting is not None:
+        hooks = state.counting.inner
+    else:
+        hooks = top_hooks(False) if top_hooks is not None else None
+    if hooks is None:
+        return None
+    inner_pack, unpack = hooks
+
+    def pack(x: torch.Tensor) -> Any:
+        with _disable_current_modes():
+            return inner_pack(x)
+
+    return pack, unpack
 
 
 def _planned(planner: Planner, rplan: Any) -> Decider:
