@@ -44,8 +44,8 @@ from ..config import Config, format_size
 from ..stats import SLOW_FACTOR, OffloadStats, predicted_seconds, slower_than_predicted
 
 if TYPE_CHECKING:
-    from .hooks import Stored
     from .registry import StepRecord
+    from .stored import Stored
 
 #: Note [guardrails]: "others" in the pool count from this many bytes and this share of it.
 OTHERS_MIN_BYTES = 1 << 20

@@ -1,7 +1,8 @@
 """The saved-tensor hooks of ``offload_context``: the torch semantics between autograd and the
 tier -- which saved tensors are offloaded, one storage however many views of it are saved,
 version checks, and rebuilding the exact view on unpack. The bytes go through the link of the
-tensor's device (activations/link) into the Rust tier.
+tensor's device (activations/link) into the Rust tier; unpack is in unpack.py, what pack
+returns in stored.py.
 
 What pack and unpack promise
     pack(t) returns either ``t`` itself (kept: small, a parameter or buffer, marked with
@@ -10,24 +11,6 @@ What pack and unpack promise
     unpack(handle) returns a tensor with the exact dtype, size, stride and storage offset that
     was saved, on the original device, bitwise equal to it. Unpack may run any number of
     times (``retain_graph=True``), on any thread, after the ``with`` block has ended.
-
-Note [source returned]
-    An unpack whose entry's device→host copy still holds its source (the last tensors of a
-    forward, unpacked first by backward) returns that source: the bytes are on the device
-    already, and copying them back would spend the link on bytes that never left.
-
-Note [views share one return]
-    When several views of one storage were saved, the first unpack's bytes serve the others
-    until each has had them: on a device, so the bytes cross the link once; on a CPU host for a
-    storage in pieces, so its pieces are read and gathered once (an unpack of a whole entry
-    there is a view of its block, free to repeat). Measured on the GPT benchmark's 128 MiB
-    attention probabilities, each saved through two views: 1.3 s of backward's 1.45 s of
-    waiting was the second gathering of each.
-
-Note [storage identity]
-    Views are deduplicated by (device, storage address), but an address can be reused once the
-    storage is freed. A dedup entry therefore also holds a *weak* reference to the storage and
-    matches only while that storage is alive (a freed storage cannot have more views saved).
 
 Note [host link]
     On a CPU host (plain CPU tensors, no simulated link) the "device" is the host: pack copies
@@ -61,90 +44,17 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _native, _runtime
 from ..config import Config
-from ..errors import IntegrityError, PoolExhaustedError
+from ..errors import PoolExhaustedError
 from .link import block_tensor, transfers_for
 from .registry import StepRecord, StorageWeakRef, capturing, is_param
+from .stored import Packed, Stored
+from .unpack import Unpack
 
 __all__ = ["Hooks", "Packed", "Stored"]
 
-#: H2D staging distance (CUDA and the simulated device): entries and bytes ahead of unpack.
-STAGE_AHEAD_ENTRIES = 4
-STAGE_AHEAD_BYTES = 512 << 20
 
-
-
-
-class Stored:
-    """One offloaded storage: its tier entry (a ``Handle``, or a ``Gathered`` of pieces) and the
-    device->host copies that fill it."""
-
-    __slots__ = ("record", "entry", "nbytes", "device", "copies", "seq", "views", "staged",
-                 "chunked", "_lock", "_cached", "_cached_uses", "__weakref__")
-
-    def __init__(self, record: Any, entry: Any, nbytes: int, device: torch.device,
-                 copies: List[Any], seq: int):
-        self.record = record  # its step (Note [one context, many steps]): lives as long as it
-        self.entry = entry
-        self.nbytes = nbytes
-        self.device = device
-        self.copies = copies  # none on a CPU host (Note [host link])
-        self.seq = seq  # the tier's pack order (the last piece's, for a gathered storage)
-        self.chunked = isinstance(entry, _native.Gathered)
-        self.views = 0
-        self.staged: Any = None  # (device tensor, event) staged ahead of its unpack
-        self._lock = threading.Lock()
-        self._cached: Optional[torch.Tensor] = None  # device bytes shared by several views
-        self._cached_uses = 0
-
-    @property
-    def modified(self) -> bool:
-        return any(c.modified for c in self.copies)
-
-    def source(self) -> Optional[torch.Tensor]:
-        """The whole storage still on the device (Note [source returned]), or None."""
-        if not self.copies:  # copied when packed (Note [host link])
-            return None
-        if len(self.copies) != 1:
-            srcs = [c.source() for c in self.copies]
-            if any(s is None for s in srcs):
-                return None
-            base = srcs[0]
-            if base is None or base.untyped_storage().nbytes() != self.nbytes:
-                return None
-            return torch.empty(0, dtype=torch.uint8, device=base.device).set_(
-                base.untyped_storage())
-        return self.copies[0].source()
-
-
-class Packed:
-    __slots__ = ("stored", "dtype", "size", "stride", "offset", "version", "tref", "__weakref__")
-
-    def __init__(self, stored: Stored, t: torch.Tensor):
-        self.stored = stored
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.version = t._version
-        self.tref = weakref.ref(t)  # Note [in-place after pack] in link/policy.py
-        stored.views += 1
-
-    def check_version(self) -> None:
-        t = self.tref()
-        if self.stored.modified or (t is not None and t._version != self.version):
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a saved tensor of shape {list(self.size)} and dtype "
-                f"{self.dtype} was changed after autograd saved it (spillover offloaded it; "
-                "without spillover autograd raises the same error). Use an out-of-place op, or "
-                "clone the tensor before modifying it."
-            )
-
-
-
-class Hooks:
+class Hooks(Unpack):
     """pack and unpack, a mixin of :class:`~.context.OffloadContext`, which owns the steps and
     the pools they use."""
 
@@ -381,136 +291,3 @@ class Hooks:
             return None
         rec.stats.add(tensors_chunked=1)
         return Stored(rec, rec.step.gather(handles), nbytes, t.device, copies, handles[-1].seq)
-
-    @torch._dynamo.disable  # type: ignore[misc]
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        s = packed.stored
-        rec = s.record
-        node = self._note_backward(rec)
-        if node is not None:
-            self._note_node(rec, node, s)
-        raw = self._materialize(s, packed)
-        packed.check_version()
-        out = torch.empty(0, dtype=packed.dtype, device=s.device)
-        out.set_(raw.untyped_storage(), packed.offset, packed.size, packed.stride)
-        rec.stats.add(tensors_unpacked=1, bytes_unpacked=s.nbytes)
-        return out
-
-    def _note_backward(self, rec: StepRecord) -> Any:
-        """At the first unpack of a backward: run :meth:`_end_of_backward` when it ends.
-        Returns the autograd node unpacking (None outside a backward)."""
-        get_node = getattr(torch._C, "_current_autograd_node", None)
-        node = get_node() if get_node is not None else None
-        if get_node is not None and node is None:
-            return None  # unpacked outside a backward (e.g. a saved tensor read directly)
-        with self._lock:
-            self._bwd_records[id(rec)] = rec
-            if self._in_backward:
-                return node
-            self._in_backward = True
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:  # unpacked outside a backward (e.g. a saved tensor read directly)
-            with self._lock:
-                self._in_backward = False
-        return node
-
-    def _end_of_backward(self) -> None:
-        with self._lock:
-            self._in_backward = False
-            recs, self._bwd_records = list(self._bwd_records.values()), {}
-        for tr in list(self._transfers.values()):
-            tr.end_of_backward()
-        for rec in recs:
-            self._check_pool(rec)  # packs of regions recomputed in backward count too
-            self._check_compiled(rec)
-            self._check_speed(rec)
-
-    def _materialize(self, s: Stored, packed: Packed) -> torch.Tensor:
-        """The storage's bytes as a uint8 tensor on its device."""
-        tr = self._transfer(s.device)
-        stats = s.record.stats
-        src = s.source()
-        if not tr.host_is_device:  # the host link holds no sources (Note [host link])
-            # Copies seen complete drop their sources; the rest keep theirs (the next unpacks
-            # may return them: Note [source returned]) -- no wait on a copy still in flight.
-            tr.reap(s.record.errors)
-        if src is not None:  # Note [source returned]
-            stats.add(unpacks_from_source=1)
-            s.entry.note_used()
-            return src
-        with s._lock:
-            if s._cached is not None:  # another view of this storage already brought it back
-                raw = s._cached
-                s._cached_uses += 1
-                if s._cached_uses >= s.views:
-                    s._cached, s._cached_uses = None, 0
-                return raw
-            staged, s.staged = s.staged, None
-            if staged is not None:
-                s.entry.note_used()
-                raw = tr.use(staged)
-            else:
-                raw = self._bring_back(tr, s, packed)
-            if s.views > 1 and (not tr.host_is_device or s.chunked):
-                # Note [views share one return]
-                s._cached, s._cached_uses = raw, 1
-        self._stage_ahead(tr, s)
-        return raw
-
-    def _bring_back(self, tr: Any, s: Stored, packed: Packed) -> torch.Tensor:
-        t0 = time.perf_counter()
-        for c in s.copies:  # the tier can give the bytes back only once they have landed
-            c.wait()
-        s.record.stats.add(stall_seconds=time.perf_counter() - t0)
-        try:
-            view = s.entry.get()
-        except IntegrityError as e:
-            where = "nvme" if self.nvme else "host"
-            raise IntegrityError(
-                f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} read "
-                f"back from the {where} tier does not match its checksum ({e})"
-            ) from None
-        if not s.chunked and not self._in_pool(view.address):
-            _runtime.warn_once(
-                "pool-overflow",
-                f"spillover: the {self._pool.capacity >> 20} MiB host pool had no room to read "
-                f"back a {s.nbytes >> 20} MiB tensor; used a temporary buffer (slower). Raise "
-                "SPILLOVER_HOST_POOL_BYTES to a few times the largest saved tensor.",
-            )
-        raw, _ = tr.to_device(block_tensor(view))
-        return raw
-
-    def _stage_ahead(self, tr: Any, s: Stored) -> None:
-        """Start the H2D copies of the next entries backward is expected to unpack, a bounded
-        distance ahead, from blocks already in the pool (the tier reads the rest ahead)."""
-        rec = s.record
-        ref = rec.by_seq.get(s.seq)
-        if tr.host_is_device or ref is None or ref() is not s:
-            return  # nothing staged on a CPU host; an entry of a pool grown past: not ahead
-        staged, nbytes = 0, 0
-        for seq in rec.step.expected_after(s.seq, 4 * STAGE_AHEAD_ENTRIES):
-            if staged >= STAGE_AHEAD_ENTRIES or nbytes >= STAGE_AHEAD_BYTES:
-                break
-            ref = rec.by_seq.get(seq)
-            c = ref() if ref is not None else None
-            if c is None or c.device != s.device or len(c.copies) != 1:
-                continue
-            with c._lock:
-                if c.staged is not None:  # staged at an earlier unpack: within the distance
-                    staged += 1
-                    nbytes += c.nbytes
-                    continue
-                if c._cached is not None:
-                    continue
-                if c.copies[0].source() is not None or not c.copies[0].done():
-                    continue
-                view = c.entry.try_get()
-                if view is None:
-                    break  # still on disk or in flight: the tier's read-ahead owns it
-                c.staged = tr.to_device(block_tensor(view), wait=False)
-            staged += 1
-            nbytes += c.nbytes
-
