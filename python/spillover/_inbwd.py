@@ -41,7 +41,9 @@ Note [speculative update]
     ``step()`` keeps a bucket's update only when all of these are what it would use now:
 
     - every member's gradient still has the staged bytes: its fingerprint now equals the one
-      taken with the staged copy (Note [gradient fingerprint] in optim.py). torch's
+      taken with the staged copy (Note [gradient fingerprint] in optim.py; for CPU
+      parameters, whose staged copy is host memory next to the gradient, the bytes are
+      compared instead, exactly and at memory speed, and no fingerprint is taken). torch's
       ``clip_grad_norm_`` multiplies every gradient by ``min(max_norm / (norm + 1e-6), 1)``:
       by exactly 1.0 while the norm is under the limit, which leaves the bytes as they were
       (the version counter moves, the fingerprint does not), so the common step is kept and
@@ -141,6 +143,8 @@ class InBackward:
     _flat_records: Callable[[np.ndarray], bytes]
     _fingerprints_now: Callable[[Dict[int, torch.Tensor]], Dict[int, Tuple[int, int]]]
     _staged_fingerprint: Callable[[int], Tuple[int, int]]
+    _same_bytes: Callable[[int, torch.Tensor], bool]
+    compare_bytes: bool
     _send_back: Callable[[int, List[int]], None]
     _step_staged: Callable[..., np.ndarray]
     _count: Callable[[List[int]], np.ndarray]
@@ -359,9 +363,12 @@ class InBackward:
                 changed.add(k)
             else:
                 check[k] = g
-        for k, fp in self._fingerprints_now(check).items():
-            if self._staged_fingerprint(k) != fp:
-                changed.add(k)
+        if self.compare_bytes:
+            changed.update(k for k, g in check.items() if not self._same_bytes(k, g))
+        else:
+            for k, fp in self._fingerprints_now(check).items():
+                if self._staged_fingerprint(k) != fp:
+                    changed.add(k)
         verdict = {}
         for b, (rows, used) in spec.items():
             now = hyper[self.unit_global[np.asarray(rows, dtype=np.int64)]].tobytes()
