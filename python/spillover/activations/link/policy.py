@@ -44,25 +44,9 @@ Note [in-place after pack]
     through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor) that gc
     cannot see. Guarded by test_context.py::test_inplace_after_save_is_an_error.
 
-Note [frees in stream order]
-    A tensor ``to_device`` hands out is allocated on the H2D stream (its pool) and used by the
-    compute stream; freed as soon as its last reference goes, the allocator could give its
-    bytes to the next H2D copy while compute still reads them. Nor may the host wait to *see*
-    that compute passed its last use: on a GPU the host runs ahead, and whatever it keeps until
-    then piles up (a link-bound backward would keep nearly everything it brought back). So a
-    handed-out storage is released in stream order. Each remembers the stream that used it (the
-    current stream at ``to_device(wait=True)`` or ``use``); once nobody else references it
-    (autograd let go after its node), an event is recorded on that stream -- every use was
-    enqueued before -- and the storage joins the *released* list. A released storage goes:
-    at once when its event has fired; or, when the released bytes pass the cap, after the H2D
-    stream was made to wait on the newest event among the oldest ones (the pool's next H2D
-    copies are then ordered after compute's uses), never by a host wait; or at
-    ``end_of_backward``, the same way. A storage never used by compute (staged, then dropped)
-    goes at once: only later work of the H2D stream can reuse it. One still referenced at
-    ``end_of_backward`` (kept by autograd or the caller) goes to ``record_stream`` of its using
-    stream. Where the allocation lives (the H2D stream's pool, apart from forward's) is what
-    ``max_memory_reserved`` shows; the simulated device counts reserved bytes per stream pool.
-    Guarded by test_link_sim.py, whose simulated compute stream lags the host.
+What ``to_device`` hands out is freed in stream order (Note [frees in stream order] in
+frees.py).
+
 """
 
 from __future__ import annotations
@@ -75,9 +59,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from .common import use_count as _use_count
-
-_USED_NOT = None  # a handed-out storage no compute stream used yet
+from .frees import NOT_USED, StreamOrderFrees
 
 __all__ = ["Copy", "Transfers"]
 
@@ -159,12 +141,9 @@ class Transfers:
         self._fifo: Deque[Copy] = collections.deque()  # not observed complete, issue order
         self._held: Deque[Copy] = collections.deque()  # sources held, issue order
         self._h2d_fifo: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
-        # Note [frees in stream order]: [storage, using stream or None] handed out and still
-        # referenced by others; (storage, event, bytes) released, waiting for stream order.
-        self._handed: List[list] = []
-        self._released: Deque[Tuple[Any, Any, int, int]] = collections.deque()
-        self._released_bytes = 0
-        self.released_by_wait = 0
+        #: Note [frees in stream order] in frees.py (None on a plain CPU host)
+        self.frees = (None if self._h2d is None
+                      else StreamOrderFrees(dev, self._h2d, self.cap_bytes))
         self._timings: Deque[Any] = collections.deque()
         self._errors: List[BaseException] = []
         self._stall = 0.0
@@ -189,8 +168,12 @@ class Transfers:
     @property
     def device_tensors_held(self) -> int:
         """Handed-out device storages the policy still keeps (Note [frees in stream order])."""
-        with self._lock:
-            return len(self._handed) + len(self._released)
+        return self.frees.held if self.frees is not None else 0
+
+    @property
+    def released_by_wait(self) -> int:
+        """Handed-out storages freed after the copy stream waited (the cap was passed)."""
+        return self.frees.released_by_wait if self.frees is not None else 0
 
     # -- device -> host --
 
@@ -332,7 +315,8 @@ class Transfers:
                 self._held.popleft()
             while self._h2d_fifo and query(self._h2d_fifo[0][0]):
                 self._h2d_fifo.popleft()
-        self._collect()
+        if self.frees is not None:
+            self.frees.collect()
         self.dev.poll()
 
     def reap(self, errors: Optional[List[BaseException]] = None) -> None:
@@ -379,7 +363,7 @@ class Transfers:
                 with self._lock:
                     self._stall += dt
             return host, None
-        self._collect()
+        self.frees.collect()
         out = dev.empty(host.numel(), self._h2d)
         if after is not None:
             if after.done():
@@ -388,10 +372,10 @@ class Transfers:
                 dev.wait(self._h2d, after.event)  # Note [stream ordering]
         dev.copy(out, host, self._h2d)
         ev = dev.record(self._h2d)
-        compute = dev.current_stream() if wait else _USED_NOT
+        compute = dev.current_stream() if wait else NOT_USED
         with self._lock:
             self._h2d_fifo.append((ev, host))  # the block must outlive the copy
-            self._handed.append([out.untyped_storage(), compute])
+        self.frees.hand_out(out.untyped_storage(), compute)
         if wait:
             self._wait_compute(compute, ev)
         dev.poll()
@@ -403,68 +387,15 @@ class Transfers:
         t, ev = staged
         if ev is not None:
             compute = self.dev.current_stream()
-            st = t.untyped_storage()
-            with self._lock:
-                for h in self._handed:
-                    if h[0]._cdata == st._cdata:
-                        h[1] = compute
-                        break
+            self.frees.used_on(t.untyped_storage(), compute)
             self._wait_compute(compute, ev)
         return t
-
-    def _collect(self) -> None:
-        """Note [frees in stream order]: storages nobody else references are released on the
-        stream that used them; those compute has passed go, and past the cap the H2D stream
-        waits for the oldest before they go. Never a host wait."""
-        dev = self.dev
-        with self._lock:
-            if not self._handed and not self._released:
-                return
-            free = [h for h in self._handed if _use_count(h[0]) <= 1]
-            if free:
-                self._handed = [h for h in self._handed if _use_count(h[0]) > 1]
-        events: Dict[Any, Any] = {}
-        for storage, stream in free:
-            if stream is _USED_NOT:
-                continue  # only the H2D stream ever used it: its own later work comes after
-            ev = events.get(id(stream))
-            if ev is None:
-                ev = events[id(stream)] = dev.record(stream)
-            n = storage.nbytes()
-            with self._lock:
-                self._released.append((storage, ev, n, id(stream)))
-                self._released_bytes += n
-        free.clear()
-        victims: List[Any] = []
-        wait_on: Dict[int, Any] = {}  # per using stream, the newest event to wait for
-        with self._lock:
-            while self._released and dev.query(self._released[0][1]):
-                victims.append(self._released.popleft())
-                self._released_bytes -= victims[-1][2]
-            while self._released and self._released_bytes > self.cap_bytes:
-                v = self._released.popleft()
-                self._released_bytes -= v[2]
-                victims.append(v)
-                wait_on[v[3]] = v[1]  # a stream's events fire in order: the newest covers all
-                self.released_by_wait += 1
-        for ev in wait_on.values():
-            dev.wait(self._h2d, ev)
-        victims.clear()  # the storages go now
 
     def end_of_backward(self) -> None:
         """Release every source, give every device tensor the policy keeps back to the
         allocator in stream order (Note [frees in stream order]), reap."""
         self.release_sources()
         self._poll()
-        with self._lock:
-            released, self._released = list(self._released), collections.deque()
-            self._released_bytes = 0
-            rest, self._handed = self._handed, []
-        newest = {skey: ev for _, ev, _, skey in released}
-        for ev in newest.values():
-            self.dev.wait(self._h2d, ev)
-        for storage, stream in rest:
-            if stream is not _USED_NOT:
-                self.dev.record_stream(storage, stream)
-        del rest, released, newest
+        if self.frees is not None:
+            self.frees.release_all()
         self.reap()
