@@ -215,7 +215,9 @@ Note [GradScaler]
     (Note [staged gradients]); with the scale applied in the kernel the copies stay valid and
     their overlap with backward is kept. When ``scaler.unscale_(opt)`` was called before
     ``scaler.step(opt)`` (to clip), ``grad_scale`` is None and ``step()`` copies every
-    gradient again.
+    gradient again. With ``update_in_backward`` the updates made during backward assume the
+    last step's scale; ``step()`` keeps them when the scale is the same and undoes them when
+    ``found_inf`` skips the step (Note [speculative update] in _inbwd.py).
 
     Under sharding with ``reduce_grads=True`` each rank holds its own gradients and the ranks
     can disagree on inf: use ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``
