@@ -498,3 +498,48 @@ def test_dcp_resume_matches_an_unbroken_run(resume_inbwd, tmp_path):
     # loaded units are updated during backward from the first step after the load: steps 3
     # and 5 (larger targets) are clipped and redone, step 4 is kept
     assert ropt.stats()["steps_in_backward"] == (1 if resume_inbwd else 0)
+
+
+# ---- other changes between backward and step() ----
+
+
+def test_gradient_set_to_none_after_backward(bucket, tmp_path):
+    """A gradient set to None after backward (the parameter is skipped, as by torch): its
+    bucket's update is undone; the bucket's other members are updated at step() from their
+    staged copies; equal to torch."""
+    ours, ref = make_model(), make_model()
+    opt = offload(ours, "host", tmp_path)
+    ropt = reference(ref)
+    for s in range(4):
+        for m, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            x, y = batch(s)
+            F.mse_loss(m(x), y).backward()
+            if s >= 2:
+                m[2].weight.grad = None
+            o.step()
+        assert_params(ours, ref)
+    check(ours, opt, ref, ropt)
+    st = opt.stats()
+    assert st["steps_redone"] == 2 and st["inbwd_buckets_redone"] == 2
+
+
+def test_abandoned_backward_is_undone(bucket, tmp_path):
+    """A backward whose step() never comes (zero_grad and a new batch: a loss spike skipped by
+    hand) leaves no trace: the next backward's hooks undo its updates; equal to torch, where
+    that backward only produced gradients."""
+    ours, ref = make_model(), make_model()
+    opt = offload(ours, "host", tmp_path)
+    ropt = reference(ref)
+    for s in range(5):
+        for m, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            x, y = batch(s)
+            F.mse_loss(m(x), y).backward()
+            if s == 2:  # abandoned
+                o.zero_grad()
+                x, y = batch(s, 1)
+                F.mse_loss(m(x), y).backward()
+            o.step()
+    check(ours, opt, ref, ropt)
+    assert opt.stats()["inbwd_buckets_undone"] == len(opt._spaces[0].buckets)
