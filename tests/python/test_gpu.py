@@ -509,6 +509,50 @@ def test_host_tier_peak_when_the_link_cannot_keep_up(figure):
     assert host < 0.5 * none, "the host tier's peak is not well below no offload's"
 
 
+def test_backward_frees_what_it_brought_back_in_stream_order(figure):
+    """Note [frees in stream order]: backward's tensors brought back over the link go as
+    autograd lets go of them (the copy stream waits on the using stream's event, behind the
+    cap), not once the host has seen the compute stream pass them: with the host running ahead
+    of a link-bound backward, nearly everything brought back stayed alive. Every copy has
+    landed before backward, so every unpack crosses the link."""
+    layers, numel = (16, 16 * MiB) if CUDA else (4, MiB // 2)
+    torch.manual_seed(0)
+    model = nn.ModuleList(Cheap() for _ in range(layers)).to(DEV)
+    x = torch.randn(numel, device=DEV, requires_grad=True)
+    cap = 128 * MiB
+    ctx = spillover.offload_context("host", host_pool_bytes=pool_bytes(4 * GiB if CUDA else
+                                                                       64 * MiB),
+                                    copy_inflight_bytes=cap)
+    for _ in range(2):  # the first maps and registers the pool
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        sync()
+        with ctx:
+            h = x
+            for layer in model:
+                h = layer(h)
+            loss = h.square().mean()
+        ctx.synchronize()
+        sync()
+        base = torch.cuda.memory_allocated() if CUDA else 0
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        sync()
+        bwd = (torch.cuda.max_memory_allocated() - base) if CUDA else 0
+    s = ctx.stats()
+    saved = 2 * layers * numel * 4
+    assert s.bytes_offloaded_host > 0 and s.unpacks_from_source == 0
+    if not CUDA:
+        figure(f"CPU: offloaded {fmt(s.bytes_offloaded_host)}, unpacked "
+               f"{s.tensors_unpacked} tensors (the backward peak needs CUDA)")
+        return
+    figure(f"backward peak above its start {fmt(bwd)} for {fmt(saved)} brought back "
+           f"({bwd / saved:.2f}x); cap {fmt(cap)}, stalls {s.stall_seconds:.3f} s")
+    assert bwd < 0.5 * saved, "backward kept most of what it brought back alive"
+
+
 def test_nvme_tier_64mib_pool_no_overflow_reads(deterministic, figure, tmp_path):
     """~400 MiB of activations through a 64 MiB pool on the NVMe tier: every read back finds a
     block in the pool (no temporary buffers), gradients bitwise equal to the reference."""
