@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import Config
 from ..errors import PoolExhaustedError
 from .link import block_tensor, transfers_for
 from .registry import StepRecord, StorageWeakRef, capturing, is_param
@@ -58,40 +57,21 @@ class Hooks(Unpack):
     """pack and unpack, a mixin of :class:`~.context.OffloadContext`, which owns the steps and
     the pools they use."""
 
-    if TYPE_CHECKING:  # what they read of the context
-        config: Config
-        _lock: threading.Lock
-        _transfers: Dict[Any, Any]
+    if TYPE_CHECKING:  # what pack reads of the context, beyond what Unpack declares
         _transfer_base: Dict[Any, Tuple[float, int]]
         _pool_starts: List[int]
         _pool_ranges: List[Tuple[int, int]]
         _chunk_above: int
         _chunk_bytes: int
-        _in_backward: bool
-        _bwd_records: Dict[int, StepRecord]
         _grow_lock: threading.Lock
         _pools: Any
 
         @property
-        def _pool(self) -> Any: ...
-
-        @property
         def _tier(self) -> Any: ...
-
-        @property
-        def nvme(self) -> bool: ...
 
         def _current(self) -> StepRecord: ...
 
         def _grown(self) -> None: ...
-
-        def _check_pool(self, rec: StepRecord) -> None: ...
-
-        def _check_compiled(self, rec: StepRecord) -> None: ...
-
-        def _check_speed(self, rec: StepRecord) -> None: ...
-
-        def _note_node(self, rec: StepRecord, node: Any, s: Stored) -> None: ...
 
     def _in_pool(self, addr: int) -> bool:
         i = bisect.bisect_right(self._pool_starts, addr) - 1

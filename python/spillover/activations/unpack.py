@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
@@ -36,32 +36,18 @@ STAGE_AHEAD_BYTES = 512 << 20
 class Unpack:
     """The unpack side of :class:`~.hooks.Hooks` (a mixin of the context)."""
 
-    if TYPE_CHECKING:  # what they read of the context
+    if TYPE_CHECKING:  # what unpack reads of the context
         config: Config
         _lock: threading.Lock
         _transfers: Dict[Any, Any]
-        _transfer_base: Dict[Any, Tuple[float, int]]
-        _pool_starts: List[int]
-        _pool_ranges: List[Tuple[int, int]]
-        _chunk_above: int
-        _chunk_bytes: int
         _in_backward: bool
         _bwd_records: Dict[int, StepRecord]
-        _grow_lock: threading.Lock
-        _pools: Any
 
         @property
         def _pool(self) -> Any: ...
 
         @property
-        def _tier(self) -> Any: ...
-
-        @property
         def nvme(self) -> bool: ...
-
-        def _current(self) -> StepRecord: ...
-
-        def _grown(self) -> None: ...
 
         def _check_pool(self, rec: StepRecord) -> None: ...
 
@@ -69,11 +55,11 @@ class Unpack:
 
         def _check_speed(self, rec: StepRecord) -> None: ...
 
+        def _note_node(self, rec: StepRecord, node: Any, s: Stored) -> None: ...
+
         def _transfer(self, device: torch.device) -> Any: ...
 
         def _in_pool(self, addr: int) -> bool: ...
-
-        def _note_node(self, rec: StepRecord, node: Any, s: Stored) -> None: ...
 
     @torch._dynamo.disable  # type: ignore[misc]
     def _unpack(self, packed: Any) -> torch.Tensor:

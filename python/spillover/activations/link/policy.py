@@ -363,7 +363,9 @@ class Transfers:
                 with self._lock:
                     self._stall += dt
             return host, None
-        self.frees.collect()
+        frees = self.frees
+        assert frees is not None  # a device with a link has an H2D stream
+        frees.collect()
         out = dev.empty(host.numel(), self._h2d)
         if after is not None:
             if after.done():
@@ -375,7 +377,7 @@ class Transfers:
         compute = dev.current_stream() if wait else NOT_USED
         with self._lock:
             self._h2d_fifo.append((ev, host))  # the block must outlive the copy
-        self.frees.hand_out(out.untyped_storage(), compute)
+        frees.hand_out(out.untyped_storage(), compute)
         if wait:
             self._wait_compute(compute, ev)
         dev.poll()
@@ -387,6 +389,7 @@ class Transfers:
         t, ev = staged
         if ev is not None:
             compute = self.dev.current_stream()
+            assert self.frees is not None  # only a device with a link stages
             self.frees.used_on(t.untyped_storage(), compute)
             self._wait_compute(compute, ev)
         return t
