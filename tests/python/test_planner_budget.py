@@ -131,6 +131,24 @@ def test_fixed_modes_count_as_the_plans_do():
     assert set(fixed_modes(_step(), CPU, 16 * MiB)) == {"none", "full"}
 
 
+def test_a_plain_region_counts_its_backward():
+    """Note [plain backward]: a region run plainly holds what it saved while its backward
+    computes gradients; a plan with one such region models that much more than it holds."""
+    from test_planner import _step
+
+    recs = _step()
+    # room for the last block run plainly with its 128 MiB softmax's gradient, not without
+    plan = make_plan(recs, CPU, budget=900 * MiB, outside_bytes=16 * MiB, peak_offset=0)
+    assert plan.fits and recs[-1].mode == "plain-keep"
+    held = plan.planned_bytes
+    assert plan.model_peak >= held + 128 * MiB
+    assert plan.model_peak <= 900 * MiB
+    # all plain: the same for the whole step
+    recs = _step()
+    plain = make_plan(recs, CPU, budget=10 << 30, outside_bytes=16 * MiB, peak_offset=0)
+    assert plain.variant == "plain" and plain.model_peak == plain.plain_bytes + 128 * MiB
+
+
 # ---- the learning step runs the most frugal way (real runs) -----------------------------------
 
 

@@ -181,6 +181,7 @@ class Costs:
         self.region_off = [0] * len(regions)
         self.offloaded = 0
         self.tail_bytes = 0
+        self.tail_grad = 0  # what the plain tail's backward adds (Note [plain backward])
         self.link_used = 0.0
         # What the link can hide: the copy out overlaps forward compute, the copy back the
         # (longer) backward; the last region's is never hidden (backward needs it first).
@@ -200,9 +201,10 @@ class Costs:
 
     @property
     def peak(self) -> int:
-        """The modeled peak: what is held after forward, or, once the plain tail's backward
-        freed it, what the rest holds + the largest region rebuilt."""
-        return max(self.mem, self.mem - self.tail_bytes + self.bwd)
+        """The modeled peak: what is held after forward with the plain tail's gradients, or,
+        once the plain tail's backward freed it, what the rest holds + the largest region
+        rebuilt."""
+        return max(self.mem + self.tail_grad, self.mem - self.tail_bytes + self.bwd)
 
     def rebuilt_bytes(self) -> int:
         """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds
