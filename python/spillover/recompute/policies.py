@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import planner as _planner
 from ..activations import current_context
+from ..config import format_size
 from ..planner import (
     Explanation,
     Machine,
@@ -392,7 +393,12 @@ class _Auto(RegionPolicy):
         device = recs[0].device if recs else "cpu"
         m = machine or (planner.machine(device) if recs else None)
         policy = "auto" + ("" if planner.plan is not None else " (learning: no plan yet)")
-        return _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes)
+        ex = _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes)
+        if planner.plan is not None:
+            ex.summary["phase"] = planner.phase.value + (
+                f", last measured peak {format_size(planner.last_peak)}"
+                if planner.last_peak is not None else "")
+        return ex
 
     def attach(self, model: nn.Module) -> None:
         if type(model).forward is not nn.Module.forward:
