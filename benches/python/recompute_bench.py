@@ -9,7 +9,7 @@ peak memory of the whole step and step time, per mode, same run. For each kind i
   used or not: the planner charges it so too). Beside it, "held" = RSS after forward - RSS
   before (+ the pool), copies still in flight included. Two rounds: every mode once (auto
   learns; its budget is set from `torch-full`'s peak), then auto's tuning steps (it measures
-  its first planned steps and re-plans, Note [peak feedback] in planner.py), then every mode
+  its first planned steps and re-plans, Note [peak feedback] in planner/tuner.py), then every mode
   again; the second round is reported, and beside it the most any step of the mode reached
   (for auto: its learning and tuning steps included, the whole-run peak its budget bounds).
 - time: a fresh child process per mode and round, glibc's allocator as users have it (the
@@ -254,7 +254,7 @@ def measure(args: argparse.Namespace) -> None:
         for step in range(2):
             if step == 1:
                 # auto measures its first planned steps and re-plans (Note [peak feedback] in
-                # planner.py) before the step that is reported
+                # planner/tuner.py) before the step that is reported
                 for mode, (planner, _ref) in planners.items():
                     for _ in range(planner.TUNING_STEPS + 1):
                         if planner.tuned:
