@@ -131,6 +131,20 @@ def test_fixed_modes_count_as_the_plans_do():
     assert set(fixed_modes(_step(), CPU, 16 * MiB)) == {"none", "full"}
 
 
+def test_a_budget_under_the_pool_says_so():
+    """On a CPU host the context's pool is the memory the budget counts: when no plan fits,
+    explain's note names it (the fix is the user's: a smaller pool)."""
+    from test_planner import _step
+
+    nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
+    plan = make_plan(_step(device="cpu", offload=nvme), CPU, budget=64 * MiB,
+                     outside_bytes=16 * MiB, peak_offset=0)
+    assert not plan.fits and "64.0 MiB pool is this host's memory" in plan.note
+    # within the budget there is nothing to say
+    assert make_plan(_step(device="cpu", offload=nvme), CPU, budget=2 << 30,
+                     outside_bytes=16 * MiB, peak_offset=0).note == ""
+
+
 def test_a_plain_region_counts_its_backward():
     """Note [plain backward]: a region run plainly holds what it saved while its backward
     computes gradients; a plan with one such region models that much more than it holds."""

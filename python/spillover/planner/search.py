@@ -170,6 +170,9 @@ def make_plan(
             f"the budget ({format_size(budget)}) is below the {what} this plan reaches "
             f"({format_size(best.peak + off(best.kind))}): everything that can be freed is"
         )
+        if ctx is not None and device_is_host:
+            note += (f"; the offload context's {format_size(ctx['pool_bytes'])} pool is this "
+                     "host's memory and counts in full: a smaller pool leaves the step more")
     plans = [
         RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops})
         for r in regions
