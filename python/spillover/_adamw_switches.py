@@ -5,7 +5,7 @@ Note [torch's switches]
     ``torch.optim.AdamW`` takes four switches that choose how the update runs, not what it is:
     ``fused``, ``foreach``, ``capturable`` and ``differentiable``. OffloadAdamW runs one
     implementation, its Rust kernel, whose update is torch's fused one (bitwise on CPUs with
-    FMA: the module docstring of optim.py). So:
+    FMA: the docstring of spillover/optim/__init__.py). So:
 
     - ``fused`` and ``foreach`` are accepted with any of True, False or None: code written for
       torch passes them (nanoGPT's ``configure_optimizers`` passes ``fused=True`` on a GPU) and

@@ -14,7 +14,7 @@
     model.load_state_dict(state["model"])
 
 What a checkpoint holds
-    Per parameter with state (Note [lazy state] in optim.py: a parameter that never had a
+    Per parameter with state (Note [lazy state] in optim/store.py: a parameter that never had a
     gradient has no entries), keyed by its name (``named_parameters`` given to
     :func:`optimizer_state`, else its index in the optimizer's parameter order):
     ``state.<name>.exp_avg``, ``state.<name>.exp_avg_sq`` and, for parameters that keep an fp32
@@ -23,7 +23,7 @@ What a checkpoint holds
     JSON string with every parameter's step count and the param groups' hyper-parameters.
 
 Note [pieces, produced when asked]
-    Each rank presents only the elements it owns (Note [sharding] in optim.py: a contiguous
+    Each rank presents only the elements it owns (Note [sharding] in optim/sharded.py: a contiguous
     range of each flattened parameter; with FSDP2 the range of the parameter's local shard),
     as chunks of at most ``piece_bytes``, and produces a chunk only when DCP's writer asks for
     it (DCP's ``_Checkpointable`` protocol: ``__create_write_items__`` at planning,
@@ -79,7 +79,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .optim import _ALIGN, BUFFER_RECORD, OffloadAdamW, _is_dtensor, _local, _round_up
+from .optim import OffloadAdamW
+from .optim.layout import _ALIGN, BUFFER_RECORD, _is_dtensor, _local, _round_up
 
 __all__ = ["FileSystemWriter", "OptimizerState", "optimizer_state"]  # noqa: F822 (__getattr__)
 

@@ -237,8 +237,8 @@ def test_staged_path_splits_large_parameters(monkeypatch):
     and buckets; the result and the checkpoint are unchanged."""
     import spillover.optim as so
 
-    monkeypatch.setattr(so, "_UNIT_MAX", 64)
-    monkeypatch.setattr(so, "_BUCKET_ELEMS", 100)
+    monkeypatch.setattr(so.layout, "_UNIT_MAX", 64)
+    monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 100)
     ours, ref = make_model(), make_model()
     opt = offload(groups_of(ours), tier="nvme", chunk_bytes=4096, _force_staging=True)
     ropt = torch.optim.AdamW(groups_of(ref), fused=True)

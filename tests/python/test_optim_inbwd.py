@@ -1,10 +1,10 @@
-"""OffloadAdamW(update_in_backward=True) (Note [update in backward] in spillover/optim.py), run
-on CPU tensors with ``_force_staging=True`` (the GPU path's staging buffers, hooks and copies,
+"""OffloadAdamW(update_in_backward=True) (Note [update in backward] in spillover/optim/inbwd.py),
+run on CPU tensors with ``_force_staging=True`` (the GPU path's staging buffers, hooks and copies,
 synchronous): each bucket's CPU update runs on a worker thread during backward, as soon as its
 gradients are staged; results equal torch's fused AdamW (bitwise where the CPU has FMA); the
 updates start before backward returns; a gradient changed after backward, or a second backward,
-undoes them exactly; every refusal says what to use instead. Clipping, GradScaler and
-accumulation parity: test_optim_inbwd_clip.py."""
+undoes them exactly; every refusal says what to use instead. Clipping, GradScaler and accumulation
+parity: test_optim_inbwd_clip.py."""
 
 from __future__ import annotations
 
@@ -59,16 +59,16 @@ def mid_step():
     return model, opt, x, y
 
 
-@pytest.mark.parametrize("bucket", [so._BUCKET_ELEMS, 1, 200], ids=["one", "each", "some"])
+@pytest.mark.parametrize("bucket", [so.layout._BUCKET_ELEMS, 1, 200], ids=["one", "each", "some"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_matches_torch_fused_with_scheduler(monkeypatch, bucket, tier):
     """Several steps with a StepLR stepping after each step, parameters in one bucket, one
     bucket each, or buckets that split parameters (_UNIT_MAX small): equal to torch's fused
     AdamW; after the first step (made at step(): Note [lazy state]) the buckets are updated
     during backward, the last layer's first."""
-    monkeypatch.setattr(so, "_BUCKET_ELEMS", bucket)
+    monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", bucket)
     if bucket == 200:
-        monkeypatch.setattr(so, "_UNIT_MAX", 160)
+        monkeypatch.setattr(so.layout, "_UNIT_MAX", 160)
     ours, ref = make_model(), make_model()
     opt = offload(groups_of(ours), tier=tier, chunk_bytes=16384)
     ropt = torch.optim.AdamW(groups_of(ref), fused=True)
@@ -102,7 +102,7 @@ def test_updates_start_before_backward_returns(monkeypatch):
     worker to finish the last layer's bucket: it can only be set if that update runs during
     backward. Deterministic: with updates only at step() the wait times out and the test
     fails."""
-    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)  # one bucket per parameter
+    monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)  # one bucket per parameter
     model, ref = make_model(), make_model()
     opt = offload(model.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -140,7 +140,7 @@ def test_updates_start_before_backward_returns(monkeypatch):
 def test_gradient_changed_after_backward_is_redone():
     """A gradient changed between backward and step() (a .data write, which does not move the
     version counter): the bucket updated with the old gradient is undone and redone at step()
-    (Note [speculative update] in _inbwd.py); equal to torch with the same write."""
+    (Note [speculative update] in optim/inbwd.py); equal to torch with the same write."""
     ours, ref = make_model(), make_model()
     opt = offload(ours.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -212,10 +212,10 @@ def test_grads_set_by_hand_and_unused_parameters_update_at_step(monkeypatch, sha
     at step(), the others during backward; in its own bucket, or (shared) in a bucket whose
     other units were updated during backward; still equal to torch."""
     if shared:  # units of 160, buckets of >= 200 elements: the bias shares a bucket
-        monkeypatch.setattr(so, "_BUCKET_ELEMS", 200)
-        monkeypatch.setattr(so, "_UNIT_MAX", 160)
+        monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 200)
+        monkeypatch.setattr(so.layout, "_UNIT_MAX", 160)
     else:
-        monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+        monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)
     ours, ref = make_model(), make_model()
     opt = offload(ours.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)

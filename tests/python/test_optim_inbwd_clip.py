@@ -1,5 +1,5 @@
 """OffloadAdamW(update_in_backward=True) in the loops people run (Note [speculative update] in
-spillover/_inbwd.py): gradient clipping, torch.amp.GradScaler (with inf steps), gradient
+spillover/optim/inbwd.py): gradient clipping, torch.amp.GradScaler (with inf steps), gradient
 accumulation, an LR changed between backward and step(). Each table runs the same plain torch
 loop on our optimizer (CPU parameters, the mode's staged path) and on torch's fused AdamW, on
 the host and NVMe tiers, with one bucket for the model or one per parameter, and compares
@@ -29,7 +29,7 @@ CLIP = {"never": 1e6, "sometimes": 2.5, "always": 1e-3}
 @pytest.fixture(params=["one", "each"], ids=["one-bucket", "bucket-per-param"])
 def bucket(request, monkeypatch):
     if request.param == "each":
-        monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+        monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)
     return request.param
 
 

@@ -1,9 +1,9 @@
-"""OffloadAdamW's lazy state (Note [lazy state] in spillover/optim.py): a frozen parameter, or
-one that never receives a gradient, holds no state (no pool or swap bytes, no state_dict
-entry); a parameter whose first gradient comes later gets its state then and matches torch's
-AdamW. And torch.amp.GradScaler (Note [GradScaler]): an inf/NaN step leaves parameters and
-state unchanged (and creates none), normal scaled steps equal torch's AdamW under the same
-scaler; with two gloo ranks, sharded, ShardedGradScaler skips on every rank together.
+"""OffloadAdamW's lazy state (Note [lazy state] in spillover/optim/store.py): a frozen parameter,
+or one that never receives a gradient, holds no state (no pool or swap bytes, no state_dict entry);
+a parameter whose first gradient comes later gets its state then and matches torch's AdamW. And
+torch.amp.GradScaler (Note [GradScaler]): an inf/NaN step leaves parameters and state unchanged
+(and creates none), normal scaled steps equal torch's AdamW under the same scaler; with two gloo
+ranks, sharded, ShardedGradScaler skips on every rank together.
 
 Run as a script, this file is one rank of the two-rank test (torchrun's environment)."""
 

@@ -1,5 +1,5 @@
-"""OffloadAdamW's staged-gradient path (Note [staged gradients] in spillover/optim.py), run on
-CPU tensors with ``_force_staging=True`` (the GPU path's staging buffers, hooks and copies,
+"""OffloadAdamW's staged-gradient path (Note [staged gradients] in spillover/optim/staged.py),
+run on CPU tensors with ``_force_staging=True`` (the GPU path's staging buffers, hooks and copies,
 synchronous): a gradient changed without moving its version counter — a write through
 ``p.grad.data``, an in-place c10d all-reduce on two gloo ranks — is copied again (the
 fingerprint), never used stale; gradient accumulation copies each gradient once per step;
@@ -21,6 +21,7 @@ from dist_optim_worker import make_model
 import spillover
 from spillover import _native
 from spillover import optim as so
+from spillover.optim import fingerprint as fp
 
 POOL = 72 << 20  # this file's own pool (pools are shared per capacity)
 FMA = _native.AdamState.fma_available()
@@ -52,14 +53,14 @@ def data(step, n=16, seed=0):
 def _reference_fingerprint(t: torch.Tensor) -> tuple:
     """The same function in Python integers, modulo 2**64 (no wrapping arithmetic at all)."""
     words = t.detach().reshape(-1).contiguous().view(torch.int16).numpy().astype(np.int64)
-    r = so._fp_weights(torch.device("cpu")).numpy().view(np.uint64)
+    r = fp._fp_weights(torch.device("cpu")).numpy().view(np.uint64)
     out = []
     for s in range(2):
         total = 0
-        for c, lo in enumerate(range(0, len(words), so._FP_WORDS)):
-            chunk = words[lo : lo + so._FP_WORDS]
+        for c, lo in enumerate(range(0, len(words), fp._FP_WORDS)):
+            chunk = words[lo : lo + fp._FP_WORDS]
             part = sum(int(w) * int(x) for w, x in zip(chunk, r[s, : len(chunk)]))
-            total += part * so._fp_chunk_multiplier(s, c)
+            total += part * fp._fp_chunk_multiplier(s, c)
         out.append(total % (1 << 64))
     return tuple(out)
 
@@ -68,20 +69,20 @@ def _reference_fingerprint(t: torch.Tensor) -> tuple:
 def test_fingerprint_wraps_like_exact_integers(monkeypatch, dtype):
     """torch's int64 products and sums wrap modulo 2**64 (checked here against Python's exact
     integers), over several chunks, so the function is well defined on every device."""
-    monkeypatch.setattr(so, "_FP_WORDS", 64)
-    so._FP_CACHE.clear()
+    monkeypatch.setattr(fp, "_FP_WORDS", 64)
+    fp._FP_CACHE.clear()
     try:
         t = (torch.randn(301) * 1e30).to(dtype)  # large words: products overflow int64
         t[::7] = float("-inf")
-        assert so._fingerprint(t) == _reference_fingerprint(t)
+        assert fp._fingerprint(t) == _reference_fingerprint(t)
     finally:
-        so._FP_CACHE.clear()
+        fp._FP_CACHE.clear()
 
 
 def test_fingerprint_sees_small_and_structured_changes(monkeypatch):
-    monkeypatch.setattr(so, "_FP_WORDS", 1024)
+    monkeypatch.setattr(fp, "_FP_WORDS", 1024)
     g = torch.randn(4099)
-    base = so._fingerprint(g)
+    base = fp._fingerprint(g)
     changed = [
         g.neg(),  # every sign bit
         g.roll(1),  # a permutation
@@ -98,19 +99,19 @@ def test_fingerprint_sees_small_and_structured_changes(monkeypatch):
         pair.view(torch.int16)[1024 + 5] += 1
         changed.append(pair)
     swap = torch.tensor([1.0, -1.0, -1.0, 1.0])
-    assert so._fingerprint(swap) != so._fingerprint(swap.neg())
+    assert fp._fingerprint(swap) != fp._fingerprint(swap.neg())
     for c in changed:
-        assert so._fingerprint(c) != base
-    assert so._fingerprint(g.clone()) == base
+        assert fp._fingerprint(c) != base
+    assert fp._fingerprint(g.clone()) == base
 
 
 def test_staged_fingerprint_is_of_the_staged_bytes(monkeypatch):
     """The hook copies through snapshots of one fingerprint chunk each: with chunks and units
     that straddle each other, the staged copy holds the gradient and its fingerprint equals the
     gradient's own; the result still equals torch's."""
-    monkeypatch.setattr(so, "_FP_WORDS", 64)  # chunks of 32 fp32 elements
-    monkeypatch.setattr(so, "_UNIT_MAX", 80)  # units of 80 elements
-    so._FP_CACHE.clear()
+    monkeypatch.setattr(fp, "_FP_WORDS", 64)  # chunks of 32 fp32 elements
+    monkeypatch.setattr(so.layout, "_UNIT_MAX", 80)  # units of 80 elements
+    fp._FP_CACHE.clear()
     try:
         ours, ref = make_model(), make_model()
         opt = offload(ours.parameters(), lr=1e-2)
@@ -124,7 +125,7 @@ def test_staged_fingerprint_is_of_the_staged_bytes(monkeypatch):
                 space = opt._spaces[0]
                 for k, p in enumerate(ours.parameters()):
                     lo, hi = space.fp_rows[k]
-                    assert so._fp_combine(space.fp_host[lo:hi].numpy()) == so._fingerprint(p.grad)
+                    assert fp._fp_combine(space.fp_host[lo:hi].numpy()) == fp._fingerprint(p.grad)
                     staged = torch.cat([space.grad_view[ui] for ui in space.units_of[k]])
                     assert torch.equal(staged, p.grad.reshape(-1))
                 assert len(space.units) > 20
@@ -136,7 +137,7 @@ def test_staged_fingerprint_is_of_the_staged_bytes(monkeypatch):
         assert_params(ours, ref)
         assert opt.stats()["grad_stale_copies"] > 0
     finally:
-        so._FP_CACHE.clear()
+        fp._FP_CACHE.clear()
 
 
 # ---- never stale ----
@@ -252,7 +253,7 @@ def test_buckets_step_in_arrival_order(monkeypatch, reverse):
     at step(), in parameter order), each step processes the buckets in the order backward
     produced their gradients (the last layer's first), whatever the parameters' order in the
     optimizer; equal to torch's fused AdamW either way."""
-    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+    monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)
     ours, ref = make_model(), make_model()
     params = list(ours.parameters())[::-1] if reverse else list(ours.parameters())
     opt = offload(params, lr=1e-2)
@@ -280,7 +281,7 @@ def test_buckets_step_in_arrival_order(monkeypatch, reverse):
 def test_gradients_set_by_hand_step_in_parameter_order(monkeypatch):
     """Gradients assigned without backward (no hook fires): copied at step(), buckets in
     parameter order; equal to torch's fused AdamW."""
-    monkeypatch.setattr(so, "_BUCKET_ELEMS", 1)
+    monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)
     ours, ref = make_model(), make_model()
     opt = offload(ours.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -304,10 +305,10 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @cuda_only
 def test_cuda_fingerprint_equals_cpu():
     """The device computes the same fingerprint as the CPU (int64 wraps alike), across chunks."""
-    t = torch.randn(3 * so._FP_WORDS // 2 + 7) * 1e30
-    assert so._fingerprint(t.cuda()) == so._fingerprint(t)
+    t = torch.randn(3 * fp._FP_WORDS // 2 + 7) * 1e30
+    assert fp._fingerprint(t.cuda()) == fp._fingerprint(t)
     b = t.to(torch.bfloat16)
-    assert so._fingerprint(b.cuda()) == so._fingerprint(b)
+    assert fp._fingerprint(b.cuda()) == fp._fingerprint(b)
 
 
 @pytest.mark.gpu

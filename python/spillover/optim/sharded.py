@@ -1,0 +1,136 @@
+"""The sharded (ZeRO) path of a state space.
+
+Note [sharding]
+    Under ``torch.distributed`` with world size W > 1 (unless ``shard=False``), the parameters
+    of each (dtype, device) are laid end to end in a flat buffer (each padded to 16 elements,
+    the whole to a multiple of 16 W) and rank r owns elements [r S, (r+1) S), S = size / W:
+    only that shard's state exists on rank r. A step reduce-scatters the flat gradients (sum,
+    then scaled by 1/W in the kernel; ``reduce_grads=False`` when DDP has already averaged
+    them), updates the shard, and all-gathers the new parameters into every rank's model.
+    Whether a parameter has a gradient is agreed on first (MAX over ranks; a rank without one
+    contributes zeros), so every rank takes the same collectives and step counts. ``state_dict``
+    gathers the full state on every rank (world-size independent, torch's format);
+    ``load_state_dict`` takes each rank's part. At the sizes where sharding is needed the full
+    state does not fit one rank: save through ``torch.distributed.checkpoint`` with
+    :mod:`spillover.dcp` instead (per-rank pieces produced when the writer asks for them,
+    loadable at any world size).
+
+    Next to DDP, construct the optimizer on the wrapped module's parameters with
+    ``reduce_grads=False``: DDP's all-reduce has already averaged the gradients, each rank
+    takes its shard of them without communicating, and only the parameter all-gather remains
+    (the state is still sharded). bf16 gradients are reduced in bf16, as DDP does.
+
+    With FSDP2 (``fully_shard``) the parameters are already sharded DTensors and gradients are
+    already reduce-scattered: pass ``shard=False`` (also chosen automatically when a parameter
+    is a DTensor); each rank then runs the optimizer on its local shards (``to_local()``), with
+    the state 1/W per rank as FSDP2 sharded it. FSDP2 assigns the sharded gradients itself, so
+    the post-accumulate-grad hooks do not fire and ``step()`` copies the local gradients then.
+    Tested on 2 CPU ranks (gloo) with ``spillover.wrap`` and ``offload_context``: parameters
+    within torch's own AdamW implementations' tolerance of the same FSDP2 run with torch's
+    AdamW, and a DCP checkpoint that resumes under FSDP2, ZeRO or one process
+    (tests/python/test_dcp.py).
+
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from .layout import _ALIGN, _round_up
+
+
+class ShardedPath:
+    """The sharded half of ``space._Space`` (mixed in): the layout of rank r's shard and
+    ``step()`` over it (Note [sharding])."""
+
+    # What _Space provides (space.py): its layout, buffers and bookkeeping, and its methods.
+    opt: Any
+    device: torch.device
+    members: List[int]
+    params: List[torch.Tensor]
+    numels: List[int]
+    units: List[Tuple[int, int, int, int]]
+    staged: bool
+    buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]]
+    copies: Any
+    state: Any
+    h2d_events: Dict[int, List[Any]]
+    flat_grad: torch.Tensor
+    flat_param: torch.Tensor
+    grad_shard: torch.Tensor
+    param_shard: torch.Tensor
+    _add_units: Callable[[int, int, int, int], None]
+    _check: Callable[[torch.Tensor], None]
+    _fill_hyper: Callable[..., None]
+    _flat_records: Callable[[np.ndarray], bytes]
+    _wait_h2d: Callable[[int], None]
+
+    def _layout_sharded(self, world: int, rank: int) -> None:
+        offs = []
+        at = 0
+        for n in self.numels:
+            offs.append(at)
+            at += _round_up(n, _ALIGN)
+        total = _round_up(max(at, 1), _ALIGN * world)
+        self.offsets = offs
+        self.total = total
+        self.shard = total // world
+        lo, hi = rank * self.shard, (rank + 1) * self.shard
+        for k, (off, n) in enumerate(zip(offs, self.numels)):
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                self._add_units(k, a - off, b - a, a - lo)
+
+    def _step_sharded(self, hyper: np.ndarray) -> np.ndarray:
+        """Note [sharding]."""
+        import torch.distributed as dist
+
+        opt = self.opt
+        has = torch.tensor(
+            [p.grad is not None for p in self.params], dtype=torch.int32, device=self.device
+        )
+        opt._collective(dist.all_reduce, has, op=dist.ReduceOp.MAX)
+        has_np = has.cpu().numpy().astype(bool)
+        if not has_np.any():
+            return np.zeros(0, dtype=np.int64)
+        for k, p in enumerate(self.params):
+            self._check(p)
+            dst = self.flat_grad[self.offsets[k] : self.offsets[k] + self.numels[k]]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+        scale = 1.0
+        if opt._reduce_grads:  # summed here, scaled by 1/world in the kernel
+            opt._collective(dist.reduce_scatter_tensor, self.grad_shard, self.flat_grad)
+            scale = 1.0 / opt._world
+        for k, start, n, at in self.units:
+            src = self.params[k].detach().reshape(-1)
+            self.param_shard[at : at + n].copy_(src[start : start + n])
+        active = np.array([has_np[u[0]] for u in self.units], dtype=bool)
+        if self.staged:
+            for b, (bucket, f_lo, f_hi, g, o) in enumerate(self.buckets):
+                self._wait_h2d(b)
+                rows = np.asarray([ui for ui in bucket if active[ui]], dtype=np.int64)
+                if not len(rows):
+                    continue
+                self.copies.wait(self.copies.to_host(g, self.grad_shard[f_lo:f_hi]))
+                self.copies.wait(self.copies.to_host(o, self.param_shard[f_lo:f_hi]))
+                self._fill_hyper(rows, hyper, scale)
+                self.state.step(self._flat_records(rows))
+                self.h2d_events[b] = [self.copies.to_device(self.param_shard[f_lo:f_hi], o)]
+        elif active.any():
+            rows = np.nonzero(active)[0]
+            self._fill_hyper(rows, hyper, scale)
+            self.state.step(self._flat_records(rows))
+        opt._collective(dist.all_gather_into_tensor, self.flat_param, self.param_shard)
+        updated = np.nonzero(has_np)[0].tolist()
+        with torch.no_grad():
+            for k in updated:
+                p = self.params[k]
+                off = self.offsets[k]
+                p.copy_(self.flat_param[off : off + self.numels[k]].view_as(p))
+        return np.asarray([self.members[k] for k in updated], dtype=np.int64)

@@ -1,0 +1,431 @@
+"""A state space: the state of the parameters of one (dtype, device).
+
+Note [cpu parameters in place]
+    On CPU, with one rank, the kernel reads ``p.grad`` and updates ``p`` through their
+    addresses, with no copy; an fp32 parameter is its own master copy, so nothing else is
+    stored for it and changing it between steps (loading weights) is seen by the next step. A
+    non-contiguous parameter or gradient goes through a contiguous copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from .. import _native, _runtime
+from ..errors import PoolExhaustedError
+from ..transfer import block_tensor
+from . import layout as _layout
+from .copies import _Copies
+from .fingerprint import _fp_chunks
+from .inbwd import INBWD_STATS, InBackward
+from .layout import (
+    _ALIGN,
+    _DTYPES,
+    _GRAD_BF16,
+    _GRAD_STATS,
+    _HOST_CHUNK_BYTES,
+    _NVME_CHUNK_BYTES,
+    _OUT_BF16,
+    _SRC_BF16,
+    _TORCH_TAIL,
+    BUFFER_RECORD,
+    STEP_RECORD,
+    _bf16_flag,
+    _buckets,
+    _local,
+    _round_up,
+)
+from .sharded import ShardedPath
+from .staged import StagedPath, _Staged
+
+if TYPE_CHECKING:
+    from .store import StateStore
+
+
+class _Space(InBackward, StagedPath, ShardedPath):
+    """The state of the parameters of one (dtype, device): a native AdamState over *units*
+    (whole parameters, the parts of them this rank owns, or — on the staged path — pieces of
+    at most ``_UNIT_MAX`` elements, so every staging buffer fits a pool block)."""
+
+    def __init__(
+        self, opt: StateStore, dtype: torch.dtype, device: torch.device, members: List[int]
+    ):
+        self.opt = weakref.proxy(opt)
+        self.dtype = dtype
+        self.device = device
+        self.members = members  # global parameter indices, in order
+        self.params = [opt._params[i] for i in members]
+        self.sharded = opt._world > 1
+        # update_in_backward stages CPU parameters too (Note [update in backward])
+        self.staged = device.type != "cpu" or opt._force_staging or opt._inbwd
+        # CPU parameters staged for update_in_backward: the staged copy is in host memory next
+        # to the gradient, so comparing the bytes is exact and cheaper than fingerprints
+        # (Note [speculative update]); _force_staging keeps the GPU path's fingerprints.
+        self.compare_bytes = device.type == "cpu" and not opt._force_staging
+        self.master = dtype != torch.float32 or self.staged
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.numels = [_local(p).numel() for p in self.params]
+        # units: (member position, start in the parameter, length, offset in the flat buffers)
+        self.units: List[Tuple[int, int, int, int]] = []
+        if self.sharded:
+            self._layout_sharded(opt._world, opt._rank)
+        elif self.staged:
+            at = 0
+            for k, n in enumerate(self.numels):
+                self._add_units(k, 0, n, at)
+                at += _round_up(n, _ALIGN)
+        else:
+            self.units = [(k, 0, n, -1) for k, n in enumerate(self.numels)]
+        self.unit_global = np.array([members[u[0]] for u in self.units], dtype=np.int64)
+        self.units_of: Dict[int, List[int]] = {}
+        for ui, u in enumerate(self.units):
+            self.units_of.setdefault(u[0], []).append(ui)
+        self.rec = np.zeros(len(self.units), STEP_RECORD)
+        self.rec["unit"] = np.arange(len(self.units))
+        self.rec["tail"] = [
+            max(0, start + n - max(start, self.numels[k] - self.numels[k] % _TORCH_TAIL))
+            for k, start, n, _ in self.units
+        ]
+        for k, p in enumerate(self.params):
+            if self.staged and len(self.units_of.get(k, [])) > 1 and not p.is_contiguous():
+                raise ValueError(
+                    f"OffloadAdamW: a non-contiguous parameter of {self.numels[k]} elements on "
+                    f"{device} is larger than one staging unit ({_layout._UNIT_MAX}); make it "
+                    "contiguous"
+                )
+        self.hooks: List[Any] = []
+        # Note [staged gradients]: per bucket, the copies of the last step's parameters back to
+        # the device (they read its output buffer); per member, the copy the hooks staged.
+        self.h2d_events: Dict[int, List[Any]] = {}
+        self.staged_grads: Dict[int, _Staged] = {}
+        self.fired = np.zeros(len(self.params), dtype=np.int64)  # hook calls this step
+        self.expect = np.zeros(len(self.params), dtype=np.int64)  # ... last step (0: unknown)
+        self.arrival: Dict[int, int] = {}  # member -> sequence number of its staging this step
+        self.seq = 0
+        self.order: List[int] = []  # buckets in the order the last step processed them
+        self.counters = {k: 0 for k in _GRAD_STATS + INBWD_STATS}
+        # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
+        self.inbwd = bool(opt._inbwd) and self.staged and not self.sharded
+        self.lock = threading.Lock()
+        self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
+        self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
+        self.undo_state: Any = None  # ... and on the NVMe tier, the copy on the swap files
+        self.last_round = (0, 0)  # the last step's buckets kept, redone
+        self._new_round()
+        self._alloc_buffers()
+        self.state = self._make_state([u[2] for u in self.units])
+        if self.staged and not self.sharded:
+            self.buckets_of: Dict[int, List[int]] = {}
+            for b, members in enumerate(self.bucket_members):
+                for k in members:
+                    self.buckets_of.setdefault(k, []).append(b)
+            self.inited = np.zeros(len(self.units), dtype=bool)
+            self._register_hooks()
+
+    # ---- construction ----
+
+    def _add_units(self, k: int, start: int, n: int, at: int) -> None:
+        """Units for elements [start, start + n) of member k at flat offset `at`; split on the
+        staged and sharded paths (pieces start on multiples of _UNIT_MAX, a multiple of 16), so
+        a staging buffer fits a pool block and a unit exported for a DCP save stays bounded
+        (Note [pieces, produced when asked] in dcp.py)."""
+        if not (self.staged or self.sharded):
+            self.units.append((k, start, n, at))
+            return
+        end = start + n
+        while start < end:
+            piece = min(end, (start // _layout._UNIT_MAX + 1) * _layout._UNIT_MAX) - start
+            self.units.append((k, start, piece, at))
+            start += piece
+            at += piece
+
+    def _alloc_buffers(self) -> None:
+        """Flat device buffers (sharded) and pinned staging buffers (staged), and each unit's
+        gradient and output addresses in them (they never move)."""
+        opt = self.opt
+        dev, dt = self.device, self.dtype
+        n_units = len(self.units)
+        self.grad_addr = np.zeros(n_units, dtype=np.uint64)
+        self.out_addr = np.zeros(n_units, dtype=np.uint64)
+        if self.sharded:
+            self.flat_grad = torch.zeros(self.total, dtype=dt, device=dev)
+            self.flat_param = torch.empty(self.total, dtype=dt, device=dev)
+            lo = opt._rank * self.shard
+            self.grad_shard = (
+                torch.empty(self.shard, dtype=dt, device=dev)
+                if opt._reduce_grads
+                else self.flat_grad[lo : lo + self.shard]
+            )
+            self.param_shard = torch.empty(self.shard, dtype=dt, device=dev)
+        if not self.staged:
+            if self.sharded:  # the kernel works on the CPU shard buffers directly
+                at = np.array([u[3] for u in self.units], dtype=np.uint64) * np.uint64(self.esize)
+                self.grad_addr[:] = np.uint64(self.grad_shard.data_ptr()) + at
+                self.out_addr[:] = np.uint64(self.param_shard.data_ptr()) + at
+            return
+        if dev.type == "cuda":
+            _runtime.register_with_cuda(opt._pool)
+        self.copies = _Copies(dev)
+        # Buckets of consecutive units: one pinned block each for gradients and outputs.
+        self.buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]] = []
+        self.grad_view: List[torch.Tensor] = []
+        self.out_view: List[torch.Tensor] = []
+        for rows in _buckets(list(range(n_units)), self.units, _layout._BUCKET_ELEMS):
+            f_lo = self.units[rows[0]][3]
+            f_hi = self.units[rows[-1]][3] + self.units[rows[-1]][2]
+            g, o = self._pinned(f_hi - f_lo), self._pinned(f_hi - f_lo)
+            self.buckets.append((rows, f_lo, f_hi, g, o))
+            for ui in rows:
+                _, _, n, at = self.units[ui]
+                self.grad_view.append(g[at - f_lo : at - f_lo + n])
+                self.out_view.append(o[at - f_lo : at - f_lo + n])
+                self.grad_addr[ui] = self.grad_view[ui].data_ptr()
+                self.out_addr[ui] = self.out_view[ui].data_ptr()
+        # Members with units in each bucket (a large parameter spans several buckets).
+        self.bucket_members = [sorted({self.units[ui][0] for ui in b[0]}) for b in self.buckets]
+        if self.sharded:
+            return
+        # Note [gradient fingerprint]: the staged copies' fingerprints, one row per chunk.
+        counts = [_fp_chunks(n, self.dtype) for n in self.numels]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.fp_rows = [(int(starts[k]), int(starts[k + 1])) for k in range(len(counts))]
+        self.fp_host = torch.zeros(
+            (int(starts[-1]), 2), dtype=torch.int64, pin_memory=dev.type == "cuda"
+        )
+
+    def _pinned(self, n: int) -> torch.Tensor:
+        opt = self.opt
+        nbytes = max(n, 1) * self.esize
+        try:
+            return block_tensor(opt._pool.lease(nbytes))[:nbytes].view(self.dtype)
+        except PoolExhaustedError:
+            _runtime.warn_once(
+                "optim-staging",
+                "spillover: OffloadAdamW's staging buffers did not fit the host pool; using "
+                "separately pinned memory. Raise SPILLOVER_HOST_POOL_BYTES to avoid it.",
+            )
+            return torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def _make_state(self, lens: List[int]) -> Any:
+        opt = self.opt
+        cols = 3 if self.master else 2
+        chunk_bytes = opt._chunk_bytes or (
+            _NVME_CHUNK_BYTES if opt._tier == "nvme" else _HOST_CHUNK_BYTES
+        )
+        chunk_elems = max(1024, chunk_bytes // (4 * cols) // 1024 * 1024)
+        kw: Dict[str, Any] = dict(master=self.master, chunk_elems=chunk_elems, tier=opt._tier)
+        if opt._tier == "nvme":
+            # swap_for has already warned (once) with the engine's warning.
+            kw.update(swap=opt._swap, buffers=opt._nvme_buffers)
+        st = _native.AdamState(opt._pool, lens, **kw)
+        heap = st.stats()["heap_chunks"]
+        if heap:
+            _runtime.warn_once(
+                "optim-heap",
+                f"spillover: {heap} chunk(s) of OffloadAdamW's host state did not fit the host "
+                "pool and live in ordinary heap memory (not pinned); raise "
+                "SPILLOVER_HOST_POOL_BYTES to keep all of it in the pool.",
+            )
+        return st
+
+    def close(self) -> None:
+        """Remove the hooks, wait for the update-in-backward worker and for the copies still in
+        flight from or to the staging buffers, so the buffers can be freed."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.join()
+        self._new_round()
+        if self.staged:
+            pending = [e for evs in self.h2d_events.values() for e in evs]
+            for st in self.staged_grads.values():
+                pending += st.events + [st.fp_event]
+            for ev in pending:
+                self.copies.wait(ev)
+        self.h2d_events = {}
+        self.staged_grads = {}
+
+    # ---- step ----
+
+    def step(self, hyper: np.ndarray) -> np.ndarray:
+        """One step; returns the global indices of the parameters that were updated.
+        `hyper`: per global parameter, lr, beta1, beta2, eps, weight_decay, grad_scale."""
+        if self.sharded:
+            return self._step_sharded(hyper)
+        if self.inbwd:
+            return self._step_inbwd(hyper)
+        if self.staged:
+            return self._step_staged(hyper)
+        return self._step_direct(hyper)
+
+    def _fill_hyper(self, rows: np.ndarray, hyper: np.ndarray, scale: float = 1.0) -> None:
+        """Hyper-parameters and step counts for the units in `rows`."""
+        rec = self.rec
+        g = self.unit_global[rows]
+        h = hyper[g]
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            rec[name][rows] = h[name]
+        rec["step"][rows] = self.opt._steps[g] + 1
+        rec["grad_scale"][rows] = h["grad_scale"] * scale
+
+    def _flat_records(self, rows: np.ndarray) -> bytes:
+        """Records for units whose gradient and output are in the flat or staging buffers."""
+        rec = self.rec
+        rec["grad"][rows] = self.grad_addr[rows]
+        rec["out"][rows] = self.out_addr[rows]
+        rec["src"][rows] = self.out_addr[rows]  # holds the parameter when a unit starts
+        rec["flags"][rows] = _bf16_flag(self.dtype, _GRAD_BF16 | _SRC_BF16 | _OUT_BF16)
+        return rec[rows].tobytes()
+
+    def _check(self, p: torch.Tensor) -> None:
+        if p.dtype != self.dtype or p.device != self.device:
+            raise RuntimeError(
+                f"OffloadAdamW: a parameter changed from {self.dtype} on {self.device} to "
+                f"{p.dtype} on {p.device} after the optimizer was made; make the optimizer "
+                "after moving or casting the model"
+            )
+
+    def _step_direct(self, hyper: np.ndarray) -> np.ndarray:
+        """Note [cpu parameters in place]."""
+        rows: List[int] = []
+        grads: List[int] = []
+        flags: List[int] = []
+        params: List[int] = []
+        keep: List[torch.Tensor] = []
+        fixups: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for ui, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            p = _local(p)
+            g = _local(g)
+            self._check(p)
+            if g.is_sparse:
+                raise RuntimeError("OffloadAdamW does not support sparse gradients")
+            if g.device != p.device:
+                raise RuntimeError(f"gradient on {g.device} for a parameter on {p.device}")
+            if g.dtype not in _DTYPES:
+                g = g.to(p.dtype)
+            if not g.is_contiguous():
+                g = g.contiguous()
+            keep.append(g)
+            if not p.is_contiguous():
+                c = p.detach().contiguous()
+                fixups.append((p, c))
+                p = c
+            rows.append(ui)
+            grads.append(g.data_ptr())
+            params.append(p.data_ptr())
+            flags.append(_bf16_flag(g.dtype, _GRAD_BF16))
+        if not rows:
+            return np.zeros(0, dtype=np.int64)
+        idx = np.asarray(rows, dtype=np.int64)
+        rec = self.rec
+        rec["grad"][idx] = grads
+        rec["src"][idx] = params
+        rec["out"][idx] = params
+        pflags = _bf16_flag(self.dtype, _SRC_BF16 | _OUT_BF16)
+        rec["flags"][idx] = np.asarray(flags, dtype=np.uint64) | np.uint64(pflags)
+        self._fill_hyper(idx, hyper)
+        self.state.step(rec[idx].tobytes())
+        del keep
+        for p, c in fixups:
+            p.detach().copy_(c)
+        return self.unit_global[idx]
+
+    # ---- checkpoints ----
+
+    def _names(self) -> Tuple[str, ...]:
+        return ("master", "exp_avg", "exp_avg_sq") if self.master else ("exp_avg", "exp_avg_sq")
+
+    def export(self, steps: np.ndarray) -> Dict[int, Dict[str, torch.Tensor]]:
+        """Full state of every member with state: {member position: {name: fp32 tensor}}."""
+        has_state = [steps[i] > 0 for i in self.members]
+        rows = [ui for ui, u in enumerate(self.units) if has_state[u[0]]]
+        out: Dict[int, Dict[str, torch.Tensor]] = {}
+        if self.sharded:
+            import torch.distributed as dist
+
+            shard = {n: torch.zeros(self.shard, dtype=torch.float32) for n in self._names()}
+            self._export_rows(rows, lambda ui, n: shard[n][self.units[ui][3] :].data_ptr())
+            for name in self._names():
+                full = torch.empty(self.total, dtype=torch.float32)
+                part = shard[name]
+                if self.device.type != "cpu":  # nccl gathers device tensors
+                    part, full = part.to(self.device), full.to(self.device)
+                self.opt._collective(dist.all_gather_into_tensor, full, part)
+                full = full.cpu()
+                for k, p in enumerate(self.params):
+                    if has_state[k]:
+                        off, n = self.offsets[k], self.numels[k]
+                        out.setdefault(k, {})[name] = full[off : off + n].clone().view(p.shape)
+            return out
+        for k, p in enumerate(self.params):
+            if has_state[k]:
+                shape = _local(p).shape
+                out[k] = {n: torch.empty(shape, dtype=torch.float32) for n in self._names()}
+
+        def addr(ui: int, name: str) -> int:
+            k, start, _, _ = self.units[ui]
+            return out[k][name].data_ptr() + 4 * start
+
+        self._export_rows(rows, addr)
+        return out
+
+    def _export_rows(self, rows: List[int], addr: Any) -> None:
+        if not rows:
+            return
+        recs = np.zeros(len(rows), BUFFER_RECORD)
+        recs["unit"] = rows
+        for name in self._names():
+            recs[name] = [addr(ui, name) for ui in rows]
+        self.state.export_state(recs.tobytes())
+
+    def load(self, states: Dict[int, Dict[str, Any]]) -> None:
+        """Set the state of the members in `states` (full parameter shapes, any float dtype),
+        reset the others. A missing master starts from the parameter."""
+        flat: Dict[int, Dict[str, torch.Tensor]] = {}
+        for k, st in states.items():
+            p = self.params[k]
+            cols = {n: _flat_f32(st[n], p, n) for n in ("exp_avg", "exp_avg_sq")}
+            if self.master:
+                src = st.get("master")
+                cols["master"] = _flat_f32(src if src is not None else p, p, "master")
+            flat[k] = cols
+        rows = []
+        for ui, (k, _, _, _) in enumerate(self.units):
+            if k in flat:
+                rows.append(ui)
+            else:
+                self.state.reset(ui)
+        if rows:
+            recs = np.zeros(len(rows), BUFFER_RECORD)
+            recs["unit"] = rows
+            for name in self._names():
+                recs[name] = [
+                    flat[self.units[ui][0]][name].data_ptr() + 4 * self.units[ui][1] for ui in rows
+                ]
+            self.state.import_state(recs.tobytes())
+        del flat
+        if hasattr(self, "inited"):  # Note [update in backward]: loaded units can update then
+            self.inited = np.asarray(self.state.initialized(), dtype=bool)
+
+
+
+def _check_numel(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:
+    t = _local(t) if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+    if t.numel() != _local(p).numel():
+        raise ValueError(
+            f"state '{name}' has {t.numel()} elements, its parameter {_local(p).numel()}"
+        )
+    return t
+
+
+def _flat_f32(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:
+    t = _check_numel(t, p, name)
+    return t.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
