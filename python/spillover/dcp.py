@@ -76,11 +76,11 @@ import math
 import queue
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from .optim import OffloadAdamW
-from .optim.layout import _ALIGN, BUFFER_RECORD, _is_dtensor, _local, _round_up
+from .optim.layout import _ALIGN, _is_dtensor
+from .optim.store import StateUnit
 
 __all__ = ["FileSystemWriter", "OptimizerState", "optimizer_state"]  # noqa: F822 (__getattr__)
 
@@ -130,10 +130,11 @@ class OptimizerState:
         if piece_bytes < 4 * _ALIGN:
             raise ValueError(f"piece_bytes must be at least {4 * _ALIGN}, got {piece_bytes}")
         self.opt = opt
+        self.params = [p for g in opt.param_groups for p in g["params"]]
         self.piece = piece_bytes // 4
         self.checkpoint = checkpoint
-        self.names = _names(opt, named_parameters)
-        self._cache: Optional[Tuple[Any, int, Dict[str, torch.Tensor]]] = None
+        self.names = _names(self.params, named_parameters)
+        self._cache: Optional[Tuple[StateUnit, Dict[str, torch.Tensor]]] = None
         self._left = 0  # pieces of the cached unit not yet handed to DCP
 
     # ---- Stateful ----
@@ -142,19 +143,21 @@ class OptimizerState:
         """Lazy columns for the parameters with state (save) or expected in the checkpoint
         (load), and the ``meta`` string. DCP decides which: a column is planned for writing
         (``__create_write_items__``) or for reading (``__create_chunk_list__``)."""
-        opt = self.opt
-        opt._settle("a DCP save or load")  # Note [update in backward]: never a half-done step
+        # Note [update in backward]: never a half-done step
+        units = self.opt.state_units("a DCP save or load")
         self._cache = None
         self._expect_set: Optional[set] = None
-        saving = {i: s for s in opt._spaces for i in s.members if opt._steps[i] > 0}
+        saving: Dict[int, List[StateUnit]] = {}
+        for u in units:
+            saving.setdefault(u.param, []).append(u)
         expect = self._expected()
         state: Dict[str, Any] = {}
-        owned = _predict_layout(opt, sorted(expect))
+        owned = self._predict_layout(sorted(expect))
         self._expect_set = set(expect)
         for i in sorted(set(saving) | set(expect)):
-            p = opt._params[i]
-            space = saving.get(i)
-            written = space._names() if space is not None else ()
+            p = self.params[i]
+            mine = saving.get(i)
+            written = mine[0].columns if mine else ()
             read = expect.get(i, ())
             state[self.names[i]] = {
                 col: _Column(
@@ -162,7 +165,7 @@ class OptimizerState:
                     i,
                     col,
                     p.numel(),  # a DTensor's numel is the global one
-                    save=space if col in written else None,
+                    save=mine if col in written else None,
                     load=owned.get(i, (0, 0)) if col in read else None,
                 )
                 for col in _COLUMNS
@@ -205,20 +208,15 @@ class OptimizerState:
                 "a load expects])"
             )
         self._load_groups(meta["param_groups"])
-        members = sorted(index[n] for n in steps)
         buffers: Dict[int, Dict[str, Tuple[torch.Tensor, int]]] = {}
         for n in steps:
             for col, c in cols[n].items():
                 if isinstance(c, _Column) and c.load is not None:
                     buffers.setdefault(index[n], {})[col] = (c.buffer(), c.load[0])
-        opt._drop_spaces()
-        opt._steps[:] = 0
-        for n, s in steps.items():
-            opt._steps[index[n]] = s
-        first = len(opt._spaces)
-        opt._add_spaces(members)
-        for space in opt._spaces[first:]:
-            _import_space(space, buffers, self.names)
+        opt.import_state(
+            {index[n]: s for n, s in steps.items()},
+            lambda unit: _read_unit(unit, self.params[unit.param], buffers, self.names),
+        )
         self._cache = None
 
     # ---- helpers ----
@@ -237,14 +235,14 @@ class OptimizerState:
             for i, n in enumerate(self.names):
                 have = tuple(c for c in _COLUMNS if _any_key(keys, n, c))
                 if have:
-                    out[i] = have if _keeps_master(opt, i) else tuple(
+                    out[i] = have if opt.keeps_master(i) else tuple(
                         c for c in have if c != "master"
                     )
             return out
         out = {}
-        for i, p in enumerate(opt._params):
-            if p.requires_grad or opt._stateful[i]:
-                out[i] = _COLUMNS if _keeps_master(opt, i) else _COLUMNS[1:]
+        for i, p in enumerate(self.params):
+            if p.requires_grad or opt.has_state(i):
+                out[i] = _COLUMNS if opt.keeps_master(i) else _COLUMNS[1:]
         return out
 
     def _meta(self) -> str:
@@ -268,7 +266,7 @@ class OptimizerState:
             hyper["params"] = self.names[at : at + len(g["params"])]
             at += len(g["params"])
             groups.append(hyper)
-        steps = {self.names[i]: float(opt._steps[i]) for i in np.nonzero(opt._steps)[0]}
+        steps = {self.names[i]: s for i, s in opt.state_steps().items()}
         return json.dumps({"format": _FORMAT, "steps": steps, "param_groups": groups})
 
     def _load_groups(self, saved: List[Dict[str, Any]]) -> None:
@@ -278,8 +276,10 @@ class OptimizerState:
                 f"spillover.dcp: the checkpoint has {len(saved)} param groups, the optimizer "
                 f"{len(opt.param_groups)}; build the optimizer with the same groups"
             )
-        for gi, s in enumerate(saved):
-            mine = [self.names[i] for i in np.nonzero(opt._group_of == gi)[0].tolist()]
+        at = 0
+        for gi, (g, s) in enumerate(zip(opt.param_groups, saved)):
+            mine = self.names[at : at + len(g["params"])]
+            at += len(g["params"])
             if list(s["params"]) != mine:
                 raise ValueError(
                     f"spillover.dcp: param group {gi} holds {len(s['params'])} parameters in the "
@@ -291,22 +291,25 @@ class OptimizerState:
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
 
-    def _unit_columns(self, space: Any, ui: int) -> Dict[str, torch.Tensor]:
+    def _unit_columns(self, unit: StateUnit) -> Dict[str, torch.Tensor]:
         """One unit's columns, exported once (Note [pieces, produced when asked])."""
-        if self._cache is not None and self._cache[0] is space and self._cache[1] == ui:
-            return self._cache[2]
+        if self._cache is not None and self._cache[0] is unit:
+            return self._cache[1]
         self._cache = None  # drop the previous unit before exporting the next
-        n = space.units[ui][2]
-        cols = {c: torch.empty(n, dtype=torch.float32) for c in space._names()}
-        rec = np.zeros(1, BUFFER_RECORD)
-        rec["unit"] = ui
-        for c, t in cols.items():
-            rec[c] = t.data_ptr()
-        space.state.export_state(rec.tobytes())
-        pieces = -(-n // self.piece) * len(cols)
-        self._cache = (space, ui, cols)
-        self._left = pieces
+        cols = self.opt.export_unit(unit)
+        self._cache = (unit, cols)
+        self._left = -(-unit.length // self.piece) * len(cols)
         return cols
+
+    def _predict_layout(self, members: List[int]) -> Dict[int, Tuple[int, int]]:
+        """{index: (start, end)} of the flattened global parameter this rank will own once
+        the optimizer has state for exactly `members` (Note [sharding]; checked at import)."""
+        out = {}
+        for i, (a, b) in self.opt.owned_ranges(members).items():
+            p = self.params[i]
+            base = _dtensor_range(p)[0] if _is_dtensor(p) else 0
+            out[i] = (base + a, base + b)
+        return out
 
     def _served(self) -> None:
         """One piece of the cached unit was handed to DCP; drop the export after the last."""
@@ -320,14 +323,14 @@ def _any_key(keys: Any, name: str, col: str) -> bool:
     return any(k == tail or k.endswith("." + tail) for k in keys)
 
 
-def _names(opt: OffloadAdamW, named: Optional[Iterable[Tuple[str, Any]]]) -> List[str]:
+def _names(params: List[torch.Tensor], named: Optional[Iterable[Tuple[str, Any]]]) -> List[str]:
     if named is None:
-        return [str(i) for i in range(len(opt._params))]
+        return [str(i) for i in range(len(params))]
     by_id: Dict[int, str] = {}
     for n, p in named:
         by_id.setdefault(id(p), n)
     out = []
-    for i, p in enumerate(opt._params):
+    for i, p in enumerate(params):
         n = by_id.get(id(p))
         if n is None:
             raise ValueError(
@@ -339,12 +342,6 @@ def _names(opt: OffloadAdamW, named: Optional[Iterable[Tuple[str, Any]]]) -> Lis
     if len(set(out)) != len(out):
         raise ValueError("spillover.dcp: two optimizer parameters have the same name")
     return out
-
-
-def _keeps_master(opt: OffloadAdamW, i: int) -> bool:
-    """Whether parameter i's state space would keep an fp32 master (as _Space decides)."""
-    lp = _local(opt._params[i])
-    return lp.dtype != torch.float32 or lp.device.type != "cpu" or opt._force_staging
 
 
 def _dtensor_range(p: torch.Tensor) -> Tuple[int, int, bool]:
@@ -383,50 +380,6 @@ def _replicated_writer() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _predict_layout(opt: OffloadAdamW, members: List[int]) -> Dict[int, Tuple[int, int]]:
-    """{index: (start, end)} of the flattened global parameter this rank will own once the
-    optimizer has state spaces for exactly `members` (Note [sharding]; checked at import)."""
-    out: Dict[int, Tuple[int, int]] = {}
-    if not members:
-        return out
-    if opt._world > 1:
-        for _, idx in opt._kinds(members).items():
-            numels = [_local(opt._params[i]).numel() for i in idx]
-            offs, at = [], 0
-            for n in numels:
-                offs.append(at)
-                at += _round_up(n, _ALIGN)
-            total = _round_up(max(at, 1), _ALIGN * opt._world)
-            shard = total // opt._world
-            lo, hi = opt._rank * shard, (opt._rank + 1) * shard
-            for i, off, n in zip(idx, offs, numels):
-                a, b = max(off, lo), min(off + n, hi)
-                if a < b:
-                    out[i] = (a - off, b - off)
-        return out
-    for i in members:
-        p = opt._params[i]
-        if _is_dtensor(p):
-            start, n, _ = _dtensor_range(p)
-            if n:
-                out[i] = (start, start + n)
-        elif p.numel():
-            out[i] = (0, p.numel())
-    return out
-
-
-def _spans(space: Any, k: int) -> List[Tuple[int, int, int]]:
-    """(unit, start, length) of member k's units in space, start in the flattened global
-    parameter, in order."""
-    p = space.params[k]
-    base = 0
-    if _is_dtensor(p):
-        base = _dtensor_range(p)[0]
-    return sorted(
-        (ui, base + space.units[ui][1], space.units[ui][2]) for ui in space.units_of.get(k, [])
-    )
-
-
 class _Column(torch.Tensor):
     """One column (exp_avg, exp_avg_sq or master) of one parameter's state, as DCP sees it: a
     1-D fp32 tensor of the flattened parameter's numel, of which this rank writes the chunks
@@ -442,10 +395,10 @@ class _Column(torch.Tensor):
 
     def __init__(self, owner, index, col, numel, save, load):
         self.owner = owner
-        self.index = index
+        self.param: int = index
         self.col = col
         self.numel_ = numel
-        self.save = save  # the space holding this parameter's state now, if it has state
+        self.save = save  # the units of this parameter's state on this rank, if it has state
         self.load = load  # (start, end) this rank reads, if a load expects this column
         self._buf: Optional[torch.Tensor] = None
         self._loading = False  # set when DCP plans a read of this column
@@ -476,28 +429,30 @@ class _Column(torch.Tensor):
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return (
             f"<spillover.dcp column {self.col} of parameter "
-            f"{self.owner.names[self.index]!r}: {self.numel_} fp32>"
+            f"{self.owner.names[self.param]!r}: {self.numel_} fp32>"
         )
 
     # ---- save ----
 
     def _pieces(self) -> List[Tuple[int, int, int, int]]:
         """(global start, length, unit, start in unit) of the chunks this rank writes."""
-        space = self.save
-        if space is None:
+        units = self.save
+        if not units:
             return []
-        k = space.members.index(self.index)
-        p = space.params[k]
+        p = self.owner.params[self.param]
+        base = 0
         if _is_dtensor(p):
-            if not _dtensor_range(p)[2]:
+            base, _, writes = _dtensor_range(p)
+            if not writes:
                 return []
-        elif not space.sharded and not _replicated_writer():
+        elif not units[0].sharded and not _replicated_writer():
             return []
         out = []
         step = self.owner.piece
-        for ui, start, n in _spans(space, k):
+        for ui, unit in enumerate(units):
+            n = unit.length
             for s in range(0, n, step):
-                out.append((start + s, min(step, n - s), ui, s))
+                out.append((base + unit.start + s, min(step, n - s), ui, s))
         return out
 
     def __create_write_items__(self, fqn: str, obj: Any) -> List[Any]:
@@ -544,7 +499,7 @@ class _Column(torch.Tensor):
         else:
             for g, n, ui, s in self._pieces():
                 if g == at:
-                    cols = self.owner._unit_columns(self.save, ui)
+                    cols = self.owner._unit_columns(self.save[ui])
                     piece = cols[self.col][s : s + n].clone()  # own storage: freed once written
                     self.owner._served()
                     return piece
@@ -558,47 +513,37 @@ class _Column(torch.Tensor):
         return self._buf
 
 
-def _import_space(
-    space: Any, buffers: Dict[int, Dict[str, Tuple[torch.Tensor, int]]], names: List[str]
-) -> None:
-    """Set every unit of a new space from the load buffers (Note [loading])."""
-    addrs: Dict[str, List[int]] = {c: [] for c in space._names()}
-    keep: List[torch.Tensor] = []
-    for k, start, n, _ in space.units:
-        i = space.members[k]
-        got = buffers.get(i, {})
-        p = space.params[k]
-        gstart = (_dtensor_range(p)[0] if _is_dtensor(p) else 0) + start
-        for c in space._names():
-            if c in got:
-                buf, lo = got[c]
-            elif c == "master":
-                # A checkpoint without a master copy (written where the parameter was its own
-                # fp32 master): the master starts from the parameter, as load_state_dict does.
-                buf = _local(p).detach().reshape(-1)[start : start + n].float().contiguous()
-                lo = gstart
-                keep.append(buf)
-            else:
-                raise RuntimeError(
-                    f"spillover.dcp: nothing was read for {c} of parameter {names[i]!r}; the "
-                    "layout predicted at planning does not match OffloadAdamW's (a bug: please "
-                    "report it)"
-                )
-            if gstart < lo or gstart + n > lo + buf.numel():
-                raise RuntimeError(
-                    f"spillover.dcp: parameter {names[i]!r}: unit [{gstart}, {gstart + n}) is "
-                    f"outside the range read [{lo}, {lo + buf.numel()}); the predicted layout "
-                    "does not match OffloadAdamW's (a bug: please report it)"
-                )
-            addrs[c].append(buf.data_ptr() + 4 * (gstart - lo))
-    if not space.units:
-        return
-    recs = np.zeros(len(space.units), BUFFER_RECORD)
-    recs["unit"] = np.arange(len(space.units))
-    for c, a in addrs.items():
-        recs[c] = a
-    space.state.import_state(recs.tobytes())
-    del keep
+def _read_unit(
+    unit: StateUnit,
+    p: torch.Tensor,
+    buffers: Dict[int, Dict[str, Tuple[torch.Tensor, int]]],
+    names: List[str],
+) -> Dict[str, torch.Tensor]:
+    """A new unit's columns: views of the load buffers (Note [loading]). A master the
+    checkpoint does not have (written where the parameter was its own fp32 master) is left
+    out: it starts from the parameter, as load_state_dict does."""
+    got = buffers.get(unit.param, {})
+    n = unit.length
+    gstart = (_dtensor_range(p)[0] if _is_dtensor(p) else 0) + unit.start
+    out = {}
+    for c in unit.columns:
+        if c not in got:
+            if c == "master":
+                continue
+            raise RuntimeError(
+                f"spillover.dcp: nothing was read for {c} of parameter {names[unit.param]!r}; "
+                "the layout predicted at planning does not match OffloadAdamW's (a bug: please "
+                "report it)"
+            )
+        buf, lo = got[c]
+        if gstart < lo or gstart + n > lo + buf.numel():
+            raise RuntimeError(
+                f"spillover.dcp: parameter {names[unit.param]!r}: unit [{gstart}, {gstart + n}) "
+                f"is outside the range read [{lo}, {lo + buf.numel()}); the predicted layout "
+                "does not match OffloadAdamW's (a bug: please report it)"
+            )
+        out[c] = buf[gstart - lo : gstart - lo + n]
+    return out
 
 
 def _make_writer_class() -> type:

@@ -462,6 +462,21 @@ def test_lightning_matches_torch_adamw():
     assert st["steps_in_backward"] > 0 and st["steps_redone"] > 0
 
 
+def test_dcp_reads_the_master_update_in_backward_keeps():
+    """update_in_backward stages the gradients of fp32 CPU parameters, so their state keeps a
+    master copy (OffloadAdamW.keeps_master); a DCP load plans to read it, as a save writes it.
+    The default mode keeps none there."""
+    def planned(inbwd):
+        opt = spillover.OffloadAdamW(
+            make_model().parameters(), lr=1e-2, update_in_backward=inbwd, host_pool_bytes=POOL
+        )
+        return {frozenset(c) for c in spillover.dcp.optimizer_state(opt).state_dict()["state"]
+                .values()}
+
+    assert planned(True) == {frozenset({"master", "exp_avg", "exp_avg_sq"})}
+    assert planned(False) == {frozenset({"exp_avg", "exp_avg_sq"})}
+
+
 @pytest.mark.parametrize("resume_inbwd", [True, False], ids=["resume-inbwd", "resume-default"])
 def test_dcp_resume_matches_an_unbroken_run(resume_inbwd, tmp_path):
     """A torch.distributed.checkpoint save of an update_in_backward run (whose fp32 CPU

@@ -104,3 +104,22 @@ def _buckets(units: List[int], layout: List[Tuple[int, int, int, int]], elems: i
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in _DTYPES:
         raise TypeError(f"OffloadAdamW supports float32 and bfloat16 parameters, got {dtype}")
+
+
+def shard_layout(numels: List[int], world: int) -> Tuple[List[int], int, int]:
+    """Note [sharding] in sharded.py: each parameter's offset in the flat buffer of its
+    (dtype, device) (each padded to ``_ALIGN`` elements), the buffer's size (a multiple of
+    ``_ALIGN * world``) and the size of one rank's shard of it."""
+    offsets, at = [], 0
+    for n in numels:
+        offsets.append(at)
+        at += _round_up(n, _ALIGN)
+    total = _round_up(max(at, 1), _ALIGN * world)
+    return offsets, total, total // world
+
+
+def owned_range(offset: int, n: int, shard: int, rank: int) -> Tuple[int, int]:
+    """The elements [a, b) of a parameter at `offset` in the flat buffer (`n` elements) that
+    rank `rank` owns, as offsets in the flat buffer; empty (a >= b) when it owns none."""
+    lo, hi = rank * shard, (rank + 1) * shard
+    return max(offset, lo), min(offset + n, hi)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
-from .layout import _ALIGN, _round_up
+from .layout import owned_range, shard_layout
 
 
 class ShardedPath:
@@ -69,20 +69,11 @@ class ShardedPath:
     _wait_h2d: Callable[[int], None]
 
     def _layout_sharded(self, world: int, rank: int) -> None:
-        offs = []
-        at = 0
-        for n in self.numels:
-            offs.append(at)
-            at += _round_up(n, _ALIGN)
-        total = _round_up(max(at, 1), _ALIGN * world)
-        self.offsets = offs
-        self.total = total
-        self.shard = total // world
-        lo, hi = rank * self.shard, (rank + 1) * self.shard
-        for k, (off, n) in enumerate(zip(offs, self.numels)):
-            a, b = max(off, lo), min(off + n, hi)
+        self.offsets, self.total, self.shard = shard_layout(self.numels, world)
+        for k, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            a, b = owned_range(off, n, self.shard, rank)
             if a < b:
-                self._add_units(k, a - off, b - a, a - lo)
+                self._add_units(k, a - off, b - a, a - rank * self.shard)
 
     def _step_sharded(self, hyper: np.ndarray) -> np.ndarray:
         """Note [sharding]."""

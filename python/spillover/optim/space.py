@@ -62,7 +62,7 @@ class _Space(InBackward, StagedPath, ShardedPath):
         self.params = [opt._params[i] for i in members]
         self.sharded = opt._world > 1
         # update_in_backward stages CPU parameters too (Note [update in backward])
-        self.staged = device.type != "cpu" or opt._force_staging or opt._inbwd
+        self.staged = opt._stages(device)
         # CPU parameters staged for update_in_backward: the staged copy is in host memory next
         # to the gradient, so comparing the bytes is exact and cheaper than fingerprints
         # (Note [speculative update]); _force_staging keeps the GPU path's fingerprints.

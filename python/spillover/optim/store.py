@@ -39,7 +39,7 @@ Note [lazy state]
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -48,11 +48,14 @@ from .layout import (
     _ALIGN,
     _CUMULATIVE,
     _NVME_CHUNK_BYTES,
+    BUFFER_RECORD,
     _check_dtype,
     _float,
     _is_dtensor,
     _local,
     _round_up,
+    owned_range,
+    shard_layout,
 )
 from .space import _check_numel, _Space
 
@@ -119,7 +122,7 @@ class StateStore:
         need = 0
         for (dtype, device), n in kinds.items():
             n = -(-n // self._world) + _ALIGN if self._world > 1 else n
-            staged = device.type != "cpu" or self._force_staging or self._inbwd
+            staged = self._stages(device)
             cols = 3 if dtype != torch.float32 or staged else 2
             if self._tier == "host":
                 need += n * cols * 4
@@ -128,6 +131,11 @@ class StateStore:
             if staged:
                 need += 2 * n * torch.empty((), dtype=dtype).element_size()
         return need
+
+    def _stages(self, device: torch.device) -> bool:
+        """Whether the parameters on `device` take the staged path (Note [staged gradients]
+        in staged.py): on a device, or for update_in_backward (Note [update in backward])."""
+        return device.type != "cpu" or self._force_staging or self._inbwd
 
     def _index(self) -> None:
         """Global indices of the parameters, in group order. Parameters added by
@@ -231,3 +239,127 @@ class StateStore:
         self._add_spaces(members)
         for space in self._spaces[first:]:
             space.load({k: state[i] for k, i in enumerate(space.members)})
+
+    # ---- the state-store interface (spillover.dcp saves and loads through it) ----
+
+    def keeps_master(self, index: int) -> bool:
+        """Whether parameter `index` (in ``param_groups`` order) has, once it has state, an
+        fp32 master copy among its state (``"master"`` in its units' columns): when it is not
+        its own fp32 master (bf16, or on a device) or its gradients are staged
+        (``update_in_backward``)."""
+        lp = _local(self._params[index])
+        return lp.dtype != torch.float32 or self._stages(lp.device)
+
+    def has_state(self, index: int) -> bool:
+        """Whether parameter `index` has state now (Note [lazy state])."""
+        return bool(self._stateful[index])
+
+    def state_steps(self) -> Dict[int, float]:
+        """The step count of every parameter that took a step, by index."""
+        return {int(i): float(self._steps[i]) for i in np.nonzero(self._steps)[0]}
+
+    def state_units(self, what: str = "reading the optimizer's state") -> List[StateUnit]:
+        """The units of state this rank holds for the parameters that took a step, in
+        parameter and element order. Waits for the updates made during backward; refused
+        between such a backward and its ``step()`` (naming `what`)."""
+        self._settle(what)
+        out = [
+            StateUnit(space.members[k], start, n, space._names(), space.sharded, space, ui)
+            for space in self._spaces
+            for ui, (k, start, n, _) in enumerate(space.units)
+            if self._steps[space.members[k]] > 0
+        ]
+        return sorted(out, key=lambda u: (u.param, u.start))
+
+    def export_unit(self, unit: StateUnit) -> Dict[str, torch.Tensor]:
+        """The state of `unit` now: one new 1-D fp32 tensor of ``unit.length`` per column."""
+        cols = {c: torch.empty(unit.length, dtype=torch.float32) for c in unit.columns}
+        rec = np.zeros(1, BUFFER_RECORD)
+        rec["unit"] = unit._row
+        for c, t in cols.items():
+            rec[c] = t.data_ptr()
+        unit._space.state.export_state(rec.tobytes())
+        return cols
+
+    def owned_ranges(self, members: List[int]) -> Dict[int, Tuple[int, int]]:
+        """{index: (start, end)} of each flattened local parameter (a DTensor's local shard)
+        this rank will hold the state of once exactly `members` have state (Note [sharding]
+        in sharded.py); a parameter of which it holds nothing is left out."""
+        out: Dict[int, Tuple[int, int]] = {}
+        if self._world == 1:
+            for i in members:
+                n = _local(self._params[i]).numel()
+                if n:
+                    out[i] = (0, n)
+            return out
+        for idx in self._kinds(members).values():
+            numels = [_local(self._params[i]).numel() for i in idx]
+            offsets, _, shard = shard_layout(numels, self._world)
+            for i, off, n in zip(idx, offsets, numels):
+                a, b = owned_range(off, n, shard, self._rank)
+                if a < b:
+                    out[i] = (a - off, b - off)
+        return out
+
+    def import_state(
+        self, steps: Dict[int, float], read: Callable[[StateUnit], Dict[str, torch.Tensor]]
+    ) -> None:
+        """Replace all state by state for exactly the parameters in `steps` (index: step
+        count), laid out as ``owned_ranges`` says; each new unit's columns are ``read(unit)``:
+        1-D fp32 CPU tensors of ``unit.length`` (a missing ``"master"`` starts from the
+        parameter)."""
+        self._drop_spaces()
+        self._steps[:] = 0
+        for i, s in steps.items():
+            self._steps[i] = s
+        first = len(self._spaces)
+        self._add_spaces(sorted(steps))
+        for space in self._spaces[first:]:
+            if not space.units:
+                continue
+            recs = np.zeros(len(space.units), BUFFER_RECORD)
+            recs["unit"] = np.arange(len(space.units))
+            keep = []
+            for ui, (k, start, n, _) in enumerate(space.units):
+                unit = StateUnit(
+                    space.members[k], start, n, space._names(), space.sharded, space, ui
+                )
+                cols = read(unit)
+                for c in unit.columns:
+                    t = cols.get(c)
+                    if t is None and c == "master":
+                        flat = _local(space.params[k]).detach().reshape(-1)
+                        t = flat[start : start + n].to(device="cpu")
+                    if t is None or t.numel() != n:
+                        raise ValueError(
+                            f"OffloadAdamW.import_state: no {n} elements of {c} for parameter "
+                            f"{unit.param} [{start}, {start + n})"
+                        )
+                    t = t.to(dtype=torch.float32).contiguous()
+                    keep.append(t)
+                    recs[c][ui] = t.data_ptr()
+            space.state.import_state(recs.tobytes())
+            del keep
+
+
+class StateUnit:
+    """One unit of the state one rank holds (the state-store interface): elements
+    [start, start + length) of the flattened local tensor of parameter `param` (index in
+    ``param_groups`` order), its `columns` (``"master"`` when kept, ``"exp_avg"``,
+    ``"exp_avg_sq"``), and whether it is this rank's part of a ZeRO-sharded layout (no other
+    rank holds it) or a replica (every rank holds the same)."""
+
+    __slots__ = ("param", "start", "length", "columns", "sharded", "_space", "_row")
+
+    def __init__(
+        self,
+        param: int,
+        start: int,
+        length: int,
+        columns: Tuple[str, ...],
+        sharded: bool,
+        space: Any,
+        row: int,
+    ):
+        self.param, self.start, self.length, self.columns = param, start, length, columns
+        self.sharded, self._space, self._row = sharded, space, row
