@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 
-import numpy as np
 import pytest
 import torch
 from _ranks import run_ranks
@@ -232,6 +231,30 @@ def test_non_contiguous_parameter_and_staged_grads_after_clipping():
     assert_params(plain, ref, exact=FMA)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_shard_layout_gives_every_element_to_one_rank(world):
+    """Note [sharding]: over the ranks' owned ranges, every element of every parameter is owned
+    once, by the rank whose shard holds it; offsets start on _ALIGN (the layout the sharded
+    space uses and OffloadAdamW.owned_ranges predicts for a DCP load)."""
+    import random
+
+    from spillover.optim.layout import _ALIGN, owned_range, shard_layout
+
+    rng = random.Random(world)
+    numels = [rng.choice([0, 1, 15, 16, 17, rng.randrange(200)]) for _ in range(30)]
+    offsets, total, shard = shard_layout(numels, world)
+    assert total == shard * world and total % (_ALIGN * world) == 0
+    for off, n in zip(offsets, numels):
+        assert off % _ALIGN == 0
+        owned = []
+        for r in range(world):
+            a, b = owned_range(off, n, shard, r)
+            if a < b:
+                assert r * shard <= a and b <= (r + 1) * shard
+                owned.extend(range(a, b))
+        assert owned == list(range(off, off + n))
+
+
 def test_staged_path_splits_large_parameters(monkeypatch):
     """On the staged (GPU) path parameters larger than a staging unit are split into pieces
     and buckets; the result and the checkpoint are unchanged."""
@@ -450,4 +473,4 @@ def test_cuda_parameters_match_torch(dtype):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, **tol)
-    assert np.all(opt._steps == 20)
+    assert opt.state_steps() == {i: 20.0 for i in range(len(list(ours.parameters())))}

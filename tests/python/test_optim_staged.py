@@ -183,7 +183,7 @@ def test_unchanged_staged_gradients_are_reused():
     _train_with_edit(ref, ropt, lambda m, s: None)
     assert_params(ours, ref)
     st = opt.stats()
-    n_units = len(opt._spaces[0].units)
+    n_units = len(opt.state_units())
     assert st["grad_copies"] == 6 * n_units and st["grad_stale_copies"] == 0
     nbytes = sum(p.numel() * 4 for p in ours.parameters())
     assert st["grad_bytes_copied"] == 6 * nbytes
@@ -215,7 +215,7 @@ def test_accumulation_copies_once_per_step():
     _train_accumulating(ours, opt, [4] * 5, lambda s: copies.append(opt.stats()["grad_copies"]))
     _train_accumulating(ref, ropt, [4] * 5)
     assert_params(ours, ref)
-    n_units = len(opt._spaces[0].units)
+    n_units = len(opt.state_units())
     per_step = np.diff([0] + copies).tolist()
     assert per_step == [n_units, 4 * n_units] + [n_units] * 3, per_step
     assert opt.stats()["grad_stale_copies"] == 0
@@ -336,7 +336,7 @@ def test_cuda_accumulation_and_data_writes():
     torch.cuda.synchronize()
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    n_units = len(opt._spaces[0].units)
+    n_units = len(opt.state_units())
     per_step = np.diff([0] + copies).tolist()
     assert per_step[2:] == [n_units, 2 * n_units, n_units, 2 * n_units], per_step
     assert opt.stats()["grad_stale_copies"] == 2 * n_units
