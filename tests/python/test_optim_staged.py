@@ -296,6 +296,73 @@ def test_gradients_set_by_hand_step_in_parameter_order(monkeypatch):
     assert_params(ours, ref)
 
 
+# ---- the copies' stream rule (Note [optimizer copies]) ----
+
+
+class _RecordingDevice:
+    """The CudaDevice calls the optimizer's copies make, in order; copies run at once."""
+
+    def __init__(self):
+        self.log = []
+
+    def current_stream(self):
+        return "compute"
+
+    def record(self, stream):
+        self.log.append(("record", stream))
+        return f"event on {stream}"
+
+    def wait(self, stream, ev):
+        self.log.append(("wait", stream, ev))
+
+    def copy(self, dst, src, stream):
+        self.log.append(("copy", stream))
+        dst.copy_(src)
+
+    def record_stream(self, storage, stream):
+        self.log.append(("record_stream", storage.data_ptr(), stream))
+
+    def synchronize(self, ev):
+        self.log.append(("synchronize", ev))
+
+
+def test_copies_follow_the_optimizer_stream_rule():
+    """Note [optimizer copies], on a device that records activations/link/cuda.py's CudaDevice
+    calls: a D2H copy is ordered after the compute stream and passes its source (the user's
+    gradient) to record_stream; an H2D copy is ordered after the compute stream, the compute
+    stream waits for it, and its source (the optimizer's own buffer) is not recorded."""
+    from spillover.activations.link.cuda import CudaDevice
+    from spillover.optim.copies import _Copies
+
+    for name in ("current_stream", "record", "wait", "copy", "record_stream", "synchronize"):
+        assert callable(getattr(CudaDevice, name)), name  # the fake has CudaDevice's calls
+    copies = _Copies(torch.device("cpu"))
+    dev = _RecordingDevice()
+    copies.dev, copies.d2h, copies.h2d = dev, "d2h", "h2d"
+    grad, staged = torch.randn(5), torch.empty(5)
+    copies.wait(copies.to_host(staged, grad))
+    assert torch.equal(staged, grad)
+    assert dev.log == [
+        ("record", "compute"),
+        ("wait", "d2h", "event on compute"),
+        ("copy", "d2h"),
+        ("record", "d2h"),
+        ("record_stream", grad.untyped_storage().data_ptr(), "d2h"),
+        ("synchronize", "event on d2h"),
+    ]
+    dev.log.clear()
+    param = torch.empty(5)
+    copies.to_device(param, staged)
+    assert torch.equal(param, grad)
+    assert dev.log == [
+        ("record", "compute"),
+        ("wait", "h2d", "event on compute"),
+        ("copy", "h2d"),
+        ("record", "h2d"),
+        ("wait", "compute", "event on h2d"),
+    ]
+
+
 # ---- on a GPU: the same, through CUDA streams and events ----
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,52 +1,81 @@
-"""The optimizer's device <-> host copies (Note [optimizer copies])."""
+"""The optimizer's device <-> host copies, on the activation link's CUDA primitives.
+
+Note [optimizer copies]
+    Streams, events, a copy on a stream and ``record_stream`` are those of
+    ``activations/link/cuda.py`` (``CudaDevice``), the one place that drives ``torch.cuda`` for
+    copies. What differs from the activation path is the rule for a copy's source. There
+    (Note [source lifetime] in activations/link/policy.py) a source is never passed to
+    ``record_stream``: it is held until its copy lands or the compute stream waits on it,
+    because forward's activations are many, are to be freed as early as possible, and bytes the
+    allocator keeps back for another stream would be invisible to the link's cap. Here:
+
+    - D2H (``to_host``, ``stage``: a gradient into a staging buffer, a parameter into an output
+      buffer for its first master copy): the copy stream waits on an event of the compute
+      stream (the source's producer), and the source is passed to ``record_stream``. The
+      source is the user's gradient, which the optimizer does not own and cannot hold:
+      ``zero_grad(set_to_none=True)``, a step GradScaler skips or an abandoned backward drops
+      it while its copy may still be queued. What ``record_stream`` keeps back is bounded by
+      one step's gradients, resident through backward anyway, and every copy is waited for
+      (its event synchronized) before ``step()`` reads its buffer or ``close()`` frees it.
+    - H2D (``to_device``: parameters back from an output buffer): the copy stream waits for
+      the compute stream (kernels queued before may still read the parameter) and the compute
+      stream for the copy, so the next forward sees the new values without a host wait (Note
+      [staged gradients] in staged.py). The source is a pinned buffer the optimizer owns and
+      does not overwrite before the copy's event has been synchronized (``_wait_h2d``):
+      nothing is recorded.
+    - The staged copy's fingerprint kernels run on the D2H stream too (Note [gradient
+      fingerprint] in fingerprint.py).
+
+    On CPU (parameters on the host with ``update_in_backward``, and the tests'
+    ``_force_staging``) every copy is a synchronous ``copy_`` and every event None.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ..activations.link.cuda import CudaDevice
 from . import fingerprint as _fp
 
 
 class _Copies:
-    """Device <-> pinned host copies for the staged path; synchronous on CPU (tests)."""
+    """Device <-> pinned host copies for the staged path (Note [optimizer copies])."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
+        self.dev: Optional[CudaDevice] = None
+        if device.type == "cuda":
+            self.dev = CudaDevice(device)
+            self.d2h = self.dev.new_stream()
+            self.h2d = self.dev.new_stream()
             _fp._fp_weights(device)  # made here, on the compute stream, before any use
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        if not self.cuda:
+        """Start copying `src` (device) into `dst` (pinned host); its event."""
+        dev = self.dev
+        if dev is None:
             dst.copy_(src)
             return None
-        # The producer of `src` is the compute stream; the caching allocator must not reuse
-        # `src` (zero_grad may free it) before this stream has read it.
-        self.d2h.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        src.record_stream(self.d2h)
+        dev.wait(self.d2h, dev.record(dev.current_stream()))  # after src's producer
+        dev.copy(dst, src, self.d2h)
+        ev = dev.record(self.d2h)
+        dev.record_stream(src.untyped_storage(), self.d2h)  # Note [optimizer copies]
         return ev
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Copy `src` (host) into `dst` (device): the copy waits for the compute stream and the
         compute stream for the copy (on the main thread, at ``step()``)."""
-        if not self.cuda:
+        dev = self.dev
+        if dev is None:
             dst.copy_(src)
             return None
-        compute = torch.cuda.current_stream(dst.device)
-        self.h2d.wait_stream(compute)  # kernels queued before may still read the parameter
-        with torch.cuda.stream(self.h2d):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        compute.wait_event(ev)  # Note [staged gradients]: the next forward sees new values
+        compute = dev.current_stream()
+        dev.wait(self.h2d, dev.record(compute))  # kernels queued before may read the parameter
+        dev.copy(dst, src, self.h2d)
+        ev = dev.record(self.h2d)
+        dev.wait(compute, ev)  # Note [staged gradients]: the next forward sees new values
         return ev
 
     def stage(
@@ -57,9 +86,10 @@ class _Copies:
         fingerprint chunk each, and each snapshot's sums into the host tensor `fp_dst`, so the
         staged bytes and the fingerprint are of the same bytes even if `src` is written while
         the copy runs. Returns one event per unit and one after the fingerprint."""
-        if self.cuda:
-            self.d2h.wait_stream(torch.cuda.current_stream(src.device))
-            ctx: Any = torch.cuda.stream(self.d2h)
+        dev = self.dev
+        if dev is not None:
+            dev.wait(self.d2h, dev.record(dev.current_stream()))
+            ctx: Any = torch.cuda.stream(self.d2h)  # the fingerprint's kernels run there too
         else:
             ctx = contextlib.nullcontext()
         esize = src.element_size()
@@ -90,18 +120,14 @@ class _Copies:
                 parts.append(torch.zeros(2, dtype=torch.int64, device=src.device))
             fp_dst.copy_(torch.stack(parts), non_blocking=True)
             fp_event = self._record()
-        if self.cuda:
-            src.record_stream(self.d2h)
+        if dev is not None:
+            dev.record_stream(src.untyped_storage(), self.d2h)  # Note [optimizer copies]
         return events, fp_event
 
     def _record(self) -> Any:
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
+        return None if self.dev is None else self.dev.record(self.d2h)
 
-    @staticmethod
-    def wait(ev: Any) -> None:
-        if ev is not None:
-            ev.synchronize()
+    def wait(self, ev: Any) -> None:
+        """Block the host until the copy of event `ev` has landed (None: it has)."""
+        if ev is not None and self.dev is not None:
+            self.dev.synchronize(ev)
