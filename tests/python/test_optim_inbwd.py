@@ -107,7 +107,7 @@ def test_updates_start_before_backward_returns(monkeypatch):
     opt = offload(model.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     last_done = threading.Event()
-    original = so._Space._update_bucket
+    original = so.staged.StagedSpace._update_bucket
     last_param = model[2].weight
 
     def spy(self, b, *args):
@@ -115,7 +115,7 @@ def test_updates_start_before_backward_returns(monkeypatch):
         if any(self.params[k] is last_param for k in self.bucket_members[b]):
             last_done.set()
 
-    monkeypatch.setattr(so._Space, "_update_bucket", spy)
+    monkeypatch.setattr(so.staged.StagedSpace, "_update_bucket", spy)
     seen, wait = [], [0.0]
     model[0].weight.register_post_accumulate_grad_hook(
         lambda _p: seen.append(last_done.wait(timeout=wait[0]))
@@ -163,9 +163,11 @@ def test_second_backward_undoes_from_the_hook(monkeypatch, slow):
     between saw the parameters as they were (they are written only at step()), so the result
     equals torch's AdamW on the accumulated gradients."""
     if slow:
-        update = so._Space._update_bucket
+        update = so.staged.StagedSpace._update_bucket
         monkeypatch.setattr(
-            so._Space, "_update_bucket", lambda self, *a: (time.sleep(0.3), update(self, *a))
+            so.staged.StagedSpace,
+            "_update_bucket",
+            lambda self, *a: (time.sleep(0.3), update(self, *a)),
         )
     model, opt, x, y = mid_step()
     ref = make_model()
@@ -259,7 +261,7 @@ def test_worker_exception_surfaces_at_step(monkeypatch):
     def boom(self, *args):
         raise OSError("injected")
 
-    monkeypatch.setattr(so._Space, "_update_bucket", boom)
+    monkeypatch.setattr(so.staged.StagedSpace, "_update_bucket", boom)
     x, y = data(1)
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()

@@ -28,11 +28,12 @@ Where the state lives
 The package
     ``adamw.py``: the ``torch.optim.Optimizer`` facade (Note [GradScaler]). ``store.py``: which
     parameters have state, in which state spaces, on which rank (Note [lazy state], Note
-    [collectives at exit]). ``space.py``: a state space, the state of the parameters of one
-    (dtype, device) (Note [cpu parameters in place]), with its two paths mixed in:
-    ``staged.py`` (Note [staged gradients], [gradient accumulation], [step in arrival order])
-    and ``sharded.py`` (Note [sharding]); ``inbwd.py``: updates during backward (Note [update in
-    backward], [speculative update]). ``fingerprint.py`` (Note [gradient fingerprint]),
+    [collectives at exit]). A state space holds the state of the parameters of one (dtype,
+    device), one type per strategy: ``space.py`` the base and ``DirectSpace`` (Note [cpu
+    parameters in place]), ``staged.py`` ``StagedSpace`` (Note [staged gradients], [gradient
+    accumulation], [step in arrival order]) with ``inbwd.py`` mixed in (updates during
+    backward: Note [update in backward], [speculative update]), ``sharded.py``
+    ``ShardedSpace`` (Note [sharding]). ``fingerprint.py`` (Note [gradient fingerprint]),
     ``copies.py`` (the device copies), ``layout.py`` (records, sizes, counters: defined once).
 """
 

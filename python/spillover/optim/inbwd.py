@@ -106,10 +106,10 @@ _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class InBackward:
-    """The in-backward half of ``space._Space`` (mixed in; uses its buffers, state, hooks and
-    lock): Note [update in backward], Note [speculative update]."""
+    """The in-backward half of ``staged.StagedSpace`` (mixed in; uses its buffers, state, hooks
+    and lock): Note [update in backward], Note [speculative update]."""
 
-    # What _Space provides: the bookkeeping this mixin reads and writes, and its methods.
+    # What StagedSpace provides: the bookkeeping this mixin reads and writes, and its methods.
     opt: Any
     lock: Any
     state: Any

@@ -34,41 +34,64 @@ Note [sharding]
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Dict
 
 import numpy as np
 import torch
 
 from .layout import owned_range, shard_layout
+from .space import _Space
 
 
-class ShardedPath:
-    """The sharded half of ``space._Space`` (mixed in): the layout of rank r's shard and
-    ``step()`` over it (Note [sharding])."""
+class ShardedSpace(_Space):
+    """Rank r's shard of the parameters of one (dtype, device) under ZeRO (Note [sharding]):
+    flat device buffers of every parameter, the units of the shard this rank owns; on a
+    device, staged through pinned buckets at ``step()`` (no hooks)."""
 
-    # What _Space provides (space.py): its layout, buffers and bookkeeping, and its methods.
-    opt: Any
-    device: torch.device
-    members: List[int]
-    params: List[torch.Tensor]
-    numels: List[int]
-    units: List[Tuple[int, int, int, int]]
-    staged: bool
-    buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]]
-    copies: Any
-    state: Any
-    h2d_events: Dict[int, List[Any]]
-    flat_grad: torch.Tensor
-    flat_param: torch.Tensor
-    grad_shard: torch.Tensor
-    param_shard: torch.Tensor
-    _add_units: Callable[[int, int, int, int], None]
-    _check: Callable[[torch.Tensor], None]
-    _fill_hyper: Callable[..., None]
-    _flat_records: Callable[[np.ndarray], bytes]
-    _wait_h2d: Callable[[int], None]
+    def _alloc_buffers(self) -> None:
+        opt, dev, dt = self.opt, self.device, self.dtype
+        self.flat_grad = torch.zeros(self.total, dtype=dt, device=dev)
+        self.flat_param = torch.empty(self.total, dtype=dt, device=dev)
+        lo = opt._rank * self.shard
+        self.grad_shard = (
+            torch.empty(self.shard, dtype=dt, device=dev)
+            if opt._reduce_grads
+            else self.flat_grad[lo : lo + self.shard]
+        )
+        self.param_shard = torch.empty(self.shard, dtype=dt, device=dev)
+        super()._alloc_buffers()
+        if not self.staged:  # the kernel works on the CPU shard buffers directly
+            at = np.array([u[3] for u in self.units], dtype=np.uint64) * np.uint64(self.esize)
+            self.grad_addr[:] = np.uint64(self.grad_shard.data_ptr()) + at
+            self.out_addr[:] = np.uint64(self.param_shard.data_ptr()) + at
 
-    def _layout_sharded(self, world: int, rank: int) -> None:
+    def step(self, hyper: np.ndarray) -> np.ndarray:
+        return self._step_sharded(hyper)
+
+    def export(self, steps: np.ndarray) -> Dict[int, Dict[str, torch.Tensor]]:
+        """Full state of every member with state, gathered from every rank."""
+        has_state = [steps[i] > 0 for i in self.members]
+        rows = [ui for ui, u in enumerate(self.units) if has_state[u[0]]]
+        out: Dict[int, Dict[str, torch.Tensor]] = {}
+        import torch.distributed as dist
+
+        shard = {n: torch.zeros(self.shard, dtype=torch.float32) for n in self._names()}
+        self._export_rows(rows, lambda ui, n: shard[n][self.units[ui][3] :].data_ptr())
+        for name in self._names():
+            full = torch.empty(self.total, dtype=torch.float32)
+            part = shard[name]
+            if self.device.type != "cpu":  # nccl gathers device tensors
+                part, full = part.to(self.device), full.to(self.device)
+            self.opt._collective(dist.all_gather_into_tensor, full, part)
+            full = full.cpu()
+            for k, p in enumerate(self.params):
+                if has_state[k]:
+                    off, n = self.offsets[k], self.numels[k]
+                    out.setdefault(k, {})[name] = full[off : off + n].clone().view(p.shape)
+        return out
+
+    def _layout(self) -> None:
+        world, rank = self.opt._world, self.opt._rank
         self.offsets, self.total, self.shard = shard_layout(self.numels, world)
         for k, (off, n) in enumerate(zip(self.offsets, self.numels)):
             a, b = owned_range(off, n, self.shard, rank)

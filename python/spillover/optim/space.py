@@ -9,9 +9,8 @@ Note [cpu parameters in place]
 
 from __future__ import annotations
 
-import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -21,10 +20,8 @@ from ..errors import PoolExhaustedError
 from ..transfer import block_tensor
 from . import layout as _layout
 from .copies import _Copies
-from .fingerprint import _fp_chunks
-from .inbwd import INBWD_STATS, InBackward
+from .inbwd import INBWD_STATS
 from .layout import (
-    _ALIGN,
     _DTYPES,
     _GRAD_BF16,
     _GRAD_STATS,
@@ -38,19 +35,33 @@ from .layout import (
     _bf16_flag,
     _buckets,
     _local,
-    _round_up,
 )
-from .sharded import ShardedPath
-from .staged import StagedPath, _Staged
 
 if TYPE_CHECKING:
     from .store import StateStore
 
 
-class _Space(InBackward, StagedPath, ShardedPath):
+class _Space:
     """The state of the parameters of one (dtype, device): a native AdamState over *units*
     (whole parameters, the parts of them this rank owns, or — on the staged path — pieces of
-    at most ``_UNIT_MAX`` elements, so every staging buffer fits a pool block)."""
+    at most ``_UNIT_MAX`` elements, so every staging buffer fits a pool block). The base of
+    one type per strategy, which ``StateStore`` picks: :class:`DirectSpace` (CPU parameters,
+    one rank: Note [cpu parameters in place]), ``staged.StagedSpace`` (parameters on a device
+    or ``update_in_backward``: Note [staged gradients]) and ``sharded.ShardedSpace`` (ZeRO:
+    Note [sharding])."""
+
+    # Set in __init__ and _alloc_buffers; declared for inbwd.InBackward's sake (mixed in).
+    state: Any
+    copies: Any
+    counters: Dict[str, int]
+    fired: np.ndarray
+    expect: np.ndarray
+    inited: np.ndarray
+    unit_global: np.ndarray
+    bucket_members: List[List[int]]
+    compare_bytes: bool
+    inbwd: bool
+    last_round: Tuple[int, int]
 
     def __init__(
         self, opt: StateStore, dtype: torch.dtype, device: torch.device, members: List[int]
@@ -72,15 +83,7 @@ class _Space(InBackward, StagedPath, ShardedPath):
         self.numels = [_local(p).numel() for p in self.params]
         # units: (member position, start in the parameter, length, offset in the flat buffers)
         self.units: List[Tuple[int, int, int, int]] = []
-        if self.sharded:
-            self._layout_sharded(opt._world, opt._rank)
-        elif self.staged:
-            at = 0
-            for k, n in enumerate(self.numels):
-                self._add_units(k, 0, n, at)
-                at += _round_up(n, _ALIGN)
-        else:
-            self.units = [(k, 0, n, -1) for k, n in enumerate(self.numels)]
+        self._layout()
         self.unit_global = np.array([members[u[0]] for u in self.units], dtype=np.int64)
         self.units_of: Dict[int, List[int]] = {}
         for ui, u in enumerate(self.units):
@@ -102,41 +105,32 @@ class _Space(InBackward, StagedPath, ShardedPath):
         # Note [staged gradients]: per bucket, the copies of the last step's parameters back to
         # the device (they read its output buffer); per member, the copy the hooks staged.
         self.h2d_events: Dict[int, List[Any]] = {}
-        self.staged_grads: Dict[int, _Staged] = {}
+        self.staged_grads: Dict[int, Any] = {}  # staged._Staged
         self.fired = np.zeros(len(self.params), dtype=np.int64)  # hook calls this step
         self.expect = np.zeros(len(self.params), dtype=np.int64)  # ... last step (0: unknown)
         self.arrival: Dict[int, int] = {}  # member -> sequence number of its staging this step
         self.seq = 0
         self.order: List[int] = []  # buckets in the order the last step processed them
         self.counters = {k: 0 for k in _GRAD_STATS + INBWD_STATS}
-        # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
+        # Note [update in backward] (StagedSpace): whether this space updates in backward,
+        # the undo copy on the swap files, the last step's buckets kept and redone.
         self.inbwd = bool(opt._inbwd) and self.staged and not self.sharded
-        self.lock = threading.Lock()
-        self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
-        self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
-        self.undo_state: Any = None  # ... and on the NVMe tier, the copy on the swap files
-        self.last_round = (0, 0)  # the last step's buckets kept, redone
-        self._new_round()
+        self.undo_state: Any = None
+        self.last_round = (0, 0)
         self._alloc_buffers()
         self.state = self._make_state([u[2] for u in self.units])
-        if self.staged and not self.sharded:
-            self.buckets_of: Dict[int, List[int]] = {}
-            for b, members in enumerate(self.bucket_members):
-                for k in members:
-                    self.buckets_of.setdefault(k, []).append(b)
-            self.inited = np.zeros(len(self.units), dtype=bool)
-            self._register_hooks()
+
+    def _layout(self) -> None:
+        """Fill ``self.units`` (a strategy's own)."""
+        raise NotImplementedError
 
     # ---- construction ----
 
     def _add_units(self, k: int, start: int, n: int, at: int) -> None:
-        """Units for elements [start, start + n) of member k at flat offset `at`; split on the
-        staged and sharded paths (pieces start on multiples of _UNIT_MAX, a multiple of 16), so
-        a staging buffer fits a pool block and a unit exported for a DCP save stays bounded
-        (Note [pieces, produced when asked] in dcp.py)."""
-        if not (self.staged or self.sharded):
-            self.units.append((k, start, n, at))
-            return
+        """Units for elements [start, start + n) of member k at flat offset `at` (staged and
+        sharded spaces), split into pieces that start on multiples of _UNIT_MAX (a multiple of
+        16), so a staging buffer fits a pool block and a unit exported for a DCP save stays
+        bounded (Note [pieces, produced when asked] in dcp.py)."""
         end = start + n
         while start < end:
             piece = min(end, (start // _layout._UNIT_MAX + 1) * _layout._UNIT_MAX) - start
@@ -145,28 +139,14 @@ class _Space(InBackward, StagedPath, ShardedPath):
             at += piece
 
     def _alloc_buffers(self) -> None:
-        """Flat device buffers (sharded) and pinned staging buffers (staged), and each unit's
-        gradient and output addresses in them (they never move)."""
+        """Pinned staging buffers (staged), and each unit's gradient and output addresses in
+        them (they never move)."""
         opt = self.opt
-        dev, dt = self.device, self.dtype
+        dev = self.device
         n_units = len(self.units)
         self.grad_addr = np.zeros(n_units, dtype=np.uint64)
         self.out_addr = np.zeros(n_units, dtype=np.uint64)
-        if self.sharded:
-            self.flat_grad = torch.zeros(self.total, dtype=dt, device=dev)
-            self.flat_param = torch.empty(self.total, dtype=dt, device=dev)
-            lo = opt._rank * self.shard
-            self.grad_shard = (
-                torch.empty(self.shard, dtype=dt, device=dev)
-                if opt._reduce_grads
-                else self.flat_grad[lo : lo + self.shard]
-            )
-            self.param_shard = torch.empty(self.shard, dtype=dt, device=dev)
         if not self.staged:
-            if self.sharded:  # the kernel works on the CPU shard buffers directly
-                at = np.array([u[3] for u in self.units], dtype=np.uint64) * np.uint64(self.esize)
-                self.grad_addr[:] = np.uint64(self.grad_shard.data_ptr()) + at
-                self.out_addr[:] = np.uint64(self.param_shard.data_ptr()) + at
             return
         if dev.type == "cuda":
             _runtime.register_with_cuda(opt._pool)
@@ -188,15 +168,6 @@ class _Space(InBackward, StagedPath, ShardedPath):
                 self.out_addr[ui] = self.out_view[ui].data_ptr()
         # Members with units in each bucket (a large parameter spans several buckets).
         self.bucket_members = [sorted({self.units[ui][0] for ui in b[0]}) for b in self.buckets]
-        if self.sharded:
-            return
-        # Note [gradient fingerprint]: the staged copies' fingerprints, one row per chunk.
-        counts = [_fp_chunks(n, self.dtype) for n in self.numels]
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.fp_rows = [(int(starts[k]), int(starts[k + 1])) for k in range(len(counts))]
-        self.fp_host = torch.zeros(
-            (int(starts[-1]), 2), dtype=torch.int64, pin_memory=dev.type == "cuda"
-        )
 
     def _pinned(self, n: int) -> torch.Tensor:
         opt = self.opt
@@ -255,13 +226,7 @@ class _Space(InBackward, StagedPath, ShardedPath):
     def step(self, hyper: np.ndarray) -> np.ndarray:
         """One step; returns the global indices of the parameters that were updated.
         `hyper`: per global parameter, lr, beta1, beta2, eps, weight_decay, grad_scale."""
-        if self.sharded:
-            return self._step_sharded(hyper)
-        if self.inbwd:
-            return self._step_inbwd(hyper)
-        if self.staged:
-            return self._step_staged(hyper)
-        return self._step_direct(hyper)
+        raise NotImplementedError
 
     def _fill_hyper(self, rows: np.ndarray, hyper: np.ndarray, scale: float = 1.0) -> None:
         """Hyper-parameters and step counts for the units in `rows`."""
@@ -290,53 +255,49 @@ class _Space(InBackward, StagedPath, ShardedPath):
                 "after moving or casting the model"
             )
 
-    def _step_direct(self, hyper: np.ndarray) -> np.ndarray:
-        """Note [cpu parameters in place]."""
-        rows: List[int] = []
-        grads: List[int] = []
-        flags: List[int] = []
-        params: List[int] = []
-        keep: List[torch.Tensor] = []
-        fixups: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for ui, p in enumerate(self.params):
-            g = p.grad
-            if g is None:
-                continue
-            p = _local(p)
-            g = _local(g)
-            self._check(p)
-            if g.is_sparse:
-                raise RuntimeError("OffloadAdamW does not support sparse gradients")
-            if g.device != p.device:
-                raise RuntimeError(f"gradient on {g.device} for a parameter on {p.device}")
-            if g.dtype not in _DTYPES:
-                g = g.to(p.dtype)
-            if not g.is_contiguous():
-                g = g.contiguous()
-            keep.append(g)
-            if not p.is_contiguous():
-                c = p.detach().contiguous()
-                fixups.append((p, c))
-                p = c
-            rows.append(ui)
-            grads.append(g.data_ptr())
-            params.append(p.data_ptr())
-            flags.append(_bf16_flag(g.dtype, _GRAD_BF16))
-        if not rows:
-            return np.zeros(0, dtype=np.int64)
-        idx = np.asarray(rows, dtype=np.int64)
-        rec = self.rec
-        rec["grad"][idx] = grads
-        rec["src"][idx] = params
-        rec["out"][idx] = params
-        pflags = _bf16_flag(self.dtype, _SRC_BF16 | _OUT_BF16)
-        rec["flags"][idx] = np.asarray(flags, dtype=np.uint64) | np.uint64(pflags)
-        self._fill_hyper(idx, hyper)
-        self.state.step(rec[idx].tobytes())
-        del keep
-        for p, c in fixups:
-            p.detach().copy_(c)
-        return self.unit_global[idx]
+    def end_without_step(self) -> None:
+        """End a step that updates nothing: the staged copies are dropped and the hooks'
+        counts are learnt."""
+        self.staged_grads = {}
+        self.end_step()
+
+    def end_step(self) -> None:
+        """Learn how many times each hook fires per step (Note [gradient accumulation]) and
+        start counting afresh; called after every step, skipped ones included."""
+        fired = self.fired > 0
+        self.expect[fired] = self.fired[fired]
+        self.fired[:] = 0
+        self.arrival = {}
+
+    def _wait_h2d(self, b: int) -> None:
+        """Bucket b's output buffer is about to be overwritten: its copies back must be done."""
+        for ev in self.h2d_events.pop(b, []):
+            self.copies.wait(ev)
+
+    # ---- updates during backward: none (StagedSpace mixes in inbwd.InBackward) ----
+
+    def _new_round(self) -> None:
+        pass
+
+    def join(self) -> Optional[BaseException]:
+        return None
+
+    def in_round(self) -> bool:
+        return False
+
+    def verify_round(self, hyper: np.ndarray) -> None:
+        pass
+
+    def invalidate_round(self) -> None:
+        pass
+
+    def skip_round(self) -> bool:
+        """A skipped step: nothing was updated in backward; whether anything was undone."""
+        self.end_without_step()
+        return False
+
+    def undo_bytes(self) -> Tuple[int, int]:
+        return 0, 0
 
     # ---- checkpoints ----
 
@@ -348,23 +309,6 @@ class _Space(InBackward, StagedPath, ShardedPath):
         has_state = [steps[i] > 0 for i in self.members]
         rows = [ui for ui, u in enumerate(self.units) if has_state[u[0]]]
         out: Dict[int, Dict[str, torch.Tensor]] = {}
-        if self.sharded:
-            import torch.distributed as dist
-
-            shard = {n: torch.zeros(self.shard, dtype=torch.float32) for n in self._names()}
-            self._export_rows(rows, lambda ui, n: shard[n][self.units[ui][3] :].data_ptr())
-            for name in self._names():
-                full = torch.empty(self.total, dtype=torch.float32)
-                part = shard[name]
-                if self.device.type != "cpu":  # nccl gathers device tensors
-                    part, full = part.to(self.device), full.to(self.device)
-                self.opt._collective(dist.all_gather_into_tensor, full, part)
-                full = full.cpu()
-                for k, p in enumerate(self.params):
-                    if has_state[k]:
-                        off, n = self.offsets[k], self.numels[k]
-                        out.setdefault(k, {})[name] = full[off : off + n].clone().view(p.shape)
-            return out
         for k, p in enumerate(self.params):
             if has_state[k]:
                 shape = _local(p).shape
@@ -415,6 +359,62 @@ class _Space(InBackward, StagedPath, ShardedPath):
         if hasattr(self, "inited"):  # Note [update in backward]: loaded units can update then
             self.inited = np.asarray(self.state.initialized(), dtype=bool)
 
+
+
+class DirectSpace(_Space):
+    """CPU parameters, one rank, not staged: the kernel updates them in place (Note [cpu
+    parameters in place]); a unit is a whole parameter."""
+
+    def _layout(self) -> None:
+        self.units = [(k, 0, n, -1) for k, n in enumerate(self.numels)]
+
+    def step(self, hyper: np.ndarray) -> np.ndarray:
+        """Note [cpu parameters in place]."""
+        rows: List[int] = []
+        grads: List[int] = []
+        flags: List[int] = []
+        params: List[int] = []
+        keep: List[torch.Tensor] = []
+        fixups: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for ui, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            p = _local(p)
+            g = _local(g)
+            self._check(p)
+            if g.is_sparse:
+                raise RuntimeError("OffloadAdamW does not support sparse gradients")
+            if g.device != p.device:
+                raise RuntimeError(f"gradient on {g.device} for a parameter on {p.device}")
+            if g.dtype not in _DTYPES:
+                g = g.to(p.dtype)
+            if not g.is_contiguous():
+                g = g.contiguous()
+            keep.append(g)
+            if not p.is_contiguous():
+                c = p.detach().contiguous()
+                fixups.append((p, c))
+                p = c
+            rows.append(ui)
+            grads.append(g.data_ptr())
+            params.append(p.data_ptr())
+            flags.append(_bf16_flag(g.dtype, _GRAD_BF16))
+        if not rows:
+            return np.zeros(0, dtype=np.int64)
+        idx = np.asarray(rows, dtype=np.int64)
+        rec = self.rec
+        rec["grad"][idx] = grads
+        rec["src"][idx] = params
+        rec["out"][idx] = params
+        pflags = _bf16_flag(self.dtype, _SRC_BF16 | _OUT_BF16)
+        rec["flags"][idx] = np.asarray(flags, dtype=np.uint64) | np.uint64(pflags)
+        self._fill_hyper(idx, hyper)
+        self.state.step(rec[idx].tobytes())
+        del keep
+        for p, c in fixups:
+            p.detach().copy_(c)
+        return self.unit_global[idx]
 
 
 def _check_numel(t: Any, p: torch.Tensor, name: str) -> torch.Tensor:

@@ -70,14 +70,17 @@ Note [update in backward]
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
-from .fingerprint import _fingerprint_parts, _fp_combine
-from .layout import _local
+from .fingerprint import _fingerprint_parts, _fp_chunks, _fp_combine
+from .inbwd import InBackward
+from .layout import _ALIGN, _local, _round_up
+from .space import _Space
 
 
 class _Staged:
@@ -90,40 +93,48 @@ class _Staged:
         self.events, self.fp_event, self.grad, self.version = events, fp_event, grad, version
 
 
-class StagedPath:
-    """The staged half of ``space._Space`` (mixed in): the hooks that stage gradients, and
-    ``step()`` over the staging buffers (Note [staged gradients])."""
+class StagedSpace(InBackward, _Space):
+    """Parameters on a device, or ``update_in_backward``, one rank: hooks stage the gradients
+    into pinned buckets during backward, ``step()`` updates the buckets in arrival order and
+    copies the parameters back (Note [staged gradients]); units are at most ``_UNIT_MAX``
+    elements, so a staging buffer fits a pool block."""
 
-    # What _Space provides (space.py): its layout, buffers and bookkeeping, and its methods.
-    params: List[torch.Tensor]
-    dtype: torch.dtype
-    esize: int
-    units: List[Tuple[int, int, int, int]]
-    units_of: Dict[int, List[int]]
-    unit_global: np.ndarray
-    buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]]
-    bucket_members: List[List[int]]
-    grad_view: List[torch.Tensor]
-    out_view: List[torch.Tensor]
-    fp_rows: List[Tuple[int, int]]
-    fp_host: torch.Tensor
-    copies: Any
-    state: Any
-    hooks: List[Any]
-    h2d_events: Dict[int, List[Any]]
-    staged_grads: Dict[int, _Staged]
-    fired: np.ndarray
-    expect: np.ndarray
-    arrival: Dict[int, int]
-    seq: int
-    order: List[int]
-    counters: Dict[str, int]
-    inbwd: bool
-    compare_bytes: bool
-    _check: Callable[[torch.Tensor], None]
-    _fill_hyper: Callable[..., None]
-    _flat_records: Callable[[np.ndarray], bytes]
-    _stage_inbwd: Callable[[int, torch.Tensor], None]
+    def __init__(
+        self, opt: Any, dtype: torch.dtype, device: torch.device, members: List[int]
+    ):
+        # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
+        self.lock = threading.Lock()
+        self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
+        self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
+        self._new_round()
+        super().__init__(opt, dtype, device, members)
+        self.buckets_of: Dict[int, List[int]] = {}
+        for b, mine in enumerate(self.bucket_members):
+            for k in mine:
+                self.buckets_of.setdefault(k, []).append(b)
+        self.inited = np.zeros(len(self.units), dtype=bool)
+        self._register_hooks()
+
+    def _layout(self) -> None:
+        at = 0
+        for k, n in enumerate(self.numels):
+            self._add_units(k, 0, n, at)
+            at += _round_up(n, _ALIGN)
+
+    def _alloc_buffers(self) -> None:
+        super()._alloc_buffers()
+        # Note [gradient fingerprint]: the staged copies' fingerprints, one row per chunk.
+        counts = [_fp_chunks(n, self.dtype) for n in self.numels]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.fp_rows = [(int(starts[k]), int(starts[k + 1])) for k in range(len(counts))]
+        self.fp_host = torch.zeros(
+            (int(starts[-1]), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+        )
+
+    def step(self, hyper: np.ndarray) -> np.ndarray:
+        if self.inbwd:
+            return self._step_inbwd(hyper)
+        return self._step_staged(hyper)
 
     def _register_hooks(self) -> None:
         ref = weakref.ref(self)
@@ -193,30 +204,9 @@ class StagedPath:
         self.arrival[k] = self.seq  # the last staging counts: its copy lands last
         return True
 
-    # ---- updates during backward: inbwd.InBackward ----
-
     def _count(self, done: List[int]) -> np.ndarray:
         """Global indices of the parameters with units in `done`."""
         return np.unique(self.unit_global[np.asarray(done, dtype=np.int64)])
-
-    def end_without_step(self) -> None:
-        """End a step that updates nothing: the staged copies are dropped and the hooks'
-        counts are learnt."""
-        self.staged_grads = {}
-        self.end_step()
-
-    def end_step(self) -> None:
-        """Learn how many times each hook fires per step (Note [gradient accumulation]) and
-        start counting afresh; called after every step, skipped ones included."""
-        fired = self.fired > 0
-        self.expect[fired] = self.fired[fired]
-        self.fired[:] = 0
-        self.arrival = {}
-
-    def _wait_h2d(self, b: int) -> None:
-        """Bucket b's output buffer is about to be overwritten: its copies back must be done."""
-        for ev in self.h2d_events.pop(b, []):
-            self.copies.wait(ev)
 
     def _step_staged(self, hyper: np.ndarray, done: frozenset = frozenset()) -> np.ndarray:
         """One rank, parameters on a device: Note [staged gradients]. Buckets go in the order

@@ -57,7 +57,9 @@ from .layout import (
     owned_range,
     shard_layout,
 )
-from .space import _check_numel, _Space
+from .sharded import ShardedSpace
+from .space import DirectSpace, _check_numel, _Space
+from .staged import StagedSpace
 
 
 class StateStore:
@@ -158,7 +160,12 @@ class StateStore:
     def _add_spaces(self, members: List[int]) -> None:
         """New state spaces for `members` (global indices without state), one per kind."""
         for (dt, dev), idx in self._kinds(members).items():
-            self._spaces.append(_Space(self, dt, dev, idx))
+            kind = (
+                ShardedSpace
+                if self._world > 1
+                else StagedSpace if self._stages(dev) else DirectSpace
+            )
+            self._spaces.append(kind(self, dt, dev, idx))
             self._stateful[idx] = True
 
     def _kinds(self, members: List[int]) -> Dict[Tuple[torch.dtype, torch.device], List[int]]:
