@@ -330,36 +330,6 @@ class _Space:
             recs[name] = [addr(ui, name) for ui in rows]
         self.state.export_state(recs.tobytes())
 
-    def load(self, states: Dict[int, Dict[str, Any]]) -> None:
-        """Set the state of the members in `states` (full parameter shapes, any float dtype),
-        reset the others. A missing master starts from the parameter."""
-        flat: Dict[int, Dict[str, torch.Tensor]] = {}
-        for k, st in states.items():
-            p = self.params[k]
-            cols = {n: _flat_f32(st[n], p, n) for n in ("exp_avg", "exp_avg_sq")}
-            if self.master:
-                src = st.get("master")
-                cols["master"] = _flat_f32(src if src is not None else p, p, "master")
-            flat[k] = cols
-        rows = []
-        for ui, (k, _, _, _) in enumerate(self.units):
-            if k in flat:
-                rows.append(ui)
-            else:
-                self.state.reset(ui)
-        if rows:
-            recs = np.zeros(len(rows), BUFFER_RECORD)
-            recs["unit"] = rows
-            for name in self._names():
-                recs[name] = [
-                    flat[self.units[ui][0]][name].data_ptr() + 4 * self.units[ui][1] for ui in rows
-                ]
-            self.state.import_state(recs.tobytes())
-        del flat
-        if hasattr(self, "inited"):  # Note [update in backward]: loaded units can update then
-            self.inited = np.asarray(self.state.initialized(), dtype=bool)
-
-
 
 class DirectSpace(_Space):
     """CPU parameters, one rank, not staged: the kernel updates them in place (Note [cpu

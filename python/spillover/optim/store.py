@@ -58,7 +58,7 @@ from .layout import (
     shard_layout,
 )
 from .sharded import ShardedSpace
-from .space import DirectSpace, _check_numel, _Space
+from .space import DirectSpace, _flat_f32, _Space
 from .staged import StagedSpace
 
 
@@ -235,17 +235,16 @@ class StateStore:
         """Replace every space by new ones for the parameters `state` has (a positive step
         count) for (Note [lazy state]); the others have no state afterwards."""
         members = sorted(i for i, st in state.items() if _float(st.get("step", 0)) > 0)
+        flat: Dict[int, Dict[str, torch.Tensor]] = {}
         for i in members:  # refuse a bad checkpoint before dropping the state there is
-            for name in ("exp_avg", "exp_avg_sq"):
-                _check_numel(state[i][name], self._params[i], name)
-        self._drop_spaces()
-        self._steps[:] = 0
-        for i in members:
-            self._steps[i] = _float(state[i]["step"])
-        first = len(self._spaces)
-        self._add_spaces(members)
-        for space in self._spaces[first:]:
-            space.load({k: state[i] for k, i in enumerate(space.members)})
+            p = self._params[i]
+            flat[i] = {n: _flat_f32(state[i][n], p, n) for n in ("exp_avg", "exp_avg_sq")}
+            if state[i].get("master") is not None:  # else it starts from the parameter
+                flat[i]["master"] = _flat_f32(state[i]["master"], p, "master")
+        self.import_state(
+            {i: _float(state[i]["step"]) for i in members},
+            lambda u: {n: t[u.start : u.start + u.length] for n, t in flat[u.param].items()},
+        )
 
     # ---- the state-store interface (spillover.dcp saves and loads through it) ----
 
@@ -347,6 +346,8 @@ class StateStore:
                     recs[c][ui] = t.data_ptr()
             space.state.import_state(recs.tobytes())
             del keep
+            if isinstance(space, StagedSpace):  # Note [update in backward]: loaded units can
+                space.inited = np.asarray(space.state.initialized(), dtype=bool)  # update then
 
 
 class StateUnit:
