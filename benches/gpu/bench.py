@@ -46,8 +46,8 @@ with step() apart, and for the optimizers the time not hidden behind backward
 (their step minus forward + backward alone) and step()'s own wall time after backward
 returned; OffloadAdamW's gradient copies per step, stale copies (0 unless gradients change
 after backward), the gradient fingerprint's throughput on the device (Note [gradient
-fingerprint] in spillover/optim.py) and the largest parameter difference from torch's AdamW
-after the run (for each OffloadAdamW way).
+fingerprint] in spillover/optim/fingerprint.py) and the largest parameter difference from
+torch's AdamW after the run (for each OffloadAdamW way).
 
 Gradients: the fingerprints of a mode's steps must agree with each other, and with `none`'s.
 `none` is the control: when its own steps differ, the model's kernels are not deterministic on

@@ -7,7 +7,7 @@ the first round dropped).
 Rows: the default mode (the kernel updates each parameter in place at step()); update in
 backward with a clip limit that never applies (every update made during backward is kept); and
 one that always applies (every update is undone and redone at step(): Note [speculative update]
-in spillover/_inbwd.py). On a GPU host the mode overlaps the CPU update with the device's
+in spillover/optim/inbwd.py). On a GPU host the mode overlaps the CPU update with the device's
 backward; here backward and the update share the same cores, so this measures what the mode
 costs, not what it saves."""
 

@@ -19,7 +19,7 @@ measured in the same run by writing and reading the same bytes through a swap en
 same options (all writes, then all reads, 8 MiB requests, 8 in flight; the optimizer streams
 8 MiB chunks through 16 buffers, reads and writes interleaved).
 
-staged: the GPU path's staging (Note [staged gradients] in spillover/optim.py) on CPU tensors
+staged: the GPU path's staging (Note [staged gradients] in spillover/optim/staged.py) on CPU tensors
 (``_force_staging=True``): a backward whose hooks copy each gradient to staging buffers and
 fingerprint it, then ``step()``, which fingerprints the gradients again and reuses the copies —
 or copies again when a write through ``p.grad.data`` changed them — against the in-place CPU

@@ -4,7 +4,7 @@
 //! [`AdamState`] owns the state of a list of *units* (runs of elements: a parameter, or the
 //! part of one a rank owns) and applies torch's AdamW to them, given for each unit the address
 //! of its gradient and of the parameter it reads and writes. It knows nothing of torch: Python
-//! (`spillover/optim.py`) hands it addresses of tensors it keeps alive for the call.
+//! (`spillover/optim/`) hands it addresses of tensors it keeps alive for the call.
 //!
 //! State per element: `exp_avg`, `exp_avg_sq`, and — when the model's parameter is not itself
 //! the fp32 master (bf16 parameters, parameters on a GPU, sharded ranks) — the fp32 `master`.

@@ -1,4 +1,4 @@
-//! `AdamState` for Python: the Rust AdamW over host or NVMe state (`spillover/optim.py`).
+//! `AdamState` for Python: the Rust AdamW over host or NVMe state (`spillover/optim/`).
 //!
 //! The per-step work list crosses the boundary as one `bytes` of fixed-size little-endian
 //! records (built with numpy on the Python side), so a step with thousands of units costs one
