@@ -363,6 +363,52 @@ def test_copies_follow_the_optimizer_stream_rule():
     ]
 
 
+@pytest.mark.parametrize("inbwd", [False, True], ids=["staged", "update_in_backward"])
+def test_parameter_writes_are_ordered_before_the_user_reads(monkeypatch, inbwd):
+    """Note [parameter writes are ordered]: through a device that logs CudaDevice's calls,
+    when backward returns and when step() returns, every copy the optimizer queued into a
+    parameter is followed by the compute stream waiting on an event recorded after it, never by
+    a host synchronize standing in for it; backward itself writes no parameter; the parameters
+    equal the same run without the device. Steps: state made, kept, a write through
+    ``p.grad.data`` (redone / copied again), kept again."""
+    from _stream_log import StreamLog, unordered_writes
+
+    monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)
+    runs = []
+    for link in (StreamLog(), None):
+        model = make_model()
+        opt = offload(model.parameters(), lr=1e-2, update_in_backward=inbwd, _link=link)
+        storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+        for step in range(4):
+            x, y = data(step)
+            before = link.mark() if link else 0
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            if step == 2:
+                for p in model.parameters():
+                    p.grad.data.mul_(0.5)
+            if link is None:
+                opt.step()
+                continue
+            backward = link.mark()
+            writes = [e for e in link.log[before:backward] if e[0] == "copy" and e[2] in storages]
+            assert writes == [], "backward wrote a parameter"
+            assert unordered_writes(link.log, storages, backward) == []
+            opt.step()
+            done = link.mark()
+            writes = [e for e in link.log[backward:done] if e[0] == "copy" and e[2] in storages]
+            assert len(writes) >= len(storages), writes  # every parameter written this step
+            assert unordered_writes(link.log, storages, done) == [], step
+        runs.append((model, opt.stats()))
+    (logged, st), (plain, _) = runs
+    assert st["steps"] == 4
+    if inbwd:
+        assert st["steps_in_backward"] >= 1 and st["steps_redone"] >= 1, st
+    else:
+        assert st["grad_stale_copies"] >= 1, st
+    assert_params(logged, plain, exact=True)
+
+
 # ---- on a GPU: the same, through CUDA streams and events ----
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

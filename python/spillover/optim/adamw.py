@@ -124,6 +124,8 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         differentiable: bool = False,
         fused: Optional[bool] = None,
         _force_staging: bool = False,
+        _link: Any = None,
+        _hook_copies: bool = True,
         **config: Any,
     ):
         _check_hyper(lr, betas, eps, weight_decay, amsgrad)
@@ -140,6 +142,11 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         self._nvme_buffers = nvme_buffers
         self._reduce_grads = reduce_grads
         self._force_staging = _force_staging
+        # Tests and benchmarks: a CudaDevice stand-in for the staged copies of CPU tensors
+        # (Note [optimizer copies]), and whether the hooks stage gradients during backward
+        # (Note [staged gradients]; off: every gradient is copied by step()'s bucket pipeline).
+        self._link = _link
+        self._hook_copies = bool(_hook_copies)
         self._inbwd = bool(update_in_backward)
         if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
             raise ValueError(f"OffloadAdamW: max_grad_norm must be > 0, got {max_grad_norm}")

@@ -27,13 +27,29 @@ Note [optimizer copies]
       fingerprint] in fingerprint.py).
 
     On CPU (parameters on the host with ``update_in_backward``, and the tests'
-    ``_force_staging``) every copy is a synchronous ``copy_`` and every event None.
+    ``_force_staging``) every copy is a synchronous ``copy_`` and every event None, unless a
+    stand-in of ``CudaDevice`` is given (``OffloadAdamW(_link=...)``: the simulated device of
+    ``activations/link/sim.py`` in the benchmark, a recording device in the tests); every copy
+    then goes through it, the fingerprint's kernels run on the calling thread.
+
+Note [parameter writes are ordered]
+    Every write of a parameter the optimizer issues is an H2D copy from ``to_device``, and the
+    compute stream current at that call waits on the copy's event right after it is queued
+    (a ``wait_event``, not a host synchronize). Those calls are made only by ``step()`` on the
+    caller's thread: the update-in-backward worker and the hooks write state and staging
+    buffers, never a parameter (Note [update in backward] in inbwd.py). So when backward
+    returns nothing of the optimizer's writes a parameter, and when ``step()`` returns the
+    compute stream is ordered after every write it queued: an EMA update or a parameter norm
+    run between backward and ``step()`` reads the old values, one run after ``step()`` the new,
+    with no host wait. The sharded step's parameter all-gather and copies into the model run on
+    the compute stream after those waits. Guarded by test_optim_staged.py's recording-device
+    tests (staged, update in backward, sharded).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -44,12 +60,15 @@ from . import fingerprint as _fp
 class _Copies:
     """Device <-> pinned host copies for the staged path (Note [optimizer copies])."""
 
-    def __init__(self, device: torch.device):
-        self.dev: Optional[CudaDevice] = None
-        if device.type == "cuda":
+    def __init__(self, device: torch.device, link: Any = None):
+        """`link`: a stand-in of ``CudaDevice`` for CPU tensors (Note [optimizer copies])."""
+        self.dev: Any = link
+        if link is None and device.type == "cuda":
             self.dev = CudaDevice(device)
+        if self.dev is not None:
             self.d2h = self.dev.new_stream()
             self.h2d = self.dev.new_stream()
+        if device.type == "cuda":
             _fp._fp_weights(device)  # made here, on the compute stream, before any use
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
@@ -75,7 +94,7 @@ class _Copies:
         dev.wait(self.h2d, dev.record(compute))  # kernels queued before may read the parameter
         dev.copy(dst, src, self.h2d)
         ev = dev.record(self.h2d)
-        dev.wait(compute, ev)  # Note [staged gradients]: the next forward sees new values
+        dev.wait(compute, ev)  # Note [parameter writes are ordered]
         return ev
 
     def stage(
@@ -87,11 +106,11 @@ class _Copies:
         staged bytes and the fingerprint are of the same bytes even if `src` is written while
         the copy runs. Returns one event per unit and one after the fingerprint."""
         dev = self.dev
+        ctx: Any = contextlib.nullcontext()
         if dev is not None:
             dev.wait(self.d2h, dev.record(dev.current_stream()))
-            ctx: Any = torch.cuda.stream(self.d2h)  # the fingerprint's kernels run there too
-        else:
-            ctx = contextlib.nullcontext()
+            if src.is_cuda:
+                ctx = torch.cuda.stream(self.d2h)  # the fingerprint's kernels run there too
         esize = src.element_size()
         chunk = _fp._FP_WORDS * 2 // esize
         events: List[Any] = []
@@ -108,7 +127,7 @@ class _Copies:
                     dst, start, n = units[u]
                     a, b = max(lo, start), min(hi, start + n)
                     if a < b:
-                        dst[a - start : b - start].copy_(snap[a - lo : b - lo], non_blocking=True)
+                        self._copy_d2h(dst[a - start : b - start], snap[a - lo : b - lo])
                     if start + n > hi:
                         break  # the unit goes on in the next chunk
                     events.append(self._record())
@@ -118,11 +137,18 @@ class _Copies:
                 u += 1
             if not parts:
                 parts.append(torch.zeros(2, dtype=torch.int64, device=src.device))
-            fp_dst.copy_(torch.stack(parts), non_blocking=True)
+            self._copy_d2h(fp_dst, torch.stack(parts))
             fp_event = self._record()
         if dev is not None:
             dev.record_stream(src.untyped_storage(), self.d2h)  # Note [optimizer copies]
         return events, fp_event
+
+    def _copy_d2h(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A copy on the D2H stream (inside ``stage``'s stream context on CUDA)."""
+        if self.dev is None:
+            dst.copy_(src)
+        else:
+            self.dev.copy(dst, src, self.d2h)
 
     def _record(self) -> Any:
         return None if self.dev is None else self.dev.record(self.d2h)

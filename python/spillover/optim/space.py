@@ -150,7 +150,7 @@ class _Space:
             return
         if dev.type == "cuda":
             _runtime.register_with_cuda(opt._pool)
-        self.copies = _Copies(dev)
+        self.copies = _Copies(dev, opt._link)
         # Buckets of consecutive units: one pinned block each for gradients and outputs.
         self.buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]] = []
         self.grad_view: List[torch.Tensor] = []

@@ -177,7 +177,8 @@ class StagedSpace(InBackward, _Space):
         g = p.grad
         if g is None or (self.expect[k] and self.fired[k] < self.expect[k]):
             return
-        self._stage_copy(k, g)
+        if self.opt._hook_copies:
+            self._stage_copy(k, g)
 
     def _stage_copy(self, k: int, g: torch.Tensor) -> bool:
         """Stage member k's gradient `g` (Note [gradient fingerprint]); False when it is left
@@ -243,7 +244,9 @@ class StagedSpace(InBackward, _Space):
 
         def prepare(b: int) -> None:
             """Decide and start the copies bucket b needs (gradients, first masters)."""
-            self._wait_h2d(b)
+            if any(ui not in done and self.units[ui][0] in grads for ui in self.buckets[b][0]):
+                self._wait_h2d(b)  # its output buffer is written below; a bucket kept from
+                # backward has just queued its copies back: waiting for them would block
             for k in self.bucket_members[b]:
                 if k not in grads or k in decided:
                     continue
@@ -295,7 +298,7 @@ class StagedSpace(InBackward, _Space):
         with torch.no_grad():
             for ui in rows:
                 k, start, n, _ = self.units[ui]
-                p = _local(self.params[k])
+                p = _local(self.params[k]).detach()  # written by a copy stream, not autograd
                 if n == p.numel():
                     dst, src = p, self.out_view[ui].view(p.shape)
                 else:  # a piece of a large parameter (contiguous: checked at build)

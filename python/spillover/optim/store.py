@@ -73,6 +73,8 @@ class StateStore:
     _chunk_bytes: Optional[int]
     _nvme_buffers: int
     _force_staging: bool
+    _link: Any
+    _hook_copies: bool
     _inbwd: bool
     _past: Dict[str, float]
     _settle: Any
