@@ -48,6 +48,15 @@ def run(scenario: str, out_dir: str) -> None:
         kw["reduce_grads"] = False  # DDP has averaged them already
     if scenario == "fp32-staged":
         kw["_force_staging"] = True  # the GPU path's buffers and copies, on CPU tensors
+    link = None
+    if scenario == "fp32-logged":  # the same, through a device that logs its calls
+        from _stream_log import StreamLog
+
+        import spillover.optim.layout as layout
+
+        layout._UNIT_MAX, layout._BUCKET_ELEMS = 128, 256  # several buckets per shard
+        link = StreamLog()
+        kw.update(_force_staging=True, _link=link)
     groups = [
         {"params": list(model[0].parameters()), "lr": 2e-2},
         {"params": list(model[2].parameters()), "weight_decay": 0.0},
@@ -61,7 +70,10 @@ def run(scenario: str, out_dir: str) -> None:
         xs, ys = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(xs), ys).backward()
+        start = link.mark() if link else 0
         opt.step()
+        if link is not None:
+            check_sharded_copies(opt, link, start)
     # Note [collectives at exit]: the last step's collectives are kept (waited for), so that
     # gloo's worker never drops the last reference to their tensors (it takes the GIL for it).
     assert len(opt._works) == (2 if scenario == "ddp" else 3), opt._works  # MAX, [RS,] gather
@@ -90,6 +102,23 @@ def run(scenario: str, out_dir: str) -> None:
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
         sd["resumed_equal"] = same
     torch.save({"params": params, "state_dict": sd}, f"{out_dir}/{scenario}-rank{rank}.pt")
+
+
+def check_sharded_copies(opt, link, start: int) -> None:
+    """Note [sharded copies]: in the step logged from `start`, every bucket's two D2H copies
+    were queued before the host waited for any of them, and the compute stream is ordered
+    after every copy into the parameter shard (Note [parameter writes are ordered])."""
+    from _stream_log import unordered_writes
+
+    (space,) = opt._spaces
+    seg = link.log[start:]
+    d2h = [i for i, e in enumerate(seg) if e[0] == "copy" and e[1] == space.copies.d2h]
+    waited = [i for i, e in enumerate(seg)
+              if e[0] == "synchronize" and e[1].stream == space.copies.d2h]
+    assert len(space.buckets) > 1 and len(d2h) == 2 * len(space.buckets), (d2h, len(space.buckets))
+    assert len(waited) == len(d2h) and max(d2h) < min(waited), (d2h, waited)
+    shard = space.param_shard.untyped_storage().data_ptr()
+    assert unordered_writes(link.log, [shard], link.mark()) == []
 
 
 def main() -> None:

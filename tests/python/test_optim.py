@@ -414,6 +414,21 @@ def _reference(dtype, tier):
     return model, opt
 
 
+def test_two_ranks_sharded_copies_do_not_block_the_host(tmp_path):
+    """Note [sharded copies]: 2 gloo ranks through the GPU path's copies on a device that logs
+    CudaDevice's calls (several buckets per shard): every D2H copy of a step is queued before
+    the host waits for one, the compute stream is ordered after the copies back (the worker
+    asserts both), and the parameters equal a single-process run bit for bit."""
+    run_ranks(os.path.join(os.path.dirname(__file__), "dist_optim_worker.py"),
+              [str(tmp_path), "fp32-logged"], timeout=120)
+    r0 = torch.load(tmp_path / "fp32-logged-rank0.pt")
+    r1 = torch.load(tmp_path / "fp32-logged-rank1.pt")
+    ref, _ = _reference(torch.float32, "host")
+    for a, b, c in zip(r0["params"], r1["params"], ref.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c.detach()), (a - c).abs().max()
+
+
 def test_two_ranks_gloo_equal_one_process(tmp_path):
     """2 CPU ranks (gloo, torchrun's environment) sharding the state: parameters and the
     gathered state_dict equal a single-process run bit for bit — fp32 on the host tier, bf16

@@ -30,6 +30,15 @@ Note [sharding]
     AdamW, and a DCP checkpoint that resumes under FSDP2, ZeRO or one process
     (tests/python/test_dcp.py).
 
+Note [sharded copies]
+    On a device, ``step()`` starts every active bucket's two device-to-host copies (gradient
+    shard, parameter shard) at once, each into its bucket's own pinned buffers, and the host
+    waits for a bucket's two events only right before that bucket's CPU update: the copies of
+    the later buckets run while the earlier ones are updated, and no copy is waited for as it
+    is issued. A bucket's copy back to the device (Note [parameter writes are ordered] in
+    copies.py) is queued after its update, when its D2H copies have landed, so it never
+    overwrites parameter-shard bytes a D2H copy is still reading. Guarded on CPU by
+    test_optim.py's two-rank recording test.
 """
 
 from __future__ import annotations
@@ -125,17 +134,26 @@ class ShardedSpace(_Space):
             src = self.params[k].detach().reshape(-1)
             self.param_shard[at : at + n].copy_(src[start : start + n])
         active = np.array([has_np[u[0]] for u in self.units], dtype=bool)
-        if self.staged:
+        if self.staged:  # Note [sharded copies]
+            copies = self.copies
+            todo = []
             for b, (bucket, f_lo, f_hi, g, o) in enumerate(self.buckets):
-                self._wait_h2d(b)
                 rows = np.asarray([ui for ui in bucket if active[ui]], dtype=np.int64)
                 if not len(rows):
                     continue
-                self.copies.wait(self.copies.to_host(g, self.grad_shard[f_lo:f_hi]))
-                self.copies.wait(self.copies.to_host(o, self.param_shard[f_lo:f_hi]))
+                self._wait_h2d(b)  # last step's copy back reads o: long done (has.cpu() above)
+                evs = [
+                    copies.to_host(g, self.grad_shard[f_lo:f_hi]),
+                    copies.to_host(o, self.param_shard[f_lo:f_hi]),
+                ]
+                todo.append((b, rows, evs))
+            for b, rows, evs in todo:
+                for ev in evs:
+                    copies.wait(ev)
+                f_lo, f_hi, o = self.buckets[b][1], self.buckets[b][2], self.buckets[b][4]
                 self._fill_hyper(rows, hyper, scale)
                 self.state.step(self._flat_records(rows))
-                self.h2d_events[b] = [self.copies.to_device(self.param_shard[f_lo:f_hi], o)]
+                self.h2d_events[b] = [copies.to_device(self.param_shard[f_lo:f_hi], o)]
         elif active.any():
             rows = np.nonzero(active)[0]
             self._fill_hyper(rows, hyper, scale)
