@@ -2,7 +2,9 @@
 
     python benches/python/optim_bench.py [--params 100e6] [--tensors 64] [--rounds 12]
                                          [--nvme-params 25e6] [--staged-params 16e6]
-                                         [--parts fp32,bf16,nvme,staged,gpu]
+                                         [--parts fp32,bf16,nvme,staged,sim,gpu]
+                                         [--sim-params 8e6] [--sim-bandwidths 3,25]
+                                         [--sim-backwards 20,200]
                                          [--nvme-path DIR]
 
 fp32: 100M fp32 parameters in `--tensors` tensors (sizes vary, none a multiple of 16), the
@@ -28,6 +30,17 @@ fingerprints run on the device; here they run on the CPU and show their cost per
 more row: ``update_in_backward=True`` (Note [update in backward]), each bucket's CPU update on
 a worker thread during backward; its note gives the ``step()`` call alone (what backward did
 not hide).
+
+sim: the GPU path's copies on the simulated device of ``spillover/activations/link/sim.py``
+(``_link=``: a copy's bytes move after ``nbytes / bandwidth``, on one thread per stream), at
+``--sim-bandwidths`` (GB/s) and ``--sim-backwards`` (ms of simulated backward compute, spread
+over the layers: each layer's backward sleeps its share, then its gradient arrives). Modes:
+``staged`` (the default on a GPU: the hooks copy and fingerprint each gradient during
+backward, ``step()`` fingerprints again and reuses the copies), ``at step()`` (no copies in
+backward: ``step()``'s bucket pipeline copies each bucket while the previous one is updated)
+and ``update_in_backward``. The compute stream's waits for the copies back are taken at the
+next forward, as on a GPU, not at ``step()``. The fingerprints run on the host here (on a GPU
+they are device kernels on the copy stream): the staged mode is charged their CPU time.
 
 gpu (CUDA hosts only): forward + backward + step of an MLP stack on the GPU: torch AdamW with
 its state on the GPU, OffloadAdamW (gradients copied to pinned pool blocks by hooks while
@@ -351,6 +364,113 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
     return out
 
 
+class _Sleep(torch.autograd.Function):
+    """Simulated device compute: the backward of one layer takes `seconds`."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+def bench_sim(args, pool_bytes: int) -> List[str]:
+    from spillover.activations.link import sim
+
+    class Link(sim.SimDevice):
+        """The compute stream's waits are kept for the next forward (a GPU's host goes on)."""
+
+        def __init__(self, bandwidth):
+            super().__init__(bandwidth)
+            self.pending: List[Any] = []
+
+        def wait(self, stream, ev):
+            if stream is sim._HOST:
+                self.pending.append(ev)
+            else:
+                super().wait(stream, ev)
+
+        def forward_starts(self):
+            for ev in self.pending:
+                self.synchronize(ev)
+            self.pending = []
+
+    szs = sizes(int(args.sim_params), 16)
+    n = sum(szs)
+    own_pool = 3 * n * 20 + (96 << 20) + 4096
+
+    def setup(bw: float, mode: str):
+        ps = params_like(szs, torch.float32, 0)
+        g = torch.Generator().manual_seed(1)
+        coef = [torch.randn(p.shape, generator=g) * 1e-2 for p in ps]
+        link = Link(bw)
+        opt = spillover.OffloadAdamW(
+            ps, lr=1e-3, tier="host", host_pool_bytes=own_pool, _force_staging=True,
+            _link=link, _hook_copies=mode != "at step()",
+            update_in_backward=mode == "update_in_backward",
+        )
+        return ps, coef, opt, link
+
+    def train(ps, coef, opt, link, seconds):
+        def run():
+            link.forward_starts()
+            for p in ps:
+                p.grad = None
+            acc = torch.zeros(())
+            for p, c in zip(ps, coef):
+                acc = _Sleep.apply(acc + (p * c).sum(), seconds / len(ps))
+            acc.backward()
+            opt.step()
+
+        return run
+
+    out = [
+        f"\n### simulated device: {n / 1e6:.0f}M fp32 parameters in {len(szs)} tensors "
+        f"({n * 4 / (1 << 20):.0f} MiB of gradients), step = backward + step(), ms (median)\n",
+        "| link GB/s | backward ms | staged (default) | at step() | update_in_backward |"
+        " staged / at step() | staged - 2 fingerprints - at step() |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    from spillover.optim import fingerprint
+
+    grads = [torch.randn(s_) for s_ in szs]
+    fp_times = []
+    for _ in range(3):  # the host's fingerprint of every gradient (the sim charges 2 per step)
+        t0 = time.perf_counter()
+        for gr in grads:
+            fingerprint._fingerprint_parts(gr)
+        fp_times.append(time.perf_counter() - t0)
+    fp = min(fp_times)
+    del grads
+    modes = ("staged (default)", "at step()", "update_in_backward")
+    for bw in args.sim_bandwidths.split(","):
+        for bwd in args.sim_backwards.split(","):
+            made = {m: setup(float(bw) * 1e9, m) for m in modes}
+            t = race({m: train(*made[m], float(bwd) / 1e3) for m in modes}, args.rounds)
+            for m in modes:
+                made[m][3].forward_starts()
+                for space in made[m][2]._spaces:  # the copies in flight, before freeing
+                    space.close()
+            cells = " | ".join(f"{t[m] * 1e3:.1f}" for m in modes)
+            ratio = t["staged (default)"] / t["at step()"]
+            net = (t["staged (default)"] - 2 * fp - t["at step()"]) * 1e3
+            out.append(f"| {bw} | {bwd} | {cells} | {ratio:.2f} | {net:+.1f} |")
+            del made
+            gc.collect()
+    out.append(
+        f"\nfingerprint of every gradient on this host: {fp * 1e3:.1f} ms (the staged mode takes "
+        "two per step: hook and step(); on a GPU they are device kernels on the copy stream). "
+        "Copy of all gradients over the link: "
+        + ", ".join(f"{n * 4 / (float(b) * 1e9) * 1e3:.1f} ms at {b} GB/s"
+                    for b in args.sim_bandwidths.split(","))
+    )
+    return out
+
+
 def bench_gpu(args, pool_bytes: int) -> List[str]:
     """Train steps (forward + backward + step) of an MLP stack on the GPU: torch AdamW on the
     GPU, OffloadAdamW (state in host memory, gradients staged during backward), and torchao's
@@ -412,7 +532,10 @@ def main() -> None:
     ap.add_argument("--nvme-params", type=float, default=25e6)
     ap.add_argument("--nvme-path", default=os.environ.get("SPILLOVER_NVME_PATH"))
     ap.add_argument("--staged-params", type=float, default=16e6)
-    ap.add_argument("--parts", default="fp32,bf16,nvme,staged,gpu")
+    ap.add_argument("--sim-params", type=float, default=8e6)
+    ap.add_argument("--sim-bandwidths", default="3,25", help="GB/s, comma-separated")
+    ap.add_argument("--sim-backwards", default="20,200", help="ms, comma-separated")
+    ap.add_argument("--parts", default="fp32,bf16,nvme,staged,sim,gpu")
     args = ap.parse_args()
     # The host state: 8 B/param (fp32) or 12 B/param (bf16) in the pool, plus slack.
     pool_bytes = int(args.params * 12 * 1.1) + (256 << 20)
@@ -427,6 +550,7 @@ def main() -> None:
         "bf16": bench_bf16,
         "nvme": bench_nvme,
         "staged": bench_staged,
+        "sim": bench_sim,
         "gpu": bench_gpu,
     }
     lines: List[str] = []
