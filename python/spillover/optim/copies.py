@@ -42,8 +42,9 @@ Note [parameter writes are ordered]
     compute stream is ordered after every write it queued: an EMA update or a parameter norm
     run between backward and ``step()`` reads the old values, one run after ``step()`` the new,
     with no host wait. The sharded step's parameter all-gather and copies into the model run on
-    the compute stream after those waits. Guarded by test_optim_staged.py's recording-device
-    tests (staged, update in backward, sharded).
+    the compute stream after those waits. Guarded through a device that logs these calls
+    (tests/python/_stream_log.py): test_optim_staged.py (staged, update in backward) and
+    test_optim.py's two-rank test (sharded).
 """
 
 from __future__ import annotations
