@@ -16,7 +16,7 @@ Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
   a size given, auto is the NVMe tier over that pool, the nvme mode again;
 - planned: spillover.wrap(policy=Planner) with full's measured peak as its budget, under
   offload_context("host") with host's pool: the planner's learning and tuning steps run before
-  the warm-up, Note [peak feedback] in planner.py; needs full's result in DIR, else a 1-byte
+  the warm-up, Note [peak feedback] in planner/tuner.py; needs full's result in DIR, else a 1-byte
   budget.
 --pool SIZE gives every spillover mode that pool instead. benches/gpu/run.sh runs each mode in
 a process of its own, so a mode's peak cannot include what another left on the device and one

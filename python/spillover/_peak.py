@@ -5,7 +5,7 @@ and backward: what it models (bytes held after forward, the largest region rebui
 backward) misses what it cannot see (gradients being computed, copies in flight, tensors under
 the minimum offload size, pieces being assembled). So while it tunes a plan the planner
 measures the step's real peak and corrects its model by the difference (Note [peak feedback]
-in planner.py).
+in planner/tuner.py).
 
 - CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the step's
   start, over ``memory_allocated`` then. This resets torch's peak counters during the steps

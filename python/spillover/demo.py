@@ -187,7 +187,7 @@ def _step(mode: Mode, idx: torch.Tensor, tgt: torch.Tensor, device: torch.device
 def run_mode(mode: Mode, batches: List[tuple], device: torch.device, alloc: Allocator,
              progress: Callable[[str], None]) -> Dict[str, Any]:
     """Step 0 warms up; then steps alternate: memory (peak sampled, allocator pinned) and time.
-    ``auto`` first runs its learning and tuning steps (Note [peak feedback] in planner.py) on
+    ``auto`` first runs its learning and tuning steps (Note [peak feedback] in planner/tuner.py) on
     the first batch, without an optimizer step, so its steps see the parameters none's did."""
     times, peaks, grads = [], [], []
     stats: Dict[str, float] = {"bytes_offloaded_host": 0, "bytes_offloaded_nvme": 0,
