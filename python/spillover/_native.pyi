@@ -19,6 +19,9 @@ __all__ = [
     "AdamState",
     "memlock_limit",
     "crc32c",
+    "STEP_RECORD_FIELDS",
+    "BUFFER_RECORD_FIELDS",
+    "STEP_FLAGS",
 ]
 
 @final
@@ -168,6 +171,11 @@ class Gathered:
     def parts(self) -> List[Handle]: ...
     @property
     def started(self) -> bool: ...
+
+#: The optimizer's record layouts (name, "u8" or "f8"), in order, and the step flags' bits.
+STEP_RECORD_FIELDS: List[Tuple[str, str]]
+BUFFER_RECORD_FIELDS: List[Tuple[str, str]]
+STEP_FLAGS: List[Tuple[str, int]]
 
 def memlock_limit() -> Optional[int]: ...
 def crc32c(address: int, nbytes: int) -> int: ...

@@ -26,6 +26,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tier::PyView>()?;
     m.add_class::<tier::PyGathered>()?;
     m.add_class::<optim::PyAdamState>()?;
+    m.add("STEP_RECORD_FIELDS", optim::STEP_FIELDS.to_vec())?;
+    m.add("BUFFER_RECORD_FIELDS", optim::BUFFER_FIELDS.to_vec())?;
+    m.add("STEP_FLAGS", optim::STEP_FLAGS.to_vec())?;
     m.add_function(wrap_pyfunction!(pool::memlock_limit, m)?)?;
     m.add_function(wrap_pyfunction!(pool::crc32c, m)?)?;
     Ok(())

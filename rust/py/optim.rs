@@ -17,15 +17,79 @@ use super::swap::PySwap;
 use crate::io::FaultKind;
 use crate::optim::{AdamState, Dtype, Hyper, Options, Ptr, Tier, UnitBuffers, UnitStep};
 
-/// Bytes per step record: unit, grad, src, out, flags (u64); lr, beta1, beta2, eps,
-/// weight_decay, step, grad_scale (f64); tail (u64).
-const STEP_RECORD: usize = 13 * 8;
-/// Bytes per export/import record: unit, master, exp_avg, exp_avg_sq (u64).
-const BUFFER_RECORD: usize = 4 * 8;
+/// The step record, field by field (name, little-endian `u8` or `f8`), in order: the one
+/// definition of its layout. Python builds its numpy dtype from `_native.STEP_RECORD_FIELDS`
+/// (spillover/optim/layout.py); `parse_steps` finds each field by its name, at compile time.
+pub(crate) const STEP_FIELDS: [(&str, &str); 13] = [
+    ("unit", "u8"),
+    ("grad", "u8"),
+    ("src", "u8"),
+    ("out", "u8"),
+    ("flags", "u8"),
+    ("lr", "f8"),
+    ("beta1", "f8"),
+    ("beta2", "f8"),
+    ("eps", "f8"),
+    ("weight_decay", "f8"),
+    ("step", "f8"),
+    ("grad_scale", "f8"),
+    ("tail", "u8"),
+];
+/// The export/import record, as [`STEP_FIELDS`] (`_native.BUFFER_RECORD_FIELDS`).
+pub(crate) const BUFFER_FIELDS: [(&str, &str); 4] = [
+    ("unit", "u8"),
+    ("master", "u8"),
+    ("exp_avg", "u8"),
+    ("exp_avg_sq", "u8"),
+];
+/// Bits of the step record's `flags` (`_native.STEP_FLAGS`): which pointers are bf16.
+pub(crate) const STEP_FLAGS: [(&str, u64); 3] =
+    [("grad_bf16", 1), ("src_bf16", 2), ("out_bf16", 4)];
 
-const FLAG_GRAD_BF16: u64 = 1;
-const FLAG_SRC_BF16: u64 = 2;
-const FLAG_OUT_BF16: u64 = 4;
+const STEP_RECORD: usize = STEP_FIELDS.len() * 8;
+const BUFFER_RECORD: usize = BUFFER_FIELDS.len() * 8;
+
+const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// The index of field `name` in `fields`, at compile time (a name not there does not compile).
+const fn at(fields: &[(&str, &str)], name: &str) -> usize {
+    let mut i = 0;
+    while i < fields.len() {
+        if same(fields[i].0, name) {
+            return i;
+        }
+        i += 1;
+    }
+    panic!("no such record field")
+}
+
+const fn flag(name: &str) -> u64 {
+    let mut i = 0;
+    while i < STEP_FLAGS.len() {
+        if same(STEP_FLAGS[i].0, name) {
+            return STEP_FLAGS[i].1;
+        }
+        i += 1;
+    }
+    panic!("no such flag")
+}
+
+const FLAG_GRAD_BF16: u64 = flag("grad_bf16");
+const FLAG_SRC_BF16: u64 = flag("src_bf16");
+const FLAG_OUT_BF16: u64 = flag("out_bf16");
 
 #[pyclass(name = "AdamState", module = "spillover._native", frozen)]
 pub struct PyAdamState {
@@ -68,22 +132,36 @@ fn dtype(flags: u64, bit: u64) -> Dtype {
 fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
     Ok(records(data, STEP_RECORD)?
         .map(|r| {
-            let flags = u64_at(r, 4);
+            // field indices from the table, at compile time
+            const UNIT: usize = at(&STEP_FIELDS, "unit");
+            const GRAD: usize = at(&STEP_FIELDS, "grad");
+            const SRC: usize = at(&STEP_FIELDS, "src");
+            const OUT: usize = at(&STEP_FIELDS, "out");
+            const FLAGS: usize = at(&STEP_FIELDS, "flags");
+            const LR: usize = at(&STEP_FIELDS, "lr");
+            const BETA1: usize = at(&STEP_FIELDS, "beta1");
+            const BETA2: usize = at(&STEP_FIELDS, "beta2");
+            const EPS: usize = at(&STEP_FIELDS, "eps");
+            const WD: usize = at(&STEP_FIELDS, "weight_decay");
+            const STEP: usize = at(&STEP_FIELDS, "step");
+            const SCALE: usize = at(&STEP_FIELDS, "grad_scale");
+            const TAIL: usize = at(&STEP_FIELDS, "tail");
+            let flags = u64_at(r, FLAGS);
             UnitStep {
-                unit: u64_at(r, 0) as usize,
-                grad: Ptr::new(u64_at(r, 1) as usize, dtype(flags, FLAG_GRAD_BF16)),
-                src: Ptr::new(u64_at(r, 2) as usize, dtype(flags, FLAG_SRC_BF16)),
-                out: Ptr::new(u64_at(r, 3) as usize, dtype(flags, FLAG_OUT_BF16)),
+                unit: u64_at(r, UNIT) as usize,
+                grad: Ptr::new(u64_at(r, GRAD) as usize, dtype(flags, FLAG_GRAD_BF16)),
+                src: Ptr::new(u64_at(r, SRC) as usize, dtype(flags, FLAG_SRC_BF16)),
+                out: Ptr::new(u64_at(r, OUT) as usize, dtype(flags, FLAG_OUT_BF16)),
                 hyper: Hyper {
-                    lr: f64_at(r, 5),
-                    beta1: f64_at(r, 6),
-                    beta2: f64_at(r, 7),
-                    eps: f64_at(r, 8),
-                    weight_decay: f64_at(r, 9),
-                    step: f64_at(r, 10),
-                    grad_scale: f64_at(r, 11),
+                    lr: f64_at(r, LR),
+                    beta1: f64_at(r, BETA1),
+                    beta2: f64_at(r, BETA2),
+                    eps: f64_at(r, EPS),
+                    weight_decay: f64_at(r, WD),
+                    step: f64_at(r, STEP),
+                    grad_scale: f64_at(r, SCALE),
                 },
-                tail: u64_at(r, 12) as usize,
+                tail: u64_at(r, TAIL) as usize,
             }
         })
         .collect())
@@ -91,11 +169,17 @@ fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
 
 fn parse_buffers(data: &[u8]) -> PyResult<Vec<UnitBuffers>> {
     Ok(records(data, BUFFER_RECORD)?
-        .map(|r| UnitBuffers {
-            unit: u64_at(r, 0) as usize,
-            master: u64_at(r, 1) as usize,
-            exp_avg: u64_at(r, 2) as usize,
-            exp_avg_sq: u64_at(r, 3) as usize,
+        .map(|r| {
+            const UNIT: usize = at(&BUFFER_FIELDS, "unit");
+            const MASTER: usize = at(&BUFFER_FIELDS, "master");
+            const EXP_AVG: usize = at(&BUFFER_FIELDS, "exp_avg");
+            const EXP_AVG_SQ: usize = at(&BUFFER_FIELDS, "exp_avg_sq");
+            UnitBuffers {
+                unit: u64_at(r, UNIT) as usize,
+                master: u64_at(r, MASTER) as usize,
+                exp_avg: u64_at(r, EXP_AVG) as usize,
+                exp_avg_sq: u64_at(r, EXP_AVG_SQ) as usize,
+            }
         })
         .collect())
 }

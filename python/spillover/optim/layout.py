@@ -1,6 +1,6 @@
 """The layouts and records ``OffloadAdamW``'s parts share, defined once: the records handed to
-the Rust kernel (they must match ``rust/py/optim.rs``), the unit and bucket sizes, the counters of
-``stats()``, and the small tensor helpers every part uses."""
+the Rust kernel (their layout is the crate's, read from ``spillover._native``), the unit and
+bucket sizes, the counters of ``stats()``, and the small tensor helpers every part uses."""
 
 from __future__ import annotations
 
@@ -9,29 +9,14 @@ from typing import Any, List, Tuple
 import numpy as np
 import torch
 
-# One record per unit and step; must match STEP_RECORD in rust/py/optim.rs.
-STEP_RECORD = np.dtype(
-    [
-        ("unit", "<u8"),
-        ("grad", "<u8"),
-        ("src", "<u8"),
-        ("out", "<u8"),
-        ("flags", "<u8"),
-        ("lr", "<f8"),
-        ("beta1", "<f8"),
-        ("beta2", "<f8"),
-        ("eps", "<f8"),
-        ("weight_decay", "<f8"),
-        ("step", "<f8"),
-        ("grad_scale", "<f8"),
-        ("tail", "<u8"),
-    ]
-)
-# One record per unit for export/import; must match BUFFER_RECORD in rust/py/optim.rs.
-BUFFER_RECORD = np.dtype(
-    [("unit", "<u8"), ("master", "<u8"), ("exp_avg", "<u8"), ("exp_avg_sq", "<u8")]
-)
-_GRAD_BF16, _SRC_BF16, _OUT_BF16 = 1, 2, 4
+from .. import _native
+
+# The records the Rust kernel reads, laid out once, in rust/py/optim.rs (STEP_FIELDS,
+# BUFFER_FIELDS, STEP_FLAGS): one per unit and step, one per unit for export/import.
+STEP_RECORD = np.dtype([(name, "<" + kind) for name, kind in _native.STEP_RECORD_FIELDS])
+BUFFER_RECORD = np.dtype([(name, "<" + kind) for name, kind in _native.BUFFER_RECORD_FIELDS])
+_FLAGS = dict(_native.STEP_FLAGS)
+_GRAD_BF16, _SRC_BF16, _OUT_BF16 = _FLAGS["grad_bf16"], _FLAGS["src_bf16"], _FLAGS["out_bf16"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 # torch's fused CPU AdamW updates the last `numel % 8` elements of each tensor in a scalar
