@@ -140,10 +140,11 @@ class Unpack:
         return raw
 
     def _bring_back(self, tr: Any, s: Stored, packed: Packed) -> torch.Tensor:
-        t0 = time.perf_counter()
-        for c in s.copies:  # the tier can give the bytes back only once they have landed
-            c.wait()
-        s.record.stats.add(stall_seconds=time.perf_counter() - t0)
+        if s.copies:  # the tier can give the bytes back only once they have landed
+            t0 = time.perf_counter()
+            for c in s.copies:
+                c.wait()
+            s.record.stats.add(stall_seconds=time.perf_counter() - t0)
         try:
             view = s.entry.get()
         except IntegrityError as e:
