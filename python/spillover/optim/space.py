@@ -9,6 +9,7 @@ Note [cpu parameters in place]
 
 from __future__ import annotations
 
+import abc
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -16,8 +17,8 @@ import numpy as np
 import torch
 
 from .. import _native, _runtime
+from ..activations.link import block_tensor
 from ..errors import PoolExhaustedError
-from ..transfer import block_tensor
 from . import layout as _layout
 from .copies import _Copies
 from .inbwd import INBWD_STATS
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from .store import StateStore
 
 
-class _Space:
+class _Space(abc.ABC):
     """The state of the parameters of one (dtype, device): a native AdamState over *units*
     (whole parameters, the parts of them this rank owns, or — on the staged path — pieces of
     at most ``_UNIT_MAX`` elements, so every staging buffer fits a pool block). The base of
@@ -120,9 +121,9 @@ class _Space:
         self._alloc_buffers()
         self.state = self._make_state([u[2] for u in self.units])
 
+    @abc.abstractmethod
     def _layout(self) -> None:
-        """Fill ``self.units`` (a strategy's own)."""
-        raise NotImplementedError
+        """Fill ``self.units`` (each strategy lays out its own)."""
 
     # ---- construction ----
 
@@ -223,10 +224,11 @@ class _Space:
 
     # ---- step ----
 
+    @abc.abstractmethod
     def step(self, hyper: np.ndarray) -> np.ndarray:
         """One step; returns the global indices of the parameters that were updated.
-        `hyper`: per global parameter, lr, beta1, beta2, eps, weight_decay, grad_scale."""
-        raise NotImplementedError
+        `hyper`: per global parameter, lr, beta1, beta2, eps, weight_decay, grad_scale.
+        Each strategy steps its own way (DirectSpace, StagedSpace, ShardedSpace)."""
 
     def _fill_hyper(self, rows: np.ndarray, hyper: np.ndarray, scale: float = 1.0) -> None:
         """Hyper-parameters and step counts for the units in `rows`."""
@@ -277,7 +279,8 @@ class _Space:
     # ---- updates during backward: none (StagedSpace mixes in inbwd.InBackward) ----
 
     def _new_round(self) -> None:
-        pass
+        """No round to begin: nothing updates during backward here."""
+        return None
 
     def join(self) -> Optional[BaseException]:
         return None
@@ -286,10 +289,12 @@ class _Space:
         return False
 
     def verify_round(self, hyper: np.ndarray) -> None:
-        pass
+        """Nothing was updated in backward, so nothing to verify."""
+        return None
 
     def invalidate_round(self) -> None:
-        pass
+        """Nothing was updated in backward, so nothing to undo."""
+        return None
 
     def skip_round(self) -> bool:
         """A skipped step: nothing was updated in backward; whether anything was undone."""
