@@ -104,17 +104,18 @@ class Hooks(Unpack):
             return t
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        why = self._kept_why(rec, t, storage, nbytes, kind, offload)
+        key = (kind, device.index or 0, storage.data_ptr())
+        why = self._kept_why(rec, t, storage, nbytes, key, offload)
         if why is not None:
             if type(why) is Packed:  # a view of a storage this step offloaded already
                 stats.add(tensors_packed=1, bytes_packed=nbytes, storages_deduplicated=1,
                           bytes_deduplicated=nbytes)
                 return why
-            stats.add(tensors_packed=1, bytes_packed=nbytes, **{why: nbytes})
-            if why == "bytes_deduplicated":
-                stats.add(storages_deduplicated=1)
+            counts = {why: nbytes}
+            if why == "bytes_deduplicated":  # a storage a policy holds (Note [kept by a policy])
+                counts["storages_deduplicated"] = 1
+            stats.add(tensors_packed=1, bytes_packed=nbytes, **counts)
             return t
-        key = (kind, device.index or 0, storage.data_ptr())
         tr = self._transfer(device)
         if tr.host_is_device:  # Note [host link]: one call into the tier, no copy in flight
             stored = self._pack_host(rec, storage, t, nbytes)
@@ -137,17 +138,17 @@ class Hooks(Unpack):
             rec.by_seq[stored.seq] = weakref.ref(stored)
         return Packed(stored, t)
 
-    def _kept_why(self, rec: StepRecord, t: torch.Tensor, storage: Any, nbytes: int, kind: str,
-                  offload: bool) -> Any:
+    def _kept_why(self, rec: StepRecord, t: torch.Tensor, storage: Any, nbytes: int,
+                  key: Tuple[str, int, int], offload: bool) -> Any:
         """Why ``t`` is not offloaded: the stats field its bytes count in, or the handle of the
         storage this step already offloaded that it views; None when it is to be offloaded."""
         if nbytes < self.config.min_offload_bytes or nbytes == 0:
             return "bytes_kept_small"
+        kind = key[0]
         if kind == "cuda" and capturing():
             return "bytes_kept_unsupported"
         if is_param(rec, t, storage):
             return "bytes_kept_parameter"
-        key = (kind, t.device.index or 0, storage.data_ptr())
         if key in rec.marked:
             return "bytes_kept_marked"
         held = rec.kept.get(key)  # Note [kept by a policy]

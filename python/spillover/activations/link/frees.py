@@ -75,9 +75,11 @@ class StreamOrderFrees:
         with self._lock:
             if not self._handed and not self._released:
                 return
-            free = [h for h in self._handed if use_count(h[0]) <= 1]
+            free, kept = [], []
+            for h in self._handed:  # one use count each: the scan is per H2D copy
+                (free if use_count(h[0]) <= 1 else kept).append(h)
             if free:
-                self._handed = [h for h in self._handed if use_count(h[0]) > 1]
+                self._handed = kept
         events: Dict[int, Any] = {}
         for storage, stream in free:
             if stream is NOT_USED:
