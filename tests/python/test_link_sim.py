@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import spillover
@@ -167,3 +168,36 @@ def test_autocast_weight_casts_stay_on_the_device():
     # the weight's cast (2 MiB in bf16) is kept as a parameter; the input's cast is offloaded
     assert s.bytes_kept_parameter >= 2 * MiB, s
     assert s.bytes_offloaded == 1 * MiB, s
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("link", ["cpu", "sim", "sim-lagging"])
+def test_everything_released_by_the_end_of_backward(tier, link, tmp_path):
+    """Right after backward (no synchronize): no source held, no copy in flight, no device
+    tensor kept, the pool empty once autograd's handles are collected (a host view held for an
+    H2D copy would keep its block in use); the bytes in flight never passed the cap."""
+    import gc
+
+    torch.manual_seed(0)
+    model, x = _chain(), torch.randn(512, 512)
+    cap = 4 * MiB
+    bw = {"cpu": None, "sim": 2e9 + 17, "sim-lagging": 2e9 + 19}[link]
+    lag = 0.2 if link == "sim-lagging" else 0.0
+    kw = dict(min_offload_bytes=0, host_pool_bytes=64 * MiB + 7 * 4096, copy_inflight_bytes=cap)
+    if bw:
+        kw.update(sim_link_bandwidth=bw, sim_compute_lag=lag)
+    if tier == "nvme":
+        kw["nvme_path"] = str(tmp_path)
+    ctx = spillover.offload_context(tier, **kw)
+    for _ in range(2):
+        with ctx:
+            loss = model(x).sum()
+        loss.backward()
+        del loss
+        gc.collect()
+        tr = T.transfers_for("cpu", sim_bandwidth=bw, sim_lag=lag, cap_bytes=cap)
+        s = ctx.stats()
+        assert s.tensors_unpacked >= 16
+        assert (tr.bytes_held, tr.bytes_in_flight, tr.device_tensors_held) == (0, 0, 0)
+        assert s.pool_in_use == 0 and s.swap_in_use == 0
+        assert s.bytes_in_flight_peak <= cap
