@@ -93,6 +93,20 @@ def clipped(norms, limit):
     return sum(bool(limit / (n + 1e-6) < 1.0) for n in norms[1:])
 
 
+def lockstep(ours, opt, ref, ropt, steps, after_backward, each_step=None):
+    """Both loops, step by step: zero_grad, one batch's backward, ``after_backward(s, m, o)``
+    (what the test does between backward and step()), step(); ``each_step()`` after each."""
+    for s in range(steps):
+        for m, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            x, y = batch(s)
+            F.mse_loss(m(x), y).backward()
+            after_backward(s, m, o)
+            o.step()
+        if each_step is not None:
+            each_step()
+
+
 def check(ours, opt, ref, ropt):
     assert_params(ours, ref)
     assert_state(opt.state_dict(), ropt.state_dict())
@@ -241,14 +255,11 @@ def test_lr_changed_between_backward_and_step_is_redone(bucket, tmp_path):
     ours, ref = make_model(), make_model()
     opt = offload(ours, "host", tmp_path)
     ropt = reference(ref)
-    for s in range(4):
-        for m, o in ((ours, opt), (ref, ropt)):
-            o.zero_grad()
-            x, y = batch(s)
-            F.mse_loss(m(x), y).backward()
-            if s == 2:
-                o.param_groups[0]["lr"] = 3e-3
-            o.step()
+    def new_lr(s, m, o):
+        if s == 2:
+            o.param_groups[0]["lr"] = 3e-3
+
+    lockstep(ours, opt, ref, ropt, 4, new_lr)
     check(ours, opt, ref, ropt)
     st = opt.stats()
     assert st["steps_redone"] == 1 and st["steps_in_backward"] == 2
@@ -525,15 +536,11 @@ def test_gradient_set_to_none_after_backward(bucket, tmp_path):
     ours, ref = make_model(), make_model()
     opt = offload(ours, "host", tmp_path)
     ropt = reference(ref)
-    for s in range(4):
-        for m, o in ((ours, opt), (ref, ropt)):
-            o.zero_grad()
-            x, y = batch(s)
-            F.mse_loss(m(x), y).backward()
-            if s >= 2:
-                m[2].weight.grad = None
-            o.step()
-        assert_params(ours, ref)
+    def drop_grad(s, m, o):
+        if s >= 2:
+            m[2].weight.grad = None
+
+    lockstep(ours, opt, ref, ropt, 4, drop_grad, lambda: assert_params(ours, ref))
     check(ours, opt, ref, ropt)
     st = opt.stats()
     assert st["steps_redone"] == 2 and st["inbwd_buckets_redone"] == 2
@@ -546,15 +553,12 @@ def test_abandoned_backward_is_undone(bucket, tmp_path):
     ours, ref = make_model(), make_model()
     opt = offload(ours, "host", tmp_path)
     ropt = reference(ref)
-    for s in range(5):
-        for m, o in ((ours, opt), (ref, ropt)):
+    def abandon(s, m, o):
+        if s == 2:  # abandoned
             o.zero_grad()
-            x, y = batch(s)
+            x, y = batch(s, 1)
             F.mse_loss(m(x), y).backward()
-            if s == 2:  # abandoned
-                o.zero_grad()
-                x, y = batch(s, 1)
-                F.mse_loss(m(x), y).backward()
-            o.step()
+
+    lockstep(ours, opt, ref, ropt, 5, abandon)
     check(ours, opt, ref, ropt)
     assert opt.stats()["inbwd_buckets_undone"] == len(opt._spaces[0].buckets)
