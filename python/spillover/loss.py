@@ -17,6 +17,22 @@ Note [loss chunks]
     (32 MiB); 32,768 → 512 (64 MiB); 128,256 → 256 (125 MiB: the floor wins over the cap,
     keeping the GEMM wide). A chunk is thus at most 1/8 of a 2 × 4k-token step's logits at
     vocab 32k, and the region's peak is the chunk plus the weight gradient (vocab × d).
+    The chunk depends on the vocabulary alone, not on the policy or a planner's budget: the
+    chunk fixes the order in which the weight gradient sums, so a budget-sized chunk would give
+    ``wrap(policy="auto")`` gradients that differ in the last bits from ``policy="full"``'s on
+    the same model (seen: 4e-9 on the tiny GPT at a 1-byte budget). The planner counts the
+    chunk instead (Note [loss transient]); at most 125 MiB (vocab 128k), against budgets of
+    GiB on a device.
+
+Note [loss transient]
+    What the loss region adds at its peak (the start of backward), measured on CPU
+    (4,096 tokens, d 512, vocab 8,192, fp32, peak over forward + backward): 384 MiB unchunked
+    (logits, log-softmax and their gradient: three tokens × vocab tensors); chunked, 32 MiB at
+    256 rows and 58 MiB at 1,024 = the weight gradient (16) + the hidden states' gradient (8) +
+    about one logits chunk. The planner counts the last two (the weight gradient is a
+    parameter's, in the measured offset): ``rows × vocab × 4 + tokens × d × itemsize``. Each
+    chunked call inside a wrapped model's forward reports it (:func:`begin_scope`), and an
+    ``"auto"`` plan counts it on top of what the step holds when its backward starts.
 
 Note [which HF models]
     The head and loss are taken over only where the result is the same math: a class in
@@ -37,6 +53,7 @@ import dataclasses
 import inspect
 import logging
 import re
+import threading
 import warnings
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -45,12 +62,41 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["available", "chunk_rows", "options_for", "chunked_cross_entropy",
-           "causal_lm_loss", "LossRegion", "attach", "detach", "describe"]
+           "causal_lm_loss", "LossRegion", "FlagRegion", "attach", "detach", "describe",
+           "begin_scope", "end_scope", "FLAG"]
 
 _log = logging.getLogger("spillover")
 
 _CHUNK_BYTES = 64 << 20  # Note [loss chunks]
 _MIN_ROWS, _MAX_ROWS = 256, 1024
+
+#: The attribute a model of its own may expose to be switched by wrap (``FlagRegion``): a bool
+#: its forward reads to compute the loss through :func:`chunked_cross_entropy`.
+FLAG = "spillover_chunked_loss"
+
+
+class _Scope(threading.local):
+    """Note [loss transient]: the largest transient a chunked call reported while a wrapped
+    model's forward runs (per thread)."""
+
+    def __init__(self) -> None:
+        self.transient = 0
+
+
+_scope = _Scope()
+
+
+def begin_scope() -> int:
+    """A wrapped model's forward starts: chunked calls until :func:`end_scope` report their
+    transient. Returns what :func:`end_scope` restores (scopes nest)."""
+    prev, _scope.transient = _scope.transient, 0
+    return prev
+
+
+def end_scope(prev: int) -> int:
+    """Close the scope :func:`begin_scope` opened; returns the largest transient reported."""
+    out, _scope.transient = _scope.transient, prev
+    return out
 
 
 def available() -> bool:
@@ -84,6 +130,28 @@ def _warn_missing() -> None:
             "pass chunked_loss=False to silence this.", stacklevel=3)
 
 
+class _OneBackward(torch.autograd.Function):
+    """Identity on the chunked loss whose backward runs once: torch's chunked op supports one
+    backward per forward, and says so without naming the switch that turns it off. A second
+    backward (``retain_graph=True``, then backward again) raises here first, naming it."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        ctx.done = False
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.done:
+            raise RuntimeError(
+                "spillover: the loss region (torch's chunked linear_cross_entropy, no logits "
+                "in memory) runs one backward per forward; retain_graph=True and a second "
+                "backward need the plain loss: spillover.wrap(model, chunked_loss=False) or "
+                "spillover.integrations.hf.enable(model, chunked_loss=False)")
+        ctx.done = True
+        return grad
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                           ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight).float(), targets)`` without the logits.
@@ -97,8 +165,13 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         _warn_missing()
         return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=ignore_index,
                                reduction=reduction)
-    return F.linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction=reduction,
-                                  options=options_for(weight.shape[0]))
+    vocab = weight.shape[0]
+    # Note [loss transient]: one fp32 logits chunk and the hidden states' gradient
+    _scope.transient = max(_scope.transient, min(chunk_rows(vocab), h.shape[0]) * vocab * 4
+                           + h.numel() * h.element_size())
+    loss = F.linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction=reduction,
+                                  options=options_for(vocab))
+    return _OneBackward.apply(loss) if loss.requires_grad else loss
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],
@@ -296,6 +369,27 @@ class LossRegion:
         return out.to_tuple() if want_tuple else out
 
 
+class FlagRegion:
+    """The loss region of a model of its own that exposes :data:`FLAG` (``spillover.models.GPT``
+    does): a bool its forward reads to compute the loss by :func:`chunked_cross_entropy`.
+    ``wrap`` sets it and ``unwrap`` restores what it was."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.before = bool(getattr(model, FLAG))
+
+    def install(self) -> None:
+        setattr(self.model, FLAG, True)
+
+    def remove(self) -> None:
+        setattr(self.model, FLAG, self.before)
+
+    def describe(self) -> str:
+        return ("head + loss through torch's chunked linear_cross_entropy (the model's "
+                f"{FLAG} switch; rows per chunk from its vocabulary, Note [loss chunks]; "
+                "chunked_loss=False for logits)")
+
+
 class _Handle:
     """After unpickling: removes this region's hooks from the model's hook dicts."""
 
@@ -313,7 +407,8 @@ _logged: set = set()
 
 
 def attach(model: nn.Module, chunked_loss: bool = True) -> Tuple[Optional[LossRegion], str]:
-    """Turn the loss region on for ``model`` where it applies (Note [which HF models]).
+    """Turn the loss region on for ``model`` where it applies (Note [which HF models]; a model
+    with a :data:`FLAG` attribute has it set, :class:`FlagRegion`).
 
     Returns the region (None where it is off) and a line for ``explain``: what runs, or why
     the head and loss stay as they were. A model outside transformers' causal LMs is left
@@ -322,6 +417,12 @@ def attach(model: nn.Module, chunked_loss: bool = True) -> Tuple[Optional[LossRe
     """
     if not chunked_loss:
         return None, "off (chunked_loss=False): the model's own head and loss"
+    if isinstance(getattr(model, FLAG, None), bool):
+        if not available():
+            _warn_missing()  # the model's chunked_cross_entropy calls run unchunked
+        flag = FlagRegion(model)
+        flag.install()
+        return flag, flag.describe()
     reason = unsupported_reason(model)
     if reason is not None:
         if reason.endswith("is not a transformers causal LM"):

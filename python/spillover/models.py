@@ -38,8 +38,9 @@ class GPTConfig:
     dropout: float = 0.0
     attn: str = "explicit"  # one of ATTENTION_KINDS
     # head + loss through torch's chunked linear_cross_entropy (spillover.loss): no
-    # tokens x vocab logits in training. Off by default so that the benches' and tests'
-    # earlier numbers (and bitwise references) stay comparable; the loss bench turns it on.
+    # tokens x vocab logits in training. Off by default: the plain model computes its logits
+    # as users' models do; spillover.wrap turns it on (GPT.spillover_chunked_loss, the
+    # switch spillover.loss.FlagRegion sets) unless wrap(chunked_loss=False).
     chunked_loss: bool = False
 
     def __post_init__(self) -> None:
@@ -109,17 +110,23 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        # read by forward; spillover.wrap sets it (spillover.loss.FLAG)
+        self.spillover_chunked_loss = cfg.chunked_loss
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy loss when ``targets`` is given (with
-        ``cfg.chunked_loss``, computed without the logits: ``spillover.loss``)."""
+        ``spillover_chunked_loss``, from ``cfg.chunked_loss`` and set by ``spillover.wrap``,
+        computed without the logits: ``spillover.loss``)."""
         s = idx.shape[1]
         pos = torch.arange(s, device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for blk in self.blocks:
             x = blk(x)
         x = self.ln_f(x)
-        if targets is not None and self.cfg.chunked_loss:
+        # compiled, the plain loss, as spillover.loss.LossRegion leaves a compiled HF forward:
+        # torch's chunked op breaks the graph
+        if targets is not None and self.spillover_chunked_loss \
+                and not torch.compiler.is_compiling():
             from .loss import chunked_cross_entropy
 
             return chunked_cross_entropy(x, self.head.weight, targets)

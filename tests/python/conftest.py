@@ -52,7 +52,9 @@ def gpt_step(model, batch, ctx=None, outside=True):
 @pytest.fixture
 def tiny_gpt():
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64)
+    # chunked_loss: the loss spillover.wrap gives the model, so the plain reference computes
+    # the same math (wrap(chunked_loss=False) would keep the logits instead)
+    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64, chunked_loss=True)
     return GPT(cfg), synthetic_batch(cfg, batch=4)
 
 

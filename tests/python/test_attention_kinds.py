@@ -50,8 +50,9 @@ def _context(tier, tmp_path, pool_bytes):
 
 def _gpt(attn, dropout=0.0):
     torch.manual_seed(0)
+    # chunked_loss: the loss wrap gives the model, so the plain reference is the same math
     cfg = GPTConfig(vocab=128, d_model=64, n_heads=2, n_layers=2, seq=64, attn=attn,
-                    dropout=dropout)
+                    dropout=dropout, chunked_loss=True)
     return GPT(cfg), synthetic_batch(cfg, batch=2)
 
 

@@ -207,7 +207,9 @@ def test_block_lists_inside_blocks_and_next_to_them():
 
 def _gpt():
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64, dropout=0.1)
+    # chunked_loss: the loss wrap gives the model, so the plain reference is the same math
+    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64, dropout=0.1,
+                    chunked_loss=True)
     return GPT(cfg), synthetic_batch(cfg, batch=4)
 
 

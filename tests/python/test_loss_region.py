@@ -296,7 +296,7 @@ def test_builtin_gpt_chunked_loss():
     torch.manual_seed(0)
     plain = GPT(cfg)
     chunked = copy.deepcopy(plain)
-    chunked.cfg = GPTConfig(**{**cfg.__dict__, "chunked_loss": True})
+    chunked.spillover_chunked_loss = True  # what GPTConfig(chunked_loss=True) starts with
     idx, tgt = synthetic_batch(cfg, 4)
     for m in (plain, chunked):
         m.zero_grad(set_to_none=True)
@@ -344,3 +344,41 @@ def test_peft_lora_under_enable():
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=ATOL)
     close(ref, got)
     assert any("lora_B" in k for k in got)
+
+
+def test_wrap_turns_the_builtin_gpt_loss_region_on_and_unwrap_restores_it():
+    """spillover.wrap sets the built-in GPT's switch (spillover.loss.FlagRegion): the same loss
+    and gradients, within torch's tolerance for the chunked loss, as the plain model, no
+    tokens x vocab tensor saved; explain() names it; unwrap turns it off again;
+    chunked_loss=False leaves the logits."""
+    cfg = GPTConfig(vocab=8192, d_model=64, n_heads=4, n_layers=2, seq=64)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    wrapped = spillover.wrap(copy.deepcopy(plain), policy="full")
+    assert wrapped.spillover_chunked_loss is True
+    assert "chunked linear_cross_entropy" in spillover.explain(wrapped).summary["loss region"]
+    idx, tgt = synthetic_batch(cfg, 4)
+    for m in (plain, wrapped):
+        m.zero_grad(set_to_none=True)
+        m(idx, tgt).backward()
+    close(grads(plain), grads(wrapped))
+    with SavedSizes() as s:
+        wrapped(idx, tgt)
+    assert s.largest < idx.numel() * cfg.vocab // 4
+    spillover.unwrap(wrapped)
+    assert wrapped.spillover_chunked_loss is False
+    kept = spillover.wrap(copy.deepcopy(plain), policy="full", chunked_loss=False)
+    assert kept.spillover_chunked_loss is False
+
+
+def test_a_second_backward_through_the_chunked_loss_names_the_switch():
+    """torch's chunked op runs one backward per forward: retain_graph=True and a second
+    backward raise an error that says how to get the plain loss."""
+    cfg = GPTConfig(vocab=512, d_model=32, n_heads=2, n_layers=1, seq=32)
+    torch.manual_seed(0)
+    model = spillover.wrap(GPT(cfg), policy="full")
+    idx, tgt = synthetic_batch(cfg, 2)
+    loss = model(idx, tgt)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="chunked_loss=False"):
+        loss.backward()

@@ -68,20 +68,22 @@ def _steps(draw):
         if draw(st.booleans()):
             offsets[fam] = draw(st.integers(0, 64)) * MiB
     outside = draw(st.integers(0, 32)) * MiB
+    loss = draw(st.sampled_from([0, 0, 4, 48, 160])) * MiB  # the loss region's transient
     machine = CPU if device == "cpu" else GPU
-    fixed = fixed_modes(regions, machine, outside, offsets)
+    fixed = fixed_modes(regions, machine, outside, offsets, loss)
     hi = max(p for p, _ in fixed.values())
     budget = draw(st.integers(0, hi + 64 * MiB))
-    return regions, machine, outside, offsets, budget
+    return regions, machine, outside, offsets, budget, loss
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_steps())
 def test_auto_is_never_beaten_by_a_fixed_mode(step):
-    regions, machine, outside, offsets, budget = step
-    fixed = fixed_modes(regions, machine, outside, offsets)
+    regions, machine, outside, offsets, budget, loss = step
+    fixed = fixed_modes(regions, machine, outside, offsets, loss)
     assert "none" in fixed and "full" in fixed
-    plan = make_plan(copy.deepcopy(regions), machine, budget, outside, dict(offsets))
+    plan = make_plan(copy.deepcopy(regions), machine, budget, outside, dict(offsets),
+                     loss_bytes=loss)
     peak = plan.model_peak + (plan.peak_offset or 0)
     seconds = plan.recompute_seconds + plan.transfer_seconds
     fitting = {m: v for m, v in fixed.items() if v[0] <= budget}
@@ -100,14 +102,16 @@ def test_auto_is_never_beaten_by_a_fixed_mode(step):
 def test_search_is_a_pure_function(step):
     """Determinism: the same records, rates, budget and offsets give the same plan; a larger
     budget never gives a plan that needs more time."""
-    regions, machine, outside, offsets, budget = step
-    a = make_plan(copy.deepcopy(regions), machine, budget, outside, dict(offsets))
-    b = make_plan(copy.deepcopy(regions), machine, budget, outside, dict(offsets))
+    regions, machine, outside, offsets, budget, loss = step
+    a = make_plan(copy.deepcopy(regions), machine, budget, outside, dict(offsets),
+                  loss_bytes=loss)
+    b = make_plan(copy.deepcopy(regions), machine, budget, outside, dict(offsets),
+                  loss_bytes=loss)
     assert [(r.mode, r.actions) for r in a.regions] == [(r.mode, r.actions) for r in b.regions]
     assert (a.model_peak, a.recompute_seconds, a.transfer_seconds) == (
         b.model_peak, b.recompute_seconds, b.transfer_seconds)
     more = make_plan(copy.deepcopy(regions), machine, budget + 256 * MiB, outside,
-                     dict(offsets))
+                     dict(offsets), loss_bytes=loss)
     if a.fits:
         assert more.fits
         assert (more.recompute_seconds + more.transfer_seconds
@@ -161,6 +165,53 @@ def test_a_plain_region_counts_its_backward():
     recs = _step()
     plain = make_plan(recs, CPU, budget=10 << 30, outside_bytes=16 * MiB, peak_offset=0)
     assert plain.variant == "plain" and plain.model_peak == plain.plain_bytes + 128 * MiB
+
+
+def test_the_loss_region_counts_in_the_planned_peak():
+    """Note [loss transient]: the loss region's backward runs first, on top of what the step
+    holds after forward; a plan counts it, and one that fit without it moves down."""
+    from test_planner import _step
+
+    plain = make_plan(_step(), CPU, budget=10 << 30, outside_bytes=16 * MiB, peak_offset=0,
+                      loss_bytes=300 * MiB)
+    assert plain.variant == "plain" and plain.model_peak == plain.plain_bytes + 300 * MiB
+    # under the 128 MiB softmax gradient of the plain tail, the larger of the two counts
+    small = make_plan(_step(), CPU, budget=10 << 30, outside_bytes=16 * MiB, peak_offset=0,
+                      loss_bytes=8 * MiB)
+    assert small.model_peak == small.plain_bytes + 128 * MiB
+    without = make_plan(_step(), CPU, budget=900 * MiB, outside_bytes=16 * MiB, peak_offset=0)
+    counted = make_plan(_step(), CPU, budget=900 * MiB, outside_bytes=16 * MiB, peak_offset=0,
+                        loss_bytes=256 * MiB)
+    assert without.fits and counted.fits and counted.model_peak <= 900 * MiB
+    assert counted.planned_bytes < without.planned_bytes
+    assert learning_peak(_step(), CPU, 16 * MiB, loss_bytes=512 * MiB) > learning_peak(
+        _step(), CPU, 16 * MiB)
+
+
+def test_auto_learns_the_loss_region_of_a_wrapped_model():
+    """wrap(policy="auto") on the built-in GPT turns its chunked loss on; the learning step
+    reports the loss's transient (one fp32 logits chunk + the hidden states' gradient) to the
+    planner, and explain() shows it in the planned peak."""
+    from spillover.loss import chunk_rows
+    from spillover.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab=4096, d_model=64, n_heads=4, n_layers=2, seq=64)
+    model = spillover.wrap(GPT(cfg), policy="auto", budget_bytes="1GiB")
+    batch = synthetic_batch(cfg, batch=4)
+    for _ in range(2):
+        gpt_step(model, batch)
+    planner = model._spillover_state.policy.planner
+    tokens = 4 * cfg.seq
+    assert planner.loss_bytes == min(chunk_rows(cfg.vocab), tokens) * cfg.vocab * 4 \
+        + tokens * cfg.d_model * 4
+    ex = spillover.explain(model)
+    assert ex.summary["loss region in the peak"] == spillover.config.format_size(
+        planner.loss_bytes)
+    # chunked_loss=False: no loss region, nothing counted
+    plain = spillover.wrap(GPT(cfg), policy="auto", budget_bytes="1GiB", chunked_loss=False)
+    for _ in range(2):
+        gpt_step(plain, batch)
+    assert plain._spillover_state.policy.planner.loss_bytes == 0
 
 
 # ---- the learning step runs the most frugal way (real runs) -----------------------------------

@@ -251,13 +251,16 @@ def test_random_and_inplace_ops(tier, private_pool_bytes):
 def test_retain_graph_and_double_backward(tiny_gpt, private_pool_bytes):
     base, batch = tiny_gpt
     idx, tgt = batch
+    # torch's chunked loss runs one backward per forward (test_loss_region.py): the plain one
+    base = copy.deepcopy(base)
+    base.spillover_chunked_loss = False
     for policy in ("selective16", "callable", "auto"):
         ref_m = copy.deepcopy(base)
         loss = ref_m(idx, tgt)
         loss.backward(retain_graph=True)
         loss.backward()
         ref = grads(ref_m)
-        model = _wrapped(base, policy)
+        model = _wrapped(base, policy, chunked_loss=False)
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             with _ctx("host", private_pool_bytes):
@@ -443,7 +446,8 @@ def test_gpt_gradients_bitwise_on_cuda(policy, tier):
     """On the device: saved outputs go D2H through the context and come back H2D in recompute."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=256, d_model=256, n_heads=8, n_layers=3, seq=256)
+    cfg = GPTConfig(vocab=256, d_model=256, n_heads=8, n_layers=3, seq=256,
+                    chunked_loss=True)  # the loss wrap gives it: the reference's math too
     base = GPT(cfg).cuda()
     batch = synthetic_batch(cfg, batch=4, device="cuda")
     ref = gpt_step(base, batch)

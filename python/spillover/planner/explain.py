@@ -57,8 +57,11 @@ def explain_records(
     machine: Optional[Machine],
     plan: Optional[Plan] = None,
     outside_bytes: int = 0,
+    loss_bytes: int = 0,
 ) -> Explanation:
-    """Group a step's op records by (op, output shape, decision), with bytes and costs."""
+    """Group a step's op records by (op, output shape, decision), with bytes and costs;
+    ``loss_bytes``: what the chunked loss region adds when backward starts, counted in the
+    plan's peak (Note [loss transient] in spillover/loss.py)."""
     groups: Dict[Tuple[str, Tuple[int, ...], str, str], Dict[str, Any]] = {}
     for ri, r in enumerate(records):
         # A plan's records carry its decisions, not what the runtime then skips.
@@ -120,6 +123,13 @@ def explain_records(
             "est. exposed transfer per step": _ms(plan.transfer_seconds),
             "note": plan.note,
         })
+        if plan.model_peak:
+            summary["planned peak"] = format_size(plan.model_peak + (plan.peak_offset or 0)) + (
+                "" if plan.peak_offset is None else
+                f" (model {format_size(plan.model_peak)} + measured offset "
+                f"{format_size(plan.peak_offset)})")
+        if loss_bytes:
+            summary["loss region in the peak"] = format_size(loss_bytes)
     else:
         modes = collections.Counter(r.mode for r in records)
         if modes.get("full"):

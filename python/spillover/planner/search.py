@@ -71,6 +71,7 @@ def make_plan(
     outside_bytes: int = 0,
     peak_offset: Optional[int | Dict[str, int]] = None,
     kinds: Sequence[str] = KINDS,
+    loss_bytes: int = 0,
 ) -> Plan:
     """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
 
@@ -84,7 +85,8 @@ def make_plan(
     themselves, and returns the :class:`Plan` the next steps follow. ``kinds`` are the variants
     tried for the regions not run plainly at the end: op by op without offloading
     ("checkpoint"), with it ("checkpoint+offload"), or all run plainly with the offload context
-    taking what they save ("plain-offload").
+    taking what they save ("plain-offload"). ``loss_bytes``: what the loss region adds when
+    backward starts (Note [loss transient] in spillover/loss.py), counted in peak budgets.
     """
     plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
     full = outside_bytes + sum(r.input_bytes for r in regions)
@@ -101,8 +103,12 @@ def make_plan(
                  and regions[0].offload and regions[0].device == "cpu" else 0)
 
     def grad_of(tail: List[RegionRecord]) -> int:
-        """What the backward of regions run plainly adds (Note [plain backward])."""
-        return max((o.bytes for r in tail for o in r.ops if o.needed), default=0) if peak else 0
+        """What the backward of regions run plainly adds (Note [plain backward]), or the loss
+        region's transient before it, whichever is more."""
+        if not peak:
+            return 0
+        return max(loss_bytes, max((o.bytes for r in tail for o in r.ops if o.needed),
+                                   default=0))
 
     def all_plain(fits: bool, note: str = "") -> Plan:
         for r in regions:
@@ -142,6 +148,7 @@ def make_plan(
             if kind == "plain-offload" and not g.use_offload:
                 continue  # the context frees nothing here (a CPU host's host tier)
             g.bwd = g.rebuilt_bytes() if peak else 0
+            g.loss_bytes = loss_bytes if peak else 0
             # The plain tail's backward comes first and frees it before the others rebuild.
             g.budget = budget - off(kind) - (max(plain_tail + tail_grad, g.bwd) if peak
                                              else plain_tail)
@@ -150,7 +157,8 @@ def make_plan(
             g.kind = kind + (f", last {k} plain" if k else "")
             variants.append(g)
     if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
-        return make_plan(regions, machine, budget, outside_bytes, peak_offset)
+        return make_plan(regions, machine, budget, outside_bytes, peak_offset,
+                         loss_bytes=loss_bytes)
     fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
     best = (min(fitting, key=lambda v: (v.recompute + v.transfer, v.peak)) if fitting
             else min(variants, key=lambda v: v.peak + off(v.kind)))
@@ -302,7 +310,8 @@ FIXED_MODES = ("none", "full", "offload")
 
 
 def fixed_modes(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0,
-                peak_offset: Optional[Dict[str, int]] = None) -> Dict[str, Tuple[int, float]]:
+                peak_offset: Optional[Dict[str, int]] = None,
+                loss_bytes: int = 0) -> Dict[str, Tuple[int, float]]:
     """The modeled (peak + offset, seconds per step) of each fixed mode that can run here, for
     the records of one step, counted as :func:`make_plan` counts its variants: a plan it makes
     should not be beaten on both by one of them. Pure: the records are not changed."""
@@ -319,16 +328,18 @@ def fixed_modes(regions: List[RegionRecord], machine: Machine, outside_bytes: in
             if not _PlainOffload(recs, machine, 0, outside_bytes, ctx, host, True).use_offload:
                 continue  # no context, or one that frees nothing here
         if mode == "none":
-            plan = make_plan(recs, machine, 1 << 62, outside_bytes, offsets)
+            plan = make_plan(recs, machine, 1 << 62, outside_bytes, offsets,
+                             loss_bytes=loss_bytes)
         else:
-            plan = make_plan(recs, machine, budget, outside_bytes, offsets, kinds=kinds)
+            plan = make_plan(recs, machine, budget, outside_bytes, offsets, kinds=kinds,
+                             loss_bytes=loss_bytes)
         out[mode] = (plan.model_peak + (plan.peak_offset or 0),
                      plan.recompute_seconds + plan.transfer_seconds)
     return out
 
 
 def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: int = 0,
-                  kind: str = "checkpoint") -> int:
+                  kind: str = "checkpoint", loss_bytes: int = 0) -> int:
     """The modeled peak of a learning step, counted as the plans' are (Note [peak feedback]):
     inputs and the rest of the model held (where the context puts them), + the largest region
     rebuilt (``kind`` "checkpoint": every region recomputed in full) or the largest tensors
@@ -343,6 +354,7 @@ def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: 
         g = Costs(regions, machine, 0, outside_bytes, ctx, host, False)
         g.kept = 0
     g.bwd = g.rebuilt_bytes()
+    g.loss_bytes = loss_bytes
     return g.peak
 
 

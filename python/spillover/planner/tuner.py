@@ -106,6 +106,8 @@ class Planner:
         self._all_learned = True
         self._backward_seen = False
         self.outside_bytes = 0
+        # what the loss region adds when backward starts (Note [loss transient], loss.py)
+        self.loss_bytes = 0
         # Note [peak feedback]
         self.measure_peak = measure_peak
         self._meter: Optional[Any] = None
@@ -165,7 +167,7 @@ class Planner:
                 self.peak_offsets = {}
                 if peak is not None:
                     off = peak - learning_peak(recs, self.machine(recs[0].device),
-                                               self.outside_bytes, kind)
+                                               self.outside_bytes, kind, self.loss_bytes)
                     self.peak_offsets[family(kind)] = off
                     self.peak_offsets["learning"] = off  # for the families not measured yet
                 self._make_plan(recs)
@@ -310,7 +312,8 @@ class Planner:
             # nothing measured: the modeled peak alone, or (measure_peak=False) held bytes
             offsets = {"learning": 0} if self.measure_peak else None
         self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
-                              self.outside_bytes, peak_offset=offsets, kinds=kinds)
+                              self.outside_bytes, peak_offset=offsets, kinds=kinds,
+                              loss_bytes=self.loss_bytes)
         self.planned_records = recs
         self.replans += 1
 

@@ -94,12 +94,14 @@ class _WrapState:
         # the loss region (spillover/loss.py): its hooks, and the line explain() shows
         self.loss_region: Any = None
         self.loss_line: Optional[str] = None
+        self.loss_scope: Any = None  # what loss.end_scope restores, while a forward runs
 
     def __getstate__(self) -> Dict[str, Any]:
         # Note [pickling a wrapped model]: not a forward's counting hooks, nor the key a
         # SelectivePolicy learned this model's blocks under (an id in this process).
         state = dict(self.__dict__)
         state["counting"] = None
+        state["loss_scope"] = None
         state.pop("_selective_key", None)
         return state
 
@@ -112,15 +114,25 @@ class _WrapState:
         if self.step_records:
             self.records = self.step_records
         self.step_records = []
+        from .. import loss as _loss
+
+        if self.loss_scope is None:  # Note [loss transient]: what the loss adds
+            self.loss_scope = _loss.begin_scope()
         if self.policy.begin_step():
             self.counting = _CountingHooks(model)
             self.counting.hooks.__enter__()
 
     def post_forward(self, model: nn.Module, args: Any, out: Any) -> None:
+        loss_bytes = 0
+        if self.loss_scope is not None:
+            from .. import loss as _loss
+
+            scope, self.loss_scope = self.loss_scope, None
+            loss_bytes = _loss.end_scope(scope)
         if self.counting is not None:
             c, self.counting = self.counting, None
             c.hooks.__exit__(None, None, None)
-            self.policy.end_step(c.bytes)
+            self.policy.end_step(c.bytes, loss_bytes)
 
     def last_records(self) -> List[RegionRecord]:
         return self.step_records or self.records

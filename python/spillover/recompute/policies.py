@@ -89,10 +89,10 @@ class RegionPolicy(abc.ABC):
         model saves outside its regions during it, for :meth:`end_step`."""
         return False
 
-    def end_step(self, outside_bytes: int) -> None:
-        """The forward :meth:`begin_step` asked to count has ended."""
+    def end_step(self, outside_bytes: int, loss_bytes: int = 0) -> None:
+        """The forward :meth:`begin_step` asked to count has ended; ``loss_bytes``: what its
+        chunked loss region adds when backward starts (Note [loss transient], loss.py)."""
         return None
-
 
 def _sac(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
          context_fn: Callable[[], Tuple[Any, Any]]) -> Any:
@@ -393,7 +393,8 @@ class _Auto(RegionPolicy):
         device = recs[0].device if recs else "cpu"
         m = machine or (planner.machine(device) if recs else None)
         policy = "auto" + ("" if planner.plan is not None else " (learning: no plan yet)")
-        ex = _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes)
+        ex = _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes,
+                                      planner.loss_bytes)
         if planner.plan is not None:
             ex.summary["phase"] = planner.phase.value + (
                 f", last measured peak {format_size(planner.last_peak)}"
@@ -409,9 +410,9 @@ class _Auto(RegionPolicy):
         self.planner.begin_step()
         return self.planner.learning
 
-    def end_step(self, outside_bytes: int) -> None:
+    def end_step(self, outside_bytes: int, loss_bytes: int = 0) -> None:
         self.planner.outside_bytes = outside_bytes
-
+        self.planner.loss_bytes = loss_bytes
     def __repr__(self) -> str:
         return "'auto'"
 
