@@ -372,7 +372,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
     names = ["none"] + [m for m in names if m != "none"]  # the reference comes first
     cfg_kw, batch = SIZES[args.size]
-    cfg = GPTConfig(**cfg_kw, attn=args.attn)
+    # The head and loss through torch's chunked linear_cross_entropy in every mode, "none"
+    # included: the loss spillover.wrap gives the model (spillover.loss), so that each mode's
+    # gradients can be bitwise those of the same math without spillover.
+    cfg = GPTConfig(**cfg_kw, attn=args.attn, chunked_loss=True)
     torch.manual_seed(0)
     base = GPT(cfg)
     nparams = sum(p.numel() for p in base.parameters())
@@ -384,7 +387,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     swapdir = tempfile.mkdtemp(prefix="spillover-demo-swap-")
     print(f"spillover demo: GPT {cfg.n_layers} layers, d_model {cfg.d_model}, seq {cfg.seq}, "
           f"{cfg.attn} attention, batch {batch}, {nparams / 1e6:.1f}M params, on {device}; "
-          f"{steps} steps per mode (the first is warm-up)", flush=True)
+          f"{steps} steps per mode (the first is warm-up); head + loss by torch's chunked "
+          "linear_cross_entropy in every mode (no logits)", flush=True)
     for n in names:
         print(f"  {n:<9} {MODES[n]}")
     if args.modes is None and device.type != "cuda":
