@@ -12,7 +12,7 @@ of the whole step (forward + backward) and the median step time.
   median over rounds with the spread.
 
     python benches/python/loss_bench.py [--rounds 2 --inner 2] [--layers 4 --d-model 256
-        --vocab 32768 --batch 2 --seq 1024] [--modes none,hf-ckpt,wrap-full,wrap-full-plain]
+        --vocab 32768 --batch 2 --seq 1024] [--modes none,hf-ckpt,hf-ckpt-cl,wrap-full,...]
 
     smoke test: python benches/python/loss_bench.py --layers 1 --d-model 64 --vocab 4096 \
         --seq 128 --rounds 1 --inner 1
@@ -20,8 +20,19 @@ of the whole step (forward + backward) and the median step time.
 Modes:
   none             the plain model
   hf-ckpt          HF's own gradient checkpointing (gradient_checkpointing_enable, non-reentrant)
+  hf-ckpt-cl       hf-ckpt with the head and loss by torch's chunked linear_cross_entropy,
+                   called by hand on the decoder's hidden states (HF's label shift), at the
+                   same rows per chunk as spillover's (Note [loss chunks]): the best a user
+                   assembles from torch and transformers alone
   wrap-full        spillover.wrap(model, policy="full"): its chunked loss region on (default)
   wrap-full-plain  spillover.wrap(model, policy="full", chunked_loss=False): HF's head and loss
+  wrap-full-nvme   wrap-full, each step under offload_context("nvme", host_pool_bytes=64 MiB)
+                   (the pool counts in the peak: on a CPU host it is this RAM)
+  trainer          transformers.Trainer (AdamW, --inner + 1 steps, batch --batch) over the
+                   model under spillover.integrations.hf.enable(policy="full") with
+                   SpilloverCallback(tier="nvme", 64 MiB pool): peak over the whole
+                   train() (optimizer state included), time = median step after the first
+  trainer-plain    the same with hf.enable(..., chunked_loss=False): HF's head and loss
 """
 
 from __future__ import annotations
@@ -36,7 +47,9 @@ import tempfile
 import time
 import warnings
 
-MODES = ("none", "hf-ckpt", "wrap-full", "wrap-full-plain")
+MODES = ("none", "hf-ckpt", "hf-ckpt-cl", "wrap-full", "wrap-full-plain", "wrap-full-nvme",
+         "trainer", "trainer-plain")
+POOL = "64MiB"
 
 
 def build(args, mode):
@@ -54,13 +67,17 @@ def build(args, mode):
     model = transformers.LlamaForCausalLM(cfg).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if mode == "hf-ckpt":
+        if mode in ("hf-ckpt", "hf-ckpt-cl"):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif mode == "wrap-full":
+        elif mode in ("wrap-full", "wrap-full-nvme"):
             spillover.wrap(model, policy="full")
         elif mode == "wrap-full-plain":
             spillover.wrap(model, policy="full", chunked_loss=False)
+        elif mode in ("trainer", "trainer-plain"):
+            from spillover.integrations import hf
+
+            hf.enable(model, policy="full", chunked_loss=mode == "trainer")
         elif mode != "none":
             raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     g = torch.Generator().manual_seed(1)
@@ -68,34 +85,106 @@ def build(args, mode):
     return model, ids
 
 
-def step(model, ids):
+def step(model, ids, mode, swap=None):
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    import spillover
+    from spillover.loss import chunk_rows
+
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return float(out.loss.detach())
+    if mode == "hf-ckpt-cl":
+        h = model.model(input_ids=ids).last_hidden_state
+        w = model.lm_head.weight
+        opts = nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows(w.shape[0]),
+                                            chunking_method=None)
+        loss = F.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), w,
+                                      ids[:, 1:].reshape(-1), options=opts)
+    elif mode == "wrap-full-nvme":
+        with spillover.offload_context("nvme", host_pool_bytes=POOL, nvme_path=swap):
+            loss = model(input_ids=ids, labels=ids).loss
+    else:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(torch.as_tensor(loss).detach())
+
+
+def train(args, model, ids, swap, steps):
+    """transformers.Trainer over ``steps`` steps with SpilloverCallback; the step times."""
+    import time as _time
+
+    import transformers
+
+    from spillover.integrations.hf import SpilloverCallback
+
+    class Clock(transformers.TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self.t = _time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(_time.perf_counter() - self.t)
+
+    data = [{"input_ids": row, "labels": row} for row in ids] * steps
+    clock = Clock()
+    targs = transformers.TrainingArguments(
+        output_dir=swap, max_steps=steps, per_device_train_batch_size=ids.shape[0],
+        learning_rate=1e-4, report_to=[], save_strategy="no", logging_strategy="no",
+        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    cb = SpilloverCallback(tier="nvme", host_pool_bytes=POOL, nvme_path=swap)
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=data,
+                                   callbacks=[cb, clock])
+    trainer.train()
+    return clock.times
 
 
 def child(args):
     from spillover._peak import high_water, reset_high_water, rss
 
-    model, ids = build(args, args.child)
-    loss = step(model, ids)  # warm-up: lazy inits, first allocations
-    res = {"mode": args.child, "loss": loss}
+    mode = args.child
+    model, ids = build(args, mode)
+    swap = tempfile.mkdtemp(prefix="spillover-loss-bench-")
+    if mode.startswith("trainer"):
+        # the whole train(): model built, optimizer state and the NVMe pool made inside it
+        base = rss()
+        reset_high_water()
+        times = train(args, model, ids, swap, args.inner + 1)
+        res = {"mode": mode, "loss": float("nan"), "time": statistics.median(times[1:])}
+        if args.phase == "mem":
+            res["peak"] = high_water() - base
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+        return
+    loss = step(model, ids, mode, swap)  # warm-up: lazy inits, first allocations
+    res = {"mode": mode, "loss": loss}
     if args.phase == "mem":
         model.zero_grad(set_to_none=True)
         base = rss()
         reset_high_water()
-        step(model, ids)
+        step(model, ids, mode, swap)
         res["peak"] = high_water() - base
+        if mode == "wrap-full-nvme":
+            res["peak"] += spillover_pool_bytes()  # pre-faulted RAM, charged in full
     else:
         times = []
         for _ in range(args.inner):
             t = time.perf_counter()
-            step(model, ids)
+            step(model, ids, mode, swap)
             times.append(time.perf_counter() - t)
         res["time"] = statistics.median(times)
     with open(args.json, "w") as f:
         json.dump(res, f)
+
+
+def spillover_pool_bytes():
+    """The NVMe context's pool: made when the first context opened (in the warm-up step, before
+    the measured step's baseline) and kept for the process, so RSS growth misses it."""
+    from spillover.config import parse_size
+
+    return parse_size(POOL)
 
 
 def run_child(args, mode, phase):

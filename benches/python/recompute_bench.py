@@ -25,7 +25,7 @@ peak memory of the whole step and step time, per mode, same run. For each kind i
     python benches/python/recompute_bench.py [--layers 6 --d-model 512 --heads 8 --seq 1024
         --batch 4] [--attn explicit|sdpa|both] [--steps 3]
         [--modes none,torch-full,torch-sac,full,selective,offload-nvme,auto]
-        [--pool 64MiB] [--auto-pool 32MiB] [--explain] [--json-out results.json]
+        [--pool 64MiB] [--auto-pool 32MiB] [--vocab 8192] [--explain] [--json-out PATH]
 
     smoke test (about a minute, mostly imports):
     python benches/python/recompute_bench.py --layers 2 --d-model 64 --heads 2 --seq 64 \
@@ -41,6 +41,12 @@ Modes:
                 torch's full checkpointing, the reference of the "x torch-full" columns
   torch-sac     torch's own selective checkpointing, saving every matmul output (and, with
                 sdpa, the attention kernel's outputs); what `selective` should beat
+  torch-full-cl (not run by default) torch-full with the head and loss by torch's chunked
+                linear_cross_entropy at spillover's rows per chunk: the best a user assembles
+                from torch alone
+  The torch modes run the model as written: its head makes the tokens x vocab logits. Every
+  spillover mode goes through spillover.wrap, which gives the model its chunked loss region
+  (no logits; spillover.loss), and auto counts that region in the peak it plans.
   full          spillover.wrap(policy="full"): each block saves only its input
   selective     spillover.wrap(policy="selective")
   offload-nvme  spillover.wrap(policy="offload") under offload_context("nvme", pool --pool)
@@ -84,6 +90,7 @@ from spillover._peak import reset_high_water as reset_peak_rss
 from spillover._peak import rss
 from spillover.config import format_size
 from spillover.demo import PEAK_MARGIN, TIME_MARGIN
+from spillover.loss import chunk_rows
 from spillover.models import ATTENTION_KINDS, GPT, GPTConfig, synthetic_batch
 
 _libc = ctypes.CDLL("libc.so.6")
@@ -103,8 +110,8 @@ SDPA_OPS = tuple(
 SAC_SAVED = MATMULS + SDPA_OPS
 
 DEFAULT_MODES = "none,torch-full,torch-sac,full,selective,offload-nvme,auto"
-ALL_MODES = DEFAULT_MODES.split(",") + ["auto-sel"]
-TORCH_MODES = ("none", "torch-full", "torch-sac")  # the plain model, no spillover
+ALL_MODES = DEFAULT_MODES.split(",") + ["auto-sel", "torch-full-cl"]
+TORCH_MODES = ("none", "torch-full", "torch-sac", "torch-full-cl")  # no spillover
 WRAP_POLICY = {"full": "full", "selective": "selective", "offload-nvme": "offload"}
 AUTO_MODES = ("auto", "auto-sel")
 
@@ -114,15 +121,22 @@ def _sac_policy(ctx, op, *args, **kwargs):
 
 
 def torch_checkpoint_forward(model: GPT, idx: torch.Tensor, tgt: torch.Tensor,
-                             selective: bool) -> torch.Tensor:
+                             selective: bool, chunked: bool = False) -> torch.Tensor:
     """The model's forward with each block under torch.utils.checkpoint (non-reentrant): full
-    checkpointing, or with `selective` torch's SAC saving SAC_SAVED's outputs."""
+    checkpointing, or with `selective` torch's SAC saving SAC_SAVED's outputs; `chunked`: the
+    head and loss by torch's linear_cross_entropy (spillover's chunk rows, no logits)."""
     x = model.tok(idx) + model.pos(torch.arange(idx.shape[1]))
     kw = {}
     if selective:
         kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
     for blk in model.blocks:
         x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False, **kw)
+    if chunked:
+        w = model.head.weight
+        opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows(w.shape[0]),
+                                                  chunking_method=None)
+        return torch.nn.functional.linear_cross_entropy(
+            model.ln_f(x).flatten(0, 1), w, tgt.flatten(), options=opts)
     logits = model.head(model.ln_f(x))
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
 
@@ -141,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192,
+                    help="vocabulary (the loss region: tokens x vocab logits without spillover)")
     ap.add_argument("--attn", choices=(*ATTENTION_KINDS, "both"), default="both",
                     help="attention kind; both: the whole table for each, one after the other")
     ap.add_argument("--steps", type=int, default=3,
@@ -175,7 +191,7 @@ def measure(args: argparse.Namespace) -> None:
     elif args.allocator == "cached":
         _libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: every allocation from the heap
         _libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never give freed memory back
-    cfg = GPTConfig(vocab=2048, d_model=args.d_model, n_heads=args.heads,
+    cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
                     n_layers=args.layers, seq=args.seq, attn=args.attn)
     torch.manual_seed(0)
     base = GPT(cfg)
@@ -223,8 +239,9 @@ def measure(args: argparse.Namespace) -> None:
         if ctx is not None:
             with ctx:
                 loss = model(idx, tgt)
-        elif mode in ("torch-full", "torch-sac"):
-            loss = torch_checkpoint_forward(model, idx, tgt, selective=mode == "torch-sac")
+        elif mode in ("torch-full", "torch-sac", "torch-full-cl"):
+            loss = torch_checkpoint_forward(model, idx, tgt, selective=mode == "torch-sac",
+                                            chunked=mode == "torch-full-cl")
         else:
             loss = model(idx, tgt)
         held = rss() - before  # copies still in flight hold their sources: counted
@@ -325,7 +342,8 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
     """Both phases for one attention kind; prints its table and checks; returns the results."""
     modes = args.modes.split(",")
     shape = ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads",
-             str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch), "--attn",
+             str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch), "--vocab",
+             str(args.vocab), "--attn",
              attn, "--pool", args.pool, "--auto-pool", args.auto_pool, "--allocator",
              args.allocator]
     print(f"\n### attention {attn}", flush=True)
@@ -351,7 +369,7 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
     base_t, base_m = med.get("none", nan)
     full_t, full_m = med.get("torch-full", nan)
     print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
-          f"{args.batch}, fp32, attention {attn}, CPU ({torch.get_num_threads()} threads); "
+          f"{args.batch}, vocab {args.vocab}, fp32, attention {attn}, CPU ({torch.get_num_threads()} threads); "
           f"medians of {args.steps} rounds, allocator {args.allocator}")
     print(f"{'':<13} {'':>7} {'':>11} {'time':>7} {'':>12} {'':>9} {'peak':>7} {'':>12}")
     head = ("mode", "step s", "spread", "x none", "x torch-full", "peak MiB", "x none",
