@@ -369,7 +369,8 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
     base_t, base_m = med.get("none", nan)
     full_t, full_m = med.get("torch-full", nan)
     print(f"\nGPT {args.layers}x{args.d_model}, {args.heads} heads, seq {args.seq}, batch "
-          f"{args.batch}, vocab {args.vocab}, fp32, attention {attn}, CPU ({torch.get_num_threads()} threads); "
+          f"{args.batch}, vocab {args.vocab}, fp32, attention {attn}, CPU "
+          f"({torch.get_num_threads()} threads); "
           f"medians of {args.steps} rounds, allocator {args.allocator}")
     print(f"{'':<13} {'':>7} {'':>11} {'time':>7} {'':>12} {'':>9} {'peak':>7} {'':>12}")
     head = ("mode", "step s", "spread", "x none", "x torch-full", "peak MiB", "x none",
