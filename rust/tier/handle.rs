@@ -1,6 +1,6 @@
 //! The tier's handles: [`Step`] (one forward and its backward), [`Handle`] (an entry) and
 //! [`View`] (bytes that stay where they are while it lives). The transitions they drive live
-//! in the parent module (Note [residency]).
+//! in `transitions.rs`, `room.rs` and `unpack.rs` (Note [residency] in `mod.rs`).
 
 use std::sync::Arc;
 
