@@ -25,6 +25,7 @@ from spillover.planner import (
     learning_peak,
     make_plan,
 )
+from spillover.planner.search import TIME_SLACK
 
 MiB = 1 << 20
 CPU = Machine({"float32": 1e11}, 5e9, 1e10, 1e10, 2e9, 2e9)
@@ -87,10 +88,15 @@ def test_auto_is_never_beaten_by_a_fixed_mode(step):
     peak = plan.model_peak + (plan.peak_offset or 0)
     seconds = plan.recompute_seconds + plan.transfer_seconds
     fitting = {m: v for m, v in fixed.items() if v[0] <= budget}
+    # Note [near ties go to memory]: on a CPU host a plan may be this much slower than the
+    # fastest fitting mode, for a lower peak
+    slack = TIME_SLACK * 3 * sum(machine.op_seconds(o) for r in regions for o in r.ops) \
+        if regions[0].device == "cpu" else 0.0
     if plan.fits:
         assert peak <= budget
-        for mode, (_p, t) in fitting.items():
-            assert seconds <= t * (1 + 1e-9) + 1e-12, (mode, seconds, t, plan.variant)
+        for mode, (p, t) in fitting.items():
+            assert seconds <= t * (1 + 1e-9) + 1e-12 or peak < p, (mode, seconds, t, peak, p)
+            assert seconds <= t * (1 + 1e-9) + slack + 1e-12, (mode, seconds, t, plan.variant)
     else:
         # nothing fits: the least peak there is, and no fixed mode fits either
         assert not fitting
