@@ -5,8 +5,9 @@ which it frees bytes.
 Note [near ties go to memory]
     Among the variants that fit, the fastest by the model wins, unless, on a CPU host, one that
     peaks lower is modeled within ``TIME_SLACK`` of the step's compute of it: then the lowest
-    peak among those wins (on a GPU the fastest alone: nothing measured there says otherwise). The model's seconds are a few percent off on a CPU host, and in the direction that
-    matters here: holding more is not free there (every large tensor is a fresh page-faulted
+    peak among those wins (on a GPU the fastest alone: nothing measured there says
+    otherwise). The model's seconds are a few percent off on a CPU host, and in the direction
+    that matters here: holding more is not free there (every large tensor is a fresh page-faulted
     mapping under glibc's default), while copies into the pool's pre-faulted blocks and NVMe
     writes overlap compute. Measured on the CPU GPT (6x512, seq 1024, batch 4, vocab 8192,
     sdpa, budget = torch's full checkpointing's peak, 448 MiB): the plan modeled fastest
