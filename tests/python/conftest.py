@@ -49,13 +49,24 @@ def gpt_step(model, batch, ctx=None, outside=True):
     return grads(model)
 
 
+def _tiny_gpt(chunked_loss):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64,
+                    chunked_loss=chunked_loss)
+    return GPT(cfg), synthetic_batch(cfg, batch=4)
+
+
 @pytest.fixture
 def tiny_gpt():
-    torch.manual_seed(0)
-    # chunked_loss: the loss spillover.wrap gives the model, so the plain reference computes
-    # the same math (wrap(chunked_loss=False) would keep the logits instead)
-    cfg = GPTConfig(vocab=128, d_model=64, n_heads=4, n_layers=2, seq=64, chunked_loss=True)
-    return GPT(cfg), synthetic_batch(cfg, batch=4)
+    """The plain model: its head makes the logits, which the offload context then takes."""
+    return _tiny_gpt(False)
+
+
+@pytest.fixture
+def tiny_gpt_cl():
+    """For models spillover.wrap wraps: the chunked loss wrap gives the model, so that the plain
+    reference computes the same math (wrap(chunked_loss=False) keeps the logits instead)."""
+    return _tiny_gpt(True)
 
 
 def clone_model(m):

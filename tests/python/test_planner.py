@@ -179,8 +179,8 @@ def test_cpu_host_tier_frees_nothing_but_nvme_does():
     assert plan.planned_bytes >= 64 * MiB  # the pool is this host's memory: it counts
 
 
-def test_learns_plans_and_replans_on_shape_change(tiny_gpt):
-    base, batch = tiny_gpt
+def test_learns_plans_and_replans_on_shape_change(tiny_gpt_cl):
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     idx, tgt = batch
     short = (idx[:, :32].contiguous(), tgt[:, :32].contiguous())
@@ -202,8 +202,8 @@ def test_learns_plans_and_replans_on_shape_change(tiny_gpt):
     assert planner.replans == 2
 
 
-def test_plan_respects_the_budget_on_a_real_model(tiny_gpt):
-    base, batch = tiny_gpt
+def test_plan_respects_the_budget_on_a_real_model(tiny_gpt_cl):
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     probe = Planner(budget_bytes=1, machine=CPU)
     m = spillover.wrap(copy.deepcopy(base), policy=probe)
@@ -281,10 +281,10 @@ def test_calibration_is_cached(tmp_path, monkeypatch, capsys):
     assert calibrate.load() is not None
 
 
-def test_learned_bytes_match_what_autograd_saves(tiny_gpt):
+def test_learned_bytes_match_what_autograd_saves(tiny_gpt_cl):
     """A learning step records exactly what each region would hold run plainly (the storages
     autograd saves), though freed storages' addresses are reused within the region."""
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     idx, tgt = batch
     params = {p.untyped_storage().data_ptr() for p in base.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in base.buffers()}
@@ -444,10 +444,10 @@ def _metered_steps(base, batch, budget, peaks, steps):
     return planner, plans
 
 
-def test_peak_feedback_corrects_the_plan_until_it_fits(tiny_gpt):
+def test_peak_feedback_corrects_the_plan_until_it_fits(tiny_gpt_cl):
     from spillover.planner import learning_peak
 
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     probe = Planner(budget_bytes=1, machine=CPU, measure_peak=False)
     m = spillover.wrap(copy.deepcopy(base), policy=probe)
     gpt_step(m, batch)
@@ -467,8 +467,8 @@ def test_peak_feedback_corrects_the_plan_until_it_fits(tiny_gpt):
     assert [m for _, m in planner.measured] == peaks[1:]
 
 
-def test_same_calibration_and_peaks_give_the_same_plan(tiny_gpt):
-    base, batch = tiny_gpt
+def test_same_calibration_and_peaks_give_the_same_plan(tiny_gpt_cl):
+    base, batch = tiny_gpt_cl
 
     def run():
         planner, _ = _metered_steps(base, batch, 3 * MiB, [4 * MiB, 3 * MiB], steps=3)
@@ -530,10 +530,10 @@ def test_selective_saves_a_chain_that_pays_less_than_full_recompute():
     assert worth_saving(rec, CPU) == {}
 
 
-def test_selective_learns_per_block_and_stays_bitwise(tiny_gpt):
+def test_selective_learns_per_block_and_stays_bitwise(tiny_gpt_cl):
     from spillover.recompute import SelectivePolicy
 
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     # A machine whose memory-bound ops are slow next to its matmuls (as a CPU's are).
     slow = Machine({"float32": 1e12}, 1e8, 1e10, 1e10)

@@ -228,11 +228,11 @@ def _nvme(tmp_path, pool="4MiB"):
                                      min_offload_bytes=4096)
 
 
-def test_learning_under_nvme_runs_plainly_and_records_the_same_ops(tiny_gpt, tmp_path):
+def test_learning_under_nvme_runs_plainly_and_records_the_same_ops(tiny_gpt_cl, tmp_path):
     """Note [learning frugally]: under the NVMe tier the learning step runs its regions plainly
     (the context takes what autograd saves); its records are those a fully recomputed learning
     step makes, the gradients stay bitwise, and the plans that follow run without relearning."""
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
 
     def learn(ctx_of):
@@ -284,11 +284,11 @@ class _Physics:
         return peak
 
 
-def test_no_modeled_step_over_full_checkpointings_peak(tiny_gpt, tmp_path):
+def test_no_modeled_step_over_full_checkpointings_peak(tiny_gpt_cl, tmp_path):
     """Budget = full checkpointing's peak without a context; auto under the NVMe tier with a
     pool that full recomputation under the context cannot afford: the learning step runs the
     frugal way, and no tuning step moves above the budget."""
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     hidden = 4 * MiB
     probe = Planner(budget_bytes=1, machine=CPU, measure_peak=False)

@@ -56,8 +56,8 @@ def _wrapped(base, policy, **kw):
 
 @pytest.mark.parametrize("tier", [None, "host", "nvme"])
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_gpt_gradients_bitwise(tiny_gpt, policy, tier, private_pool_bytes):
-    base, batch = tiny_gpt
+def test_gpt_gradients_bitwise(tiny_gpt_cl, policy, tier, private_pool_bytes):
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     model = _wrapped(base, policy)
     # auto: the first step learns, the next ones follow the plan.
@@ -66,8 +66,8 @@ def test_gpt_gradients_bitwise(tiny_gpt, policy, tier, private_pool_bytes):
 
 
 @pytest.mark.parametrize("policy", ["selective16", "callable", "auto"])
-def test_backward_inside_the_with_block(tiny_gpt, policy, private_pool_bytes):
-    base, batch = tiny_gpt
+def test_backward_inside_the_with_block(tiny_gpt_cl, policy, private_pool_bytes):
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     model = _wrapped(base, policy)
     for _ in range(2):
@@ -96,9 +96,9 @@ def _backward_ops(model, batch, ctx=None):
     return counter.calls
 
 
-def test_saved_outputs_are_not_recomputed(tiny_gpt):
+def test_saved_outputs_are_not_recomputed(tiny_gpt_cl):
     """A saved matmul output comes back in recompute; an unsaved one runs again."""
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     full = _backward_ops(_wrapped(base, "full"), batch)
     sel = _backward_ops(_wrapped(base, "callable"), batch)
     plain = _backward_ops(copy.deepcopy(base), batch)
@@ -113,10 +113,10 @@ def test_saved_outputs_are_not_recomputed(tiny_gpt):
     assert aten.bmm.default not in sel or sel[aten.bmm.default] == plain.get(aten.bmm.default)
 
 
-def test_saved_outputs_reach_the_offload_context(tiny_gpt, private_pool_bytes):
+def test_saved_outputs_reach_the_offload_context(tiny_gpt_cl, private_pool_bytes):
     """Note [SAC bypasses saved-tensor hooks]: what the policy saves goes through ctx.pack and
     comes back through ctx.unpack (torch's own SAC would keep it on the device)."""
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     model = _wrapped(base, "callable")
     ctx = _ctx("host", private_pool_bytes)
     packed, unpacked = [], []
@@ -162,8 +162,8 @@ def test_saved_outputs_reach_the_offload_context(tiny_gpt, private_pool_bytes):
     assert (b * s, 3 * d) not in seen
 
 
-def test_without_context_saved_outputs_are_plain_references(tiny_gpt):
-    base, batch = tiny_gpt
+def test_without_context_saved_outputs_are_plain_references(tiny_gpt_cl):
+    base, batch = tiny_gpt_cl
     model = _wrapped(base, "callable")
     kinds = []
     orig = recompute._Saved.__init__
@@ -180,9 +180,9 @@ def test_without_context_saved_outputs_are_plain_references(tiny_gpt):
     assert kinds and all(k == (True, True) for k in kinds)
 
 
-def test_outputs_after_the_last_save_are_dropped(tiny_gpt):
+def test_outputs_after_the_last_save_are_dropped(tiny_gpt_cl):
     """Note [after the last save]: the MLP's down projection is never needed in recompute."""
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     refs = []
 
     def policy(op, inputs, output):
@@ -248,8 +248,8 @@ def test_random_and_inplace_ops(tier, private_pool_bytes):
     assert b_out.action == "recompute" and "in place" in b_out.reason
 
 
-def test_retain_graph_and_double_backward(tiny_gpt, private_pool_bytes):
-    base, batch = tiny_gpt
+def test_retain_graph_and_double_backward(tiny_gpt_cl, private_pool_bytes):
+    base, batch = tiny_gpt_cl
     idx, tgt = batch
     # torch's chunked loss runs one backward per forward (test_loss_region.py): the plain one
     base = copy.deepcopy(base)
@@ -314,8 +314,8 @@ def test_policy_errors():
         spillover.checkpoint(lambda t: t @ t, x, policy=lambda op, i, o: "maybe")
 
 
-def test_wrap_blocks_state_dict_and_unwrap(tiny_gpt):
-    base, batch = tiny_gpt
+def test_wrap_blocks_state_dict_and_unwrap(tiny_gpt_cl):
+    base, batch = tiny_gpt_cl
     keys = list(base.state_dict())
     model = copy.deepcopy(base)
     assert spillover.wrap(model, policy="selective") is model
@@ -342,8 +342,8 @@ def test_wrap_blocks_state_dict_and_unwrap(tiny_gpt):
         spillover.wrap(copy.deepcopy(base), policy="full", budget_bytes=1)
 
 
-def test_explain_selective(tiny_gpt):
-    base, batch = tiny_gpt
+def test_explain_selective(tiny_gpt_cl):
+    base, batch = tiny_gpt_cl
     model = _wrapped(base, "selective16")
     gpt_step(model, batch)
     ex = spillover.explain(model, machine=MACHINE)
@@ -464,10 +464,10 @@ def _save_softmax(op, inputs, output):
 
 
 @pytest.mark.parametrize("tier", [None, "nvme"])
-def test_ops_only_saved_outputs_read_are_not_rerun(tiny_gpt, tier, tmp_path, monkeypatch):
+def test_ops_only_saved_outputs_read_are_not_rerun(tiny_gpt_cl, tier, tmp_path, monkeypatch):
     # Note [outputs only saved ops read]: with the softmax output saved, the scores matmul,
     # scaling and masking before it are not rerun; gradients stay bitwise.
-    base, batch = tiny_gpt
+    base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
     model = spillover.wrap(copy.deepcopy(base), policy=_save_softmax)
     skipped = []
