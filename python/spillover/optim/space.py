@@ -131,7 +131,7 @@ class _Space(abc.ABC):
         """Units for elements [start, start + n) of member k at flat offset `at` (staged and
         sharded spaces), split into pieces that start on multiples of _UNIT_MAX (a multiple of
         16), so a staging buffer fits a pool block and a unit exported for a DCP save stays
-        bounded (Note [pieces, produced when asked] in dcp.py)."""
+        bounded (Note [pieces, produced when asked] in dcp/_column.py)."""
         end = start + n
         while start < end:
             piece = min(end, (start // _layout._UNIT_MAX + 1) * _layout._UNIT_MAX) - start

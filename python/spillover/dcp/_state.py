@@ -1,53 +1,5 @@
-"""Resumable sharded checkpoints of :class:`spillover.OffloadAdamW` through
-``torch.distributed.checkpoint`` (DCP).
-
-::
-
-    import torch.distributed.checkpoint as dcp
-    import spillover.dcp
-
-    state = {"model": model.state_dict(), "optim": spillover.dcp.optimizer_state(opt)}
-    dcp.save(state, storage_writer=spillover.dcp.FileSystemWriter("ckpt/step-100"))
-    ...
-    state = {"model": model.state_dict(), "optim": spillover.dcp.optimizer_state(opt)}
-    dcp.load(state, checkpoint_id="ckpt/step-100")      # any world size, any tier
-    model.load_state_dict(state["model"])
-
-What a checkpoint holds
-    Per parameter with state (Note [lazy state] in optim/store.py: a parameter that never had a
-    gradient has no entries), keyed by its name (``named_parameters`` given to
-    :func:`optimizer_state`, else its index in the optimizer's parameter order):
-    ``state.<name>.exp_avg``, ``state.<name>.exp_avg_sq`` and, for parameters that keep an fp32
-    master copy (bf16, or on a GPU), ``state.<name>.master``: 1-D fp32 tensors of the *flattened*
-    parameter's numel, whatever the world size, tier or sharding that wrote them. ``meta`` is a
-    JSON string with every parameter's step count and the param groups' hyper-parameters.
-
-Note [pieces, produced when asked]
-    Each rank presents only the elements it owns (Note [sharding] in optim/sharded.py: a contiguous
-    range of each flattened parameter; with FSDP2 the range of the parameter's local shard),
-    as chunks of at most ``piece_bytes``, and produces a chunk only when DCP's writer asks for
-    it (DCP's ``_Checkpointable`` protocol: ``__create_write_items__`` at planning,
-    ``__get_tensor_shard__`` when the writer resolves the item; DTensor is the reference). A
-    chunk is read out of the optimizer's state (pool or NVMe) through one *unit* of the
-    optimizer's layout at a time: the unit's columns are exported once, the pieces of that unit
-    are copied out of them, and the export is dropped when another unit is asked for. So what
-    the optimizer contributes to a rank's peak during ``dcp.save`` is one unit's columns (the
-    rank's part of one parameter; at most 16 Mi elements on the staged GPU path) plus one
-    piece, not its shard and never the full state.
-
-Note [DCP's writer holds a file's tensors]
-    torch's ``FileSystemWriter`` keeps a reference to every tensor it wrote into a file until
-    the file is closed (``_write_files_from_queue`` collects them in ``tensor_dict`` for the
-    safetensors format, even when writing torch.save records), and with the default
-    ``single_file_per_rank=True`` a rank writes one file (per ``thread_count``). However lazily
-    the chunks are produced, the whole shard is then resident at the end of the save.
-    :class:`FileSystemWriter` here is torch's, with the rank's items split into files of at
-    most ``file_bytes`` each, so at most one file's worth of chunks is held at a time; it also
-    resolves items in plan order (``per_thread_copy_ahead=0``: torch's overlapping loader, used
-    when CUDA is available, sorts items by size and resolves ahead, which would make the
-    optimizer export a unit once per piece). The files it writes are ordinary DCP files:
-    ``dcp.load`` with torch's reader reads them. torch's own writer works too, without the
-    bound.
+"""spillover.dcp's ``Stateful``: :func:`optimizer_state` / :class:`OptimizerState` (the keys
+and ``meta`` a save writes and a load expects; the import of what a load read).
 
 Note [which parameters a load expects]
     DCP plans a load from the target state dict, before it has read anything, and every target
@@ -72,17 +24,14 @@ Note [loading]
 from __future__ import annotations
 
 import json
-import math
-import queue
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .optim import OffloadAdamW
-from .optim.layout import _ALIGN, _is_dtensor
-from .optim.store import StateUnit
-
-__all__ = ["FileSystemWriter", "OptimizerState", "optimizer_state"]  # noqa: F822 (__getattr__)
+from ..optim import OffloadAdamW
+from ..optim.layout import _ALIGN, _is_dtensor
+from ..optim.store import StateUnit
+from ._column import _Column, _dtensor_range
 
 _FORMAT = 1
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
@@ -104,7 +53,8 @@ def optimizer_state(
             when parameters are added or reordered) instead of by position in the optimizer.
         checkpoint: for a load, the checkpoint directory (or its DCP ``Metadata``) to read which
             parameters have state from (Note [which parameters a load expects]).
-        piece_bytes: largest chunk written per column (Note [pieces, produced when asked]).
+        piece_bytes: largest chunk written per column (Note [pieces, produced when asked] in
+            dcp/_column.py).
     """
     return OptimizerState(opt, named_parameters, checkpoint=checkpoint, piece_bytes=piece_bytes)
 
@@ -292,7 +242,8 @@ class OptimizerState:
                     g[k] = tuple(v) if k == "betas" else v
 
     def _unit_columns(self, unit: StateUnit) -> Dict[str, torch.Tensor]:
-        """One unit's columns, exported once (Note [pieces, produced when asked])."""
+        """One unit's columns, exported once (Note [pieces, produced when asked] in
+        dcp/_column.py)."""
         if self._cache is not None and self._cache[0] is unit:
             return self._cache[1]
         self._cache = None  # drop the previous unit before exporting the next
@@ -303,7 +254,8 @@ class OptimizerState:
 
     def _predict_layout(self, members: List[int]) -> Dict[int, Tuple[int, int]]:
         """{index: (start, end)} of the flattened global parameter this rank will own once
-        the optimizer has state for exactly `members` (Note [sharding]; checked at import)."""
+        the optimizer has state for exactly `members` (Note [sharding] in optim/sharded.py; checked
+        at import)."""
         out = {}
         for i, (a, b) in self.opt.owned_ranges(members).items():
             p = self.params[i]
@@ -344,174 +296,6 @@ def _names(params: List[torch.Tensor], named: Optional[Iterable[Tuple[str, Any]]
     return out
 
 
-def _dtensor_range(p: torch.Tensor) -> Tuple[int, int, bool]:
-    """(start, length, writes) of a DTensor's local shard in the flattened global parameter;
-    `writes` is False for a replica that another rank writes."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh = p.device_mesh
-    shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
-    if list(shape[1:]) != list(p.shape[1:]):
-        raise ValueError(
-            f"spillover.dcp: a DTensor parameter with placements {p.placements} is sharded "
-            "along a dimension other than 0 (tensor parallel); spillover.dcp saves Shard(0) and "
-            "Replicate placements (FSDP2, HSDP): save this optimizer with its state_dict() "
-            "instead"
-        )
-    writes = True
-    coord = mesh.get_coordinate() or []
-    for dim, pl in enumerate(p.placements):
-        if isinstance(pl, Replicate):
-            writes = writes and coord[dim] == 0
-        elif not (isinstance(pl, Shard) and pl.dim == 0):
-            raise ValueError(
-                f"spillover.dcp: DTensor placement {pl} cannot be saved by spillover.dcp (it "
-                "saves Shard(0) and Replicate); save this optimizer with its state_dict() instead"
-            )
-    row = math.prod(p.shape[1:]) if p.dim() > 1 else 1
-    return offset[0] * row if p.dim() else 0, math.prod(shape), writes
-
-
-def _replicated_writer() -> bool:
-    """A replicated (unsharded) optimizer under a world of several ranks: rank 0 writes."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-class _Column(torch.Tensor):
-    """One column (exp_avg, exp_avg_sq or master) of one parameter's state, as DCP sees it: a
-    1-D fp32 tensor of the flattened parameter's numel, of which this rank writes the chunks
-    it owns, produced when asked (Note [pieces, produced when asked]), and reads the range it
-    will own (Note [loading]). Its own storage is empty."""
-
-    owner: OptimizerState
-    global_shape: Tuple[int, ...]
-
-    @staticmethod
-    def __new__(cls, owner, index, col, numel, save, load):  # noqa: D102
-        return torch.Tensor._make_subclass(cls, torch.empty(0), False)
-
-    def __init__(self, owner, index, col, numel, save, load):
-        self.owner = owner
-        self.param: int = index
-        self.col = col
-        self.numel_ = numel
-        self.save = save  # the units of this parameter's state on this rank, if it has state
-        self.load = load  # (start, end) this rank reads, if a load expects this column
-        self._buf: Optional[torch.Tensor] = None
-        self._loading = False  # set when DCP plans a read of this column
-        # DCP compares a load target's size with the checkpoint's through this attribute
-        # (CheckpointableTensor); the other three complete that protocol's shape.
-        self.global_shape = (numel,)
-        self.global_offsets = ((load[0],),) if load else ()
-        self.local_offsets = ((0,),) if load else ()
-        self.local_sizes = ((load[1] - load[0],),) if load else ()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # DCP only reads properties (device, ...) of its values; anything else (a copy, a
-        # stager's deepcopy for async_save, arithmetic) would see the empty placeholder and
-        # could save nothing in the state's place, so it is refused (Note [pieces, produced
-        # when asked]).
-        name = getattr(func, "__name__", "")
-        if name not in ("__get__", "__repr__", "__format__"):
-            raise RuntimeError(
-                f"spillover.dcp: {name or func} on a column of OffloadAdamW's state; the "
-                "columns are read by dcp.save / dcp.load through DCP's checkpointable "
-                "protocol, not as tensors (dcp.async_save stages copies of every tensor: use "
-                "dcp.save); for tensors use OffloadAdamW.state_dict()"
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
-        return (
-            f"<spillover.dcp column {self.col} of parameter "
-            f"{self.owner.names[self.param]!r}: {self.numel_} fp32>"
-        )
-
-    # ---- save ----
-
-    def _pieces(self) -> List[Tuple[int, int, int, int]]:
-        """(global start, length, unit, start in unit) of the chunks this rank writes."""
-        units = self.save
-        if not units:
-            return []
-        p = self.owner.params[self.param]
-        base = 0
-        if _is_dtensor(p):
-            base, _, writes = _dtensor_range(p)
-            if not writes:
-                return []
-        elif not units[0].sharded and not _replicated_writer():
-            return []
-        out = []
-        step = self.owner.piece
-        for ui, unit in enumerate(units):
-            n = unit.length
-            for s in range(0, n, step):
-                out.append((base + unit.start + s, min(step, n - s), ui, s))
-        return out
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> List[Any]:
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata,
-            MetadataIndex,
-            TensorProperties,
-        )
-        from torch.distributed.checkpoint.planner import (
-            TensorWriteData,
-            WriteItem,
-            WriteItemType,
-        )
-
-        props = TensorProperties(dtype=torch.float32)
-        size = torch.Size([self.numel_])
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size([g])),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size([g]), sizes=torch.Size([n])),
-                    properties=props,
-                    size=size,
-                ),
-            )
-            for g, n, _, _ in self._pieces()
-        ]
-
-    def __create_chunk_list__(self) -> List[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        self._loading = True
-        if self.load is None or self.load[0] == self.load[1]:
-            return []  # this rank owns none of it
-        a, b = self.load
-        return [ChunkStorageMetadata(offsets=torch.Size([a]), sizes=torch.Size([b - a]))]
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        at = index.offset[0] if index.offset is not None else 0
-        if self._loading:
-            if self.load is not None and at == self.load[0]:
-                return self.buffer()
-        else:
-            for g, n, ui, s in self._pieces():
-                if g == at:
-                    cols = self.owner._unit_columns(self.save[ui])
-                    piece = cols[self.col][s : s + n].clone()  # own storage: freed once written
-                    self.owner._served()
-                    return piece
-        raise ValueError(f"spillover.dcp: no chunk of {index.fqn} starts at {at} on this rank")
-
-    def buffer(self) -> torch.Tensor:
-        """The load buffer of the range this rank reads (allocated when first asked)."""
-        if self._buf is None:
-            a, b = self.load
-            self._buf = torch.empty(b - a, dtype=torch.float32)
-        return self._buf
-
 
 def _read_unit(
     unit: StateUnit,
@@ -544,66 +328,3 @@ def _read_unit(
             )
         out[c] = buf[gstart - lo : gstart - lo + n]
     return out
-
-
-def _make_writer_class() -> type:
-    from torch.distributed.checkpoint import FileSystemWriter as _TorchWriter
-    from torch.distributed.checkpoint.filesystem import _item_size
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    class FileSystemWriter(_TorchWriter):
-        """torch's ``FileSystemWriter`` with each rank's items split into files of at most
-        ``file_bytes`` (Note [DCP's writer holds a file's tensors]), items resolved in plan
-        order. Other arguments as torch's."""
-
-        def __init__(self, path: Any, *, file_bytes: int = 64 << 20, **kwargs: Any):
-            kwargs.setdefault("per_thread_copy_ahead", 0)
-            if kwargs.get("single_file_per_rank") is False:
-                raise ValueError(
-                    "spillover.dcp.FileSystemWriter bounds the bytes per file; use torch's "
-                    "FileSystemWriter for one file per item"
-                )
-            super().__init__(path, **kwargs)
-            if file_bytes <= 0:
-                raise ValueError(f"file_bytes must be positive, got {file_bytes}")
-            self.file_bytes = file_bytes
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-
-            prefix = plan.storage_data.prefix
-            files: List[List[Any]] = [[]]
-            size = 0
-            for item in plan.items:
-                n = 0 if item.type == WriteItemType.BYTE_IO else _item_size(item)
-                n = min(n, _chunk_bytes(item))
-                if files[-1] and size + n > self.file_bytes:
-                    files.append([])
-                    size = 0
-                files[-1].append(item)
-                size += n
-            q: queue.Queue = queue.Queue()
-            for k, items in enumerate(files):
-                name = f"{prefix}{k}{DEFAULT_SUFFIX}"
-                q.put((self.fs.concat_path(self.path, name), name, items))
-            return self._write_data(planner, q)
-
-    FileSystemWriter.__module__ = __name__
-    FileSystemWriter.__qualname__ = "FileSystemWriter"
-    return FileSystemWriter
-
-
-def _chunk_bytes(item: Any) -> int:
-    """Bytes of a write item's chunk (``_item_size`` counts the whole tensor's)."""
-    td = item.tensor_data
-    if td is None or td.chunk is None:
-        return 0
-    return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "FileSystemWriter":
-        cls = _make_writer_class()
-        globals()["FileSystemWriter"] = cls
-        return cls
-    raise AttributeError(name)
