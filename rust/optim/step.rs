@@ -1,0 +1,209 @@
+//! The AdamW step: checking a step's work list, then each task's update through the kernel
+//! (a unit's first step initializes its state; its tail takes torch's remainder rounding).
+
+use std::time::Instant;
+
+use super::kernel::{self, Bf16, Coeffs, Grad, Run};
+use super::task::{columns, part, part_mut, Task};
+use super::{AdamState, Dtype, UnitStep};
+use crate::error::{Error, Result};
+
+impl AdamState {
+    /// One AdamW step for each unit in `work` (units not listed are untouched). On error
+    /// nothing has been written when the error is a validation error; an I/O error leaves the
+    /// units of the chunks in flight unspecified.
+    ///
+    /// # Safety
+    /// Every non-null address in `work` must be valid for `len(unit)` elements of its dtype
+    /// (reads for `grad` and `src`, writes for `out`) for the duration of the call, and no one
+    /// else may write them meanwhile (reading `grad` or `src` concurrently is fine). Overlaps
+    /// between units, and between a unit's gradient and its output, are checked and refused.
+    pub unsafe fn step(&mut self, work: &[UnitStep]) -> Result<()> {
+        let t0 = Instant::now();
+        let coeffs = self.validate(work)?;
+        let init: Vec<bool> = work.iter().map(|w| !self.initialized[w.unit]).collect();
+        for (w, &init) in work.iter().zip(&init) {
+            if init && self.master && w.src.is_none() {
+                return Err(Error::Invalid(format!(
+                    "unit {}: its first step needs the parameter's value to start the fp32 \
+                     master from, but no source address was given",
+                    w.unit
+                )));
+            }
+        }
+        let tail_from: Vec<usize> = work
+            .iter()
+            .map(|w| {
+                let len = self.layout.unit_len(w.unit);
+                len - w.tail.min(len)
+            })
+            .collect();
+        let master = self.master;
+        let run = |t: &Task| {
+            let i = t.work;
+            let w = &work[i];
+            // SAFETY: the task's ranges are valid and exclusive (see `Task` and this fn's
+            // contract); the constants belong to the same unit.
+            unsafe { run_task(t, w, &coeffs[i], init[i], master, tail_from[i]) }
+        };
+        self.for_each_task(work.iter().map(|w| w.unit), true, run)?;
+        for w in work {
+            self.initialized[w.unit] = true;
+        }
+        self.stats.steps += 1;
+        self.stats.last_step_seconds = t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Check a step's work list; returns each unit's constants.
+    fn validate(&self, work: &[UnitStep]) -> Result<Vec<Coeffs>> {
+        let mut seen = vec![false; self.layout.units()];
+        let mut outs: Vec<(usize, usize, usize)> = Vec::with_capacity(work.len());
+        let mut coeffs = Vec::with_capacity(work.len());
+        for w in work {
+            let u = w.unit;
+            self.check_unit(u)?;
+            if std::mem::replace(&mut seen[u], true) {
+                return Err(Error::Invalid(format!("unit {u} listed twice in one step")));
+            }
+            let bad = |what: &str| Err(Error::Invalid(format!("unit {u}: {what}")));
+            w.hyper
+                .validate()
+                .map_err(|e| Error::Invalid(format!("unit {u}: {e}")))?;
+            let len = self.layout.unit_len(u);
+            if w.grad.is_none() {
+                return bad("no gradient address");
+            }
+            if !self.master {
+                if w.src.is_none() || w.src.dtype != Dtype::F32 {
+                    return bad("without a master column the fp32 parameter must be the source");
+                }
+                if w.out.is_none() || w.out.dtype != Dtype::F32 {
+                    return bad("without a master column the output must be the fp32 parameter");
+                }
+                if w.src.addr != w.out.addr && overlaps(w.src.range(len), w.out.range(len)) {
+                    return bad("source and output overlap without being the same buffer");
+                }
+            }
+            if !w.out.is_none() {
+                let (a, b) = w.out.range(len);
+                if overlaps((a, b), w.grad.range(len)) {
+                    return bad("gradient and output overlap");
+                }
+                if len > 0 {
+                    outs.push((a, b, u));
+                }
+            }
+            coeffs.push(w.hyper.coeffs());
+        }
+        outs.sort_unstable();
+        for pair in outs.windows(2) {
+            if pair[1].0 < pair[0].1 {
+                return Err(Error::Invalid(format!(
+                    "units {} and {} write overlapping outputs",
+                    pair[0].2, pair[1].2
+                )));
+            }
+        }
+        Ok(coeffs)
+    }
+}
+
+fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
+    a.0 < b.1 && b.0 < a.1 && a.0 < a.1 && b.0 < b.1
+}
+
+/// # Safety
+/// See `AdamState::step`: the task's state and the unit's buffers are valid and exclusive.
+unsafe fn run_task(t: &Task, w: &UnitStep, k: &Coeffs, init: bool, master: bool, tail_from: usize) {
+    // Elements from `split` on are in the unit's tail (`UnitStep::tail`).
+    let split = tail_from.saturating_sub(t.unit_off).min(t.len);
+    let main = Task { len: split, ..*t };
+    let tail = Task {
+        chunk_off: t.chunk_off + split,
+        unit_off: t.unit_off + split,
+        len: t.len - split,
+        ..*t
+    };
+    // SAFETY: forwarded contract; `main` and `tail` split the task's range.
+    unsafe {
+        for (part, is_tail) in [(main, false), (tail, true)] {
+            if part.len == 0 {
+                continue;
+            }
+            match w.grad.dtype {
+                Dtype::F32 => run_typed::<f32>(&part, w, k, init, master, is_tail),
+                Dtype::Bf16 => run_typed::<Bf16>(&part, w, k, init, master, is_tail),
+            }
+        }
+    }
+}
+
+/// # Safety
+/// As `run_task`.
+unsafe fn run_typed<G: Grad>(
+    t: &Task,
+    w: &UnitStep,
+    k: &Coeffs,
+    init: bool,
+    master: bool,
+    tail: bool,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        let grad = part::<G>(w.grad, t);
+        let (mut mst, m, v) = columns(t, master);
+        if init {
+            m.fill(0.0);
+            v.fill(0.0);
+            if let Some(mst) = mst.as_deref_mut() {
+                match w.src.dtype {
+                    Dtype::F32 => mst.copy_from_slice(part::<f32>(w.src, t)),
+                    Dtype::Bf16 => kernel::widen_into(part::<Bf16>(w.src, t), mst),
+                }
+            }
+        }
+        match (mst, w.out.is_none(), w.out.dtype) {
+            (Some(master), true, _) => {
+                let run: Run<'_, G, f32> = Run::Master {
+                    master,
+                    grad,
+                    out: &mut [],
+                };
+                go(tail, run, m, v, k)
+            }
+            (Some(master), false, Dtype::F32) => {
+                let out = part_mut::<f32>(w.out, t);
+                go(tail, Run::Master { master, grad, out }, m, v, k)
+            }
+            (Some(master), false, Dtype::Bf16) => {
+                let out = part_mut::<Bf16>(w.out, t);
+                go(tail, Run::Master { master, grad, out }, m, v, k)
+            }
+            (None, _, _) if w.src.addr == w.out.addr => {
+                let param = part_mut::<f32>(w.out, t);
+                let run: Run<'_, G, f32> = Run::InPlace { param, grad };
+                go(tail, run, m, v, k)
+            }
+            (None, _, _) => {
+                let src = part::<f32>(w.src, t);
+                let out = part_mut::<f32>(w.out, t);
+                go(tail, Run::Copy { src, grad, out }, m, v, k)
+            }
+        }
+    }
+}
+
+fn go<G: Grad, P: kernel::Param>(
+    tail: bool,
+    run: Run<'_, G, P>,
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &Coeffs,
+) {
+    if tail {
+        kernel::apply_tail(run, m, v, k)
+    } else {
+        kernel::apply(run, m, v, k)
+    }
+}
