@@ -181,9 +181,9 @@ class Costs:
         self.region_off = [0] * len(regions)
         self.offloaded = 0
         self.tail_bytes = 0
-        self.tail_grad = 0  # what the plain tail's backward adds (Note [plain backward])
-        # what the loss region adds when backward starts (Note [loss transient], loss.py)
-        self.loss_bytes = 0
+        # what backward adds first: the plain tail's gradients (Note [plain backward]) or the
+        # loss region's transient (Note [loss transient], loss.py), whichever is more
+        self.tail_grad = 0
         self.link_used = 0.0
         # What the link can hide: the copy out overlaps forward compute, the copy back the
         # (longer) backward; the last region's is never hidden (backward needs it first).
@@ -203,11 +203,10 @@ class Costs:
 
     @property
     def peak(self) -> int:
-        """The modeled peak: what is held after forward with the loss region's transient (its
-        backward runs first) or the plain tail's gradients, or, once the plain tail's backward
+        """The modeled peak: what is held after forward with what backward adds first (the loss
+        region's transient or the plain tail's gradients), or, once the plain tail's backward
         freed it, what the rest holds + the largest region rebuilt."""
-        return max(self.mem + max(self.tail_grad, self.loss_bytes),
-                   self.mem - self.tail_bytes + self.bwd)
+        return max(self.mem + self.tail_grad, self.mem - self.tail_bytes + self.bwd)
 
     def rebuilt_bytes(self) -> int:
         """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds

@@ -166,7 +166,6 @@ def make_plan(
             if kind == "plain-offload" and not g.use_offload:
                 continue  # the context frees nothing here (a CPU host's host tier)
             g.bwd = g.rebuilt_bytes() if peak else 0
-            g.loss_bytes = loss_bytes if peak else 0
             # The plain tail's backward comes first and frees it before the others rebuild.
             g.budget = budget - off(kind) - (max(plain_tail + tail_grad, g.bwd) if peak
                                              else plain_tail)
@@ -378,7 +377,7 @@ def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: 
         g = Costs(regions, machine, 0, outside_bytes, ctx, host, False)
         g.kept = 0
     g.bwd = g.rebuilt_bytes()
-    g.loss_bytes = loss_bytes
+    g.tail_grad = loss_bytes  # no plain tail: what backward adds first is the loss's
     return g.peak
 
 

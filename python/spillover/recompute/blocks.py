@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from .. import loss as _loss
 from ..planner import Planner, RegionRecord
 from .modes import top_hooks
 from .ops import skey
@@ -114,8 +115,6 @@ class _WrapState:
         if self.step_records:
             self.records = self.step_records
         self.step_records = []
-        from .. import loss as _loss
-
         if self.loss_scope is None:  # Note [loss transient]: what the loss adds
             self.loss_scope = _loss.begin_scope()
         if self.policy.begin_step():
@@ -125,8 +124,6 @@ class _WrapState:
     def post_forward(self, model: nn.Module, args: Any, out: Any) -> None:
         loss_bytes = 0
         if self.loss_scope is not None:
-            from .. import loss as _loss
-
             scope, self.loss_scope = self.loss_scope, None
             loss_bytes = _loss.end_scope(scope)
         if self.counting is not None:
@@ -330,8 +327,6 @@ def wrap(
         model.register_forward_hook(state.post_forward, always_call=True),
     ]
     model.__dict__["_spillover_state"] = state
-    from .. import loss as _loss
-
     # after wrap's own hooks, prepended: the loss runs inside the step wrap's hooks delimit
     state.loss_region, state.loss_line = _loss.attach(model, chunked_loss)
     turned_off = []
