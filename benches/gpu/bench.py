@@ -59,91 +59,23 @@ is tests/python/test_gpu.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import hashlib
 import json
 import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
+from llama import Llama
+from measure import GiB, Memory, above, fingerprint, fmt_gib, write_json
+from optim_mode import run_optim
 from table import HEADER, load_ref, out_path, summary_row
 from torch import nn
-from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 import spillover
 
 MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto", "optim")
-GiB = 1 << 30
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
-
-
-def rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    q1, q2 = q.chunk(2, dim=-1)
-    return torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=-1)
-
-
-class Layer(nn.Module):
-    def __init__(self, d: int, heads: int, ffn: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
-        self.gate = nn.Linear(d, ffn, bias=False)
-        self.up = nn.Linear(d, ffn, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
-        a = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
-        h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class Llama(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, seq: int):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(Layer(d, heads, ffn) for _ in range(layers))
-        self.norm = RMSNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        hd = d // heads
-        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-        ang = torch.outer(torch.arange(seq).float(), inv)
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
-        self.ckpt = False
-
-    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        s = idx.shape[1]
-        dt = self.embed.weight.dtype
-        cos, sin = self.cos[:s].to(dt), self.sin[:s].to(dt)
-        x = self.embed(idx)
-        for layer in self.layers:
-            if self.ckpt:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
 
 
 def mode_context(mode: str, args: Any):
@@ -203,85 +135,6 @@ def choose_pool(mode: str, args: Any, model: nn.Module, inp: torch.Tensor,
     print(f"  pool: {res['pool_rule']}"
           + (f": {spillover.format_size(args.pool_bytes)}" if args.pool_bytes else ""),
           flush=True)
-
-
-class Memory:
-    """Peak memory counters, reset per phase: CUDA's allocator (max_memory_allocated and
-    max_memory_reserved), or on the CPU a stand-in for both, the process's peak resident set
-    (VmHWM, which writing 5 to /proc/self/clear_refs resets); None where neither exists."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.kind: Optional[str] = "cuda" if cuda else None
-        if not cuda and self._clear_refs() and self._status("VmHWM") is not None:
-            self.kind = "rss"
-            # Tensors of 1 MiB and more mmapped, so a free gives their pages back and the
-            # resident set follows the live tensors (glibc keeps freed heap memory).
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-    @staticmethod
-    def _clear_refs() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    @staticmethod
-    def _status(key: str) -> Optional[int]:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        elif self.kind:
-            self._clear_refs()
-
-    def now(self) -> Optional[int]:
-        if self.cuda:
-            return torch.cuda.memory_allocated()
-        return self._status("VmRSS") if self.kind else None
-
-    def peaks(self) -> Tuple[Optional[int], Optional[int]]:
-        """(allocated, reserved) peaks since the last reset."""
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-        hwm = self._status("VmHWM") if self.kind else None
-        return hwm, hwm
-
-
-def above(peak: Optional[int], base: Optional[int]) -> Optional[int]:
-    return peak - base if peak is not None and base is not None else None
-
-
-def fingerprint(tensors: List[torch.Tensor]) -> str:
-    """A digest of the tensors' bits, computed where they are (a 1B-parameter model's gradients
-    are 2 GB: no copy to the host). Equal tensors give equal digests; a differing bit changes
-    the plain or the position-weighted integer sum of its tensor."""
-    parts = []
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        ints = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
-                          8: torch.int64}[flat.element_size()]).to(torch.int64)
-        w = torch.arange(1, ints.numel() + 1, device=ints.device, dtype=torch.int64) % 1000003
-        parts.append(torch.stack([ints.sum(), (ints * w).sum()]))
-    return hashlib.sha256(torch.stack(parts).cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-def write_json(path: str, res: Dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=2)
-    os.replace(tmp, path)  # a reader never sees half a file
 
 
 def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
@@ -369,10 +222,6 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     res["failed_checks"] = checks(args.mode, res)
 
 
-def fmt_gib(x: Optional[int]) -> str:
-    return "–" if x is None else f"{x / GiB:.2f}"
-
-
 def checks(mode: str, res: Dict[str, Any]) -> List[str]:
     """What a mode's measured steps must show for its figures to mean what the table says."""
     stats = [s["stats"] for s in res["steps"] if s.get("stats")]
@@ -386,161 +235,6 @@ def checks(mode: str, res: Dict[str, Any]) -> List[str]:
                                             for st in stats):
         failed.append("no entry came back from disk: the pool held the step, nothing evicted")
     return failed
-
-
-def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
-    """Mode optim (the module docstring); returns its summary lines."""
-    import gc
-
-    from spillover import optim as so
-    from spillover.models import GPT, GPTConfig
-
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    if args.tiny:
-        cfg, batch = GPTConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq=64), 2
-    else:
-        cfg, batch = GPTConfig(vocab=32000, d_model=768, n_heads=12, n_layers=12, seq=512), 8
-    cfg.attn = "sdpa"
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g).to(dev)
-            for _ in range(args.steps + 1)]
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    mem = Memory(cuda)
-    res["memory_counter"] = mem.kind
-    finals: Dict[str, List[torch.Tensor]] = {}
-    inbwd = "OffloadAdamW(host, update_in_backward)"
-    start = time.perf_counter()
-    for way in ("fwd+bwd only", "torch AdamW(fused)", "OffloadAdamW(host)", inbwd):
-        if way == inbwd:  # only if it fits the section's budget, so the table is never lost
-            spent = time.perf_counter() - start
-            need = spent / 3 * 1.5  # a way's share of the time so far, with margin
-            if spent + need > 0.85 * args.optim_budget:
-                res["skipped"] = (f"{inbwd}: {spent:.1f} s spent, about {need:.1f} s more "
-                                  f"needed, budget {args.optim_budget:.0f} s")
-                print(f"  skipped {res['skipped']}", flush=True)
-                break
-        torch.manual_seed(0)
-        with dev:
-            model = GPT(cfg)
-        n = sum(p.numel() for p in model.parameters())
-        res.update(params=n, seq=cfg.seq, batch=batch, layers=cfg.n_layers,
-                   d_model=cfg.d_model, device=str(dev), torch=torch.__version__,
-                   gpu=torch.cuda.get_device_name() if cuda else "cpu")
-        opt: Any = None
-        if way.startswith("torch"):
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        elif way.startswith("Offload"):
-            opt = spillover.OffloadAdamW(model.parameters(), lr=1e-4, tier="host",
-                                         optim_pool_bytes=int(n * 22) + (256 << 20),
-                                         _force_staging=not cuda,
-                                         update_in_backward=way == inbwd)
-        rows = []
-        for step, idx in enumerate(data):
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
-            sync()
-            mem.reset()
-            t0 = time.perf_counter()
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = model(idx[:, :-1], idx[:, 1:])
-            phases = [mem.peaks()]  # forward, backward, step(): counters reset between them
-            mem.reset()
-            loss.backward()
-            t1 = time.perf_counter()  # backward returned (the device may still run it)
-            phases.append(mem.peaks())
-            mem.reset()
-            if opt is not None:
-                opt.step()
-            t2 = time.perf_counter()
-            sync()
-            t3 = time.perf_counter()
-            phases.append(mem.peaks())
-            alloc = [a for a, _ in phases]
-            reserved = [r for _, r in phases]
-            row = {"step": step, "seconds": t3 - t0, "step_call_s": t2 - t1,
-                   "peak_bytes": max(alloc) if None not in alloc else None,
-                   "reserved_peak_bytes": max(reserved) if None not in reserved else None,
-                   "fwd_peak_bytes": alloc[0], "bwd_peak_bytes": alloc[1],
-                   "step_peak_bytes": alloc[2], "fwd_reserved_bytes": reserved[0],
-                   "bwd_reserved_bytes": reserved[1], "step_reserved_bytes": reserved[2]}
-            if isinstance(opt, spillover.OffloadAdamW):
-                row["stats"] = opt.stats()
-            rows.append(row)
-            print(f"  {way} step {step}{' (warm-up)' if step == 0 else ''}: {t3 - t0:.3f} s, "
-                  f"step() {t2 - t1:.3f} s after backward returned", flush=True)
-        res.setdefault("ways", {})[way] = rows
-        if path:
-            write_json(path, res)
-        if isinstance(opt, spillover.OffloadAdamW):
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            nbytes = sum(gr.numel() * gr.element_size() for gr in grads)
-            sync()
-            t0 = time.perf_counter()
-            for gr in grads:
-                so._fingerprint_parts(gr)
-            sync()
-            res["fingerprint_gib_s"] = nbytes / (1 << 30) / (time.perf_counter() - t0)
-        if opt is not None:
-            finals[way] = [p.detach().float().cpu() for p in model.parameters()]
-        del model, opt
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    def max_diff(way: str) -> float:
-        ref = finals["torch AdamW(fused)"]
-        return max(float((x - y).abs().max()) for x, y in zip(ref, finals[way]))
-
-    res["max_param_diff"] = max_diff("OffloadAdamW(host)")
-    if inbwd in finals:
-        res["max_param_diff_inbwd"] = max_diff(inbwd)
-
-    def med(way: str, key: str) -> float:
-        vals = [r[key] for r in res["ways"][way][1:] if r[key] is not None]
-        return sorted(vals)[len(vals) // 2] if vals else float("nan")
-
-    base_t, base_m = med("fwd+bwd only", "seconds"), med("fwd+bwd only", "peak_bytes")
-    amp = "bf16 autocast" if cuda else "fp32"
-    counter = ("" if mem.kind == "cuda" else
-               "; memory: the CPU's stand-in, the process's peak RSS" if mem.kind else
-               "; memory: no counter")
-    lines = ["", f"GPT {n / 1e6:.1f}M fp32 parameters ({amp}), batch {batch} x seq "
-             f"{cfg.seq}, {args.steps} measured steps, {dev}{counter}", "",
-             "| way | step s | optimizer s not hidden | step() s after backward | peak GiB "
-             "| reserved GiB | fwd / bwd / step() peak GiB | optimizer GiB on device |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-
-    def gib(x: float) -> str:
-        return "–" if x != x else f"{x / GiB:.2f}"  # NaN: no memory counter
-
-    for way in res["ways"]:
-        t, m = med(way, "seconds"), med(way, "peak_bytes")
-        cells = (f"{gib(m)} | {gib(med(way, 'reserved_peak_bytes'))} | "
-                 + " / ".join(gib(med(way, k)) for k in
-                              ("fwd_peak_bytes", "bwd_peak_bytes", "step_peak_bytes")))
-        if way.startswith("fwd"):
-            lines.append(f"| {way} | {t:.3f} | | | {cells} | |")
-            continue
-        lines.append(f"| {way} | {t:.3f} | {t - base_t:.3f} | {med(way, 'step_call_s'):.3f} "
-                     f"| {cells} | {gib(m - base_m)} |")
-    st = [r["stats"] for r in res["ways"]["OffloadAdamW(host)"]]
-    copies = [b["grad_copies"] - a["grad_copies"] for a, b in zip(st, st[1:])]
-    lines += ["", f"OffloadAdamW: gradient copies per measured step {copies} (units), stale "
-              f"{st[-1]['grad_stale_copies']}; fingerprint {res['fingerprint_gib_s']:.2f} GiB/s "
-              f"on {dev}; max |param - torch's| after {args.steps + 1} steps "
-              f"{res['max_param_diff']:.2e}"]
-    if inbwd in finals:
-        lines.append(f"update_in_backward (CPU updates during backward, Note [update in "
-                     f"backward]): max |param - torch's| {res['max_param_diff_inbwd']:.2e}")
-    else:
-        lines.append(f"update_in_backward row skipped: {res.get('skipped')}")
-    return lines
 
 
 def full_peak(out: str) -> Optional[int]:
