@@ -54,6 +54,9 @@ Gradients: the fingerprints of a mode's steps must agree with each other, and wi
 this GPU (flash attention's backward, for one) and no mode's gradients can be compared bitwise;
 the column then says so instead of showing ✗. The bitwise check under deterministic algorithms
 is tests/python/test_gpu.py.
+
+Layout: the model is llama.py; the memory counters, gradient digest and result formats are
+measure.py; mode optim is optim_mode.py. This file runs the activation modes and main().
 """
 
 from __future__ import annotations
