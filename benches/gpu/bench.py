@@ -53,7 +53,7 @@ Gradients: the fingerprints of a mode's steps must agree with each other, and wi
 `none` is the control: when its own steps differ, the model's kernels are not deterministic on
 this GPU (flash attention's backward, for one) and no mode's gradients can be compared bitwise;
 the column then says so instead of showing ✗. The bitwise check under deterministic algorithms
-is tests/python/test_gpu.py.
+is tests/python/test_gpu_step.py.
 
 Layout: the model is llama.py; the memory counters, gradient digest and result formats are
 measure.py; mode optim is optim_mode.py. This file runs the activation modes and main().

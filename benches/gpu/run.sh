@@ -11,8 +11,9 @@
 #   install   the wheel and what is missing of numpy, psutil, pytest, pytest-timeout, from
 #             dist/gpu into a private target (the environment is never written); stops the run at
 #             once if the wheel does not install or `import spillover._native` fails
-#   tests     tests/python/test_gpu.py, each test under a timeout (parity, pinned pool and link
-#             speed, memory back at baseline, peaks, NVMe through a 64 MiB pool, refused register)
+#   tests     tests/python/test_gpu_{step,pool,streams}.py, each test under a timeout (parity,
+#             memory back at baseline, peaks, NVMe through a 64 MiB pool; pinned pool and link
+#             speed, refused register; stream ordering)
 #   sanitizer test_stream_gradients_bitwise[host] again under TORCH_CUDA_SANITIZER=1; full run only
 #   bench     benches/gpu/bench.py, each mode in a process of its own; bench/bench-MODE.json is
 #             written as the mode runs. Quick: none, full, host
@@ -34,7 +35,7 @@ for a in "$@"; do
     case $a in
         --quick) quick=1 ;;
         --dry-run) dry=1 ;;
-        -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "run.sh: unknown argument $a (expected --quick, --dry-run)" >&2; exit 2 ;;
     esac
 done
@@ -241,9 +242,14 @@ pytest_step() {  # title budget name pytest-args...
     verdict "$rc" $((SECONDS - t0)) "$budget"
 }
 
-# test_gpu.py is self-contained (--noconftest): a change to conftest.py cannot stop it.
-pytest_step "tests: test_gpu.py${TEST_K[1]:+ -k \"${TEST_K[1]}\"}" $B_TESTS gpu \
-    tests/python/test_gpu.py --noconftest "${TEST_K[@]}"
+# The test_gpu_*.py files are self-contained (--noconftest; what they share is
+# tests/python/_gpu_common.py, which no other test file imports): a change to conftest.py cannot
+# stop them. Quick's -k "not stream" leaves out every test of test_gpu_streams.py (the file's name
+# matches) and test_backward_frees_what_it_brought_back_in_stream_order.
+GPU_TESTS=(tests/python/test_gpu_step.py tests/python/test_gpu_pool.py
+           tests/python/test_gpu_streams.py)
+pytest_step "tests: test_gpu_{step,pool,streams}.py${TEST_K[1]:+ -k \"${TEST_K[1]}\"}" $B_TESTS gpu \
+    "${GPU_TESTS[@]}" --noconftest "${TEST_K[@]}"
 
 # TORCH_CUDA_SANITIZER checks that a kernel reading or writing a device tensor is ordered (by
 # stream, event or synchronize) after the last kernel on another stream that wrote it (or read
@@ -261,11 +267,11 @@ SANITIZER_K="test_stream_gradients_bitwise and host"
 if [ "$B_SANITIZER" -gt 0 ]; then
     if [ "$dry" = 1 ]; then
         # The sanitizer needs a CUDA device; the dry run checks the step without it.
-        pytest_step "sanitizer: test_gpu.py -k \"$SANITIZER_K\" (dry run: TORCH_CUDA_SANITIZER needs CUDA, off)" \
-            $B_SANITIZER sanitizer tests/python/test_gpu.py --noconftest -k "$SANITIZER_K"
+        pytest_step "sanitizer: test_gpu_streams.py -k \"$SANITIZER_K\" (dry run: TORCH_CUDA_SANITIZER needs CUDA, off)" \
+            $B_SANITIZER sanitizer tests/python/test_gpu_streams.py --noconftest -k "$SANITIZER_K"
     else
-        TORCH_CUDA_SANITIZER=1 pytest_step "sanitizer: test_gpu.py -k \"$SANITIZER_K\" under TORCH_CUDA_SANITIZER=1" \
-            $B_SANITIZER sanitizer tests/python/test_gpu.py --noconftest -k "$SANITIZER_K"
+        TORCH_CUDA_SANITIZER=1 pytest_step "sanitizer: test_gpu_streams.py -k \"$SANITIZER_K\" under TORCH_CUDA_SANITIZER=1" \
+            $B_SANITIZER sanitizer tests/python/test_gpu_streams.py --noconftest -k "$SANITIZER_K"
     fi
 fi
 

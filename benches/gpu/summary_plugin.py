@@ -3,7 +3,7 @@
     SUMMARY=$OUT/summary.md python -m pytest -p summary_plugin ...   (benches/gpu on PYTHONPATH)
 
 Each line: ✓ (passed), ✗ (failed or error; the first line of the error follows) or – (skipped,
-with the reason), the test's id, its ``figure`` property (tests/python/test_gpu.py records one
+with the reason), the test's id, its ``figure`` property (tests/python/test_gpu_*.py record one
 per check) and its seconds. A collection error is a ✗ line of its own, so one broken file cannot
 hide the others (run.sh passes --continue-on-collection-errors). The id of the test running is
 kept in $SUMMARY.current, so a step killed by its timeout can say which test it was in.
