@@ -5,6 +5,7 @@
 //! at this boundary.
 
 mod errors;
+mod inflight;
 mod optim;
 mod pool;
 mod swap;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tier::PyHandle>()?;
     m.add_class::<tier::PyView>()?;
     m.add_class::<tier::PyGathered>()?;
+    m.add_class::<inflight::PyInflight>()?;
     m.add_class::<optim::PyAdamState>()?;
     m.add("STEP_RECORD_FIELDS", optim::STEP_FIELDS.to_vec())?;
     m.add("BUFFER_RECORD_FIELDS", optim::BUFFER_FIELDS.to_vec())?;

@@ -155,17 +155,18 @@ impl PyStep {
                 "null source address",
             ));
         }
-        let h = guarded(py, || {
-            let (h, v) = self.step.put(nbytes)?;
-            // SAFETY: `address` is the data of `owner`, a live CPU tensor of at least `nbytes`
-            // bytes that the Python caller (spillover.context) does not write during the call
-            // and this frame holds; `v` is a staging view of a block of `nbytes` bytes that
-            // nothing else can see, so the ranges do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(address as *const u8, v.as_ptr(), v.len()) };
-            drop(v);
-            h.seal()?;
-            Ok(h)
-        })?;
+        let Ok(len) = isize::try_from(nbytes) else {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "nbytes larger than an address space",
+            ));
+        };
+        let len = len as usize;
+        // SAFETY: `address` is the data of `owner`, a live CPU tensor of at least `nbytes`
+        // bytes that the Python caller (spillover.context) does not write during the call and
+        // this frame holds until the slice is last used; the tier copies it into a block it
+        // has just leased (pool memory, never the tensor's), so the ranges do not overlap.
+        let src = unsafe { std::slice::from_raw_parts(address as *const u8, len) };
+        let h = guarded(py, || self.step.put_copy(src))?;
         Ok(PyHandle { h })
     }
 

@@ -106,6 +106,13 @@ impl Step {
     /// written out to make room. Fails with [`Error::PoolExhausted`] when nothing can be freed
     /// now (every block is staged or viewed; the caller may wait for its copies and retry).
     pub fn put(&self, nbytes: u64) -> Result<(Handle, View)> {
+        let block = self.lease(nbytes)?;
+        self.stage(block)
+    }
+
+    /// A block of `nbytes` for a new entry of this step, room made as [`Step::put`] does. It
+    /// is no entry yet: dropping it gives it back to the pool.
+    pub(super) fn lease(&self, nbytes: u64) -> Result<Block> {
         if nbytes == 0 {
             return Err(Error::Invalid("cannot put a 0-byte entry".into()));
         }
@@ -117,6 +124,13 @@ impl Step {
                 capacity: p.capacity,
             });
         };
+        Ok(block)
+    }
+
+    /// Make `block` (from [`Step::lease`]) an entry of this step, staged; its size is the
+    /// block's length.
+    pub(super) fn stage(&self, block: Block) -> Result<(Handle, View)> {
+        let nbytes = block.len() as u64;
         let block = Arc::new(block);
         let view = View::of(&block);
         let mut st = self.tier.lock();

@@ -5,7 +5,13 @@
 //! returns a [`Handle`] with a staging [`View`] to copy into; [`Handle::seal`] says the copy
 //! has landed; [`Handle::get`] returns a view of the bytes, reading them back if they left the
 //! pool, and reads ahead what backward is expected to need next; dropping the last clone of a
-//! handle frees the entry wherever it is.
+//! handle frees the entry wherever it is. [`Step::put_copy`] (`hostcopy.rs`) leases, copies
+//! bytes the host already has and seals in one call (the CPU host link's pack).
+//!
+//! Beside the entries, [`Inflight`] (`inflight.rs`) is the pure ledger of device->host copies
+//! in flight that the link's policy keeps its accounting and its back-pressure victims in
+//! (Note [the ledger of copies in flight]): the tier owns the bytes, their residency, and what
+//! is still on its way to them.
 //!
 //! # Note [views hold blocks]
 //! A view holds its block (`Arc<Block>`), and an entry's block goes to the kernel only by
@@ -42,6 +48,8 @@
 
 mod gather;
 mod handle;
+mod hostcopy;
+mod inflight;
 pub mod policy;
 mod room;
 mod state;
@@ -59,6 +67,7 @@ use crate::pool::Pool;
 pub use gather::Gathered;
 pub(crate) use handle::view_of_blocks;
 pub use handle::{Handle, Step, View};
+pub use inflight::{Inflight, Issued};
 use policy::{Forecast, Learned};
 use room::one_off;
 use state::{Entry, Residency, State, StepState};

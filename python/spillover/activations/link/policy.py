@@ -29,7 +29,8 @@ Note [back-pressure]
     would stay alive until backward and offloading would save nothing. So the bytes of copies
     whose source the policy still holds are capped (``cap_bytes``; the newest copy may pass it
     alone): past the cap the compute stream waits on the oldest copies' events (one wait, on the
-    newest of them, as a copy stream runs in order) and their sources are dropped. Sources are
+    newest of them, as a copy stream runs in order) and their sources are dropped. The ledger
+    in the tier picks them (Note [the ledger lives in the tier]). Sources are
     also all released at every unpack and at the end of backward (``release_sources``), so
     nothing offloaded stays on the device after backward. The default cap is 20 ms of link
     bandwidth, clamped to [64 MiB, 2 GiB]: enough to keep the link busy, small beside device
@@ -43,6 +44,20 @@ Note [in-place after pack]
     autograd itself would raise. The watch is a weak reference: a strong one would close a cycle
     through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor) that gc
     cannot see. Guarded by test_context.py::test_inplace_after_save_is_an_error.
+
+Note [the ledger lives in the tier]
+    The accounting of device->host copies and the choice of victims are the Rust tier's
+    (``spillover._native.Inflight``, rust/tier/inflight.rs, Note [the ledger of copies in
+    flight] there, property-tested in tests/inflight.rs): which copies are in flight (issue
+    order; polled from the oldest), whose sources are held, the bytes of each, their peaks, the
+    oldest held sources to drop past the cap (never the newest copy), each copy landing once,
+    and the counters (``copies``, ``forced_waits``, ``sources_released``). This class keeps
+    only the torch objects -- events, streams, source and destination tensors -- in a table
+    keyed by the ledger's ids, and does what the ledger decided: the waits and the drops. Every
+    ledger call is made under ``_lock``, so a copy's ``_src`` is set exactly while the ledger
+    holds its source. A copy leaves the table once its ``on_landed`` has returned (not when the
+    ledger saw it land), so ``synchronize()`` also waits for callbacks still running on another
+    thread.
 
 What ``to_device`` hands out is freed in stream order (Note [frees in stream order] in
 frees.py).
@@ -59,6 +74,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from ..._native import Inflight
 from .frees import NOT_USED, StreamOrderFrees
 
 __all__ = ["Copy", "Transfers"]
@@ -68,8 +84,8 @@ class Copy:
     """A device->host copy. ``done()`` never blocks; ``wait()`` returns the seconds it blocked
     and re-raises what the copy or its ``on_landed`` raised. Both see ``on_landed`` finished."""
 
-    __slots__ = ("nbytes", "modified", "_tr", "_event", "_stream", "_src", "_dst", "_watch",
-                 "_version", "_on_landed", "_finished", "_landed", "_error", "_sink",
+    __slots__ = ("nbytes", "modified", "_tr", "_id", "_event", "_stream", "_src", "_dst",
+                 "_watch", "_version", "_on_landed", "_finished", "_landed", "_error", "_sink",
                  "__weakref__")
 
     def __init__(self, tr: Transfers, event: Any, stream: Any, src: torch.Tensor,
@@ -80,12 +96,14 @@ class Copy:
         #: complete (Note [in-place after pack]).
         self.modified = False
         self._tr, self._event, self._stream = tr, event, stream
-        self._src: Optional[torch.Tensor] = src  # Note [source lifetime]
+        self._id = -1  # its id in the policy's ledger (Note [the ledger lives in the tier])
+        # Note [source lifetime]; not None exactly while the ledger holds the source
+        self._src: Optional[torch.Tensor] = src
         self._dst: Optional[torch.Tensor] = dst
         self._watch = weakref.ref(watch) if watch is not None else None
         self._version = watch._version if watch is not None else 0
         self._on_landed = on_landed
-        self._finished = False  # observed complete (under the policy's lock)
+        self._finished = False  # observed complete: the ledger said it landed (policy's lock)
         self._landed = threading.Event()  # ... and on_landed has returned
         self._error: Optional[BaseException] = None
         # where an error nobody waited for goes (Note [errors go to their owner])
@@ -128,29 +146,67 @@ class Copy:
 
 
 class Transfers:
-    """The copy policy of one device (Notes [back-pressure], [source lifetime], [freed by
-    events]). Thread-safe; made by :func:`transfers_for`."""
+    """The copy policy of one device (Notes [back-pressure], [source lifetime], [the ledger
+    lives in the tier], [frees in stream order]). Thread-safe; made by :func:`transfers_for`."""
 
     def __init__(self, dev: Any, cap_bytes: Optional[int] = None):
         self.dev = dev
         self.host_is_device: bool = dev.host_is_device
-        self.cap_bytes = int(cap_bytes) if cap_bytes is not None else dev.default_cap
+        cap = int(cap_bytes) if cap_bytes is not None else dev.default_cap
         self._d2h = dev.new_stream()
         self._h2d = None if dev.host_is_device else dev.new_stream()
         self._lock = threading.Lock()
-        self._fifo: Deque[Copy] = collections.deque()  # not observed complete, issue order
-        self._held: Deque[Copy] = collections.deque()  # sources held, issue order
+        #: Note [the ledger lives in the tier]: what is in flight and held, and the victims
+        self._ledger = Inflight(cap)
+        #: the ledger's ids -> their copies, issue order, until on_landed has returned
+        self._copies: Dict[int, Copy] = {}
         self._h2d_fifo: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
         #: Note [frees in stream order] in frees.py (None on a plain CPU host)
         self.frees = (None if self._h2d is None
-                      else StreamOrderFrees(dev, self._h2d, self.cap_bytes))
+                      else StreamOrderFrees(dev, self._h2d, cap))
         self._timings: Deque[Any] = collections.deque()
         self._errors: List[BaseException] = []
         self._stall = 0.0
-        self.copies = self.forced_waits = self.sources_released = 0
-        #: bytes of copies not yet observed complete / of sources the policy holds
-        self.bytes_in_flight = self.peak_bytes_in_flight = 0
-        self.bytes_held = self.peak_bytes_held = 0
+
+    # The counters are the ledger's (Note [the ledger lives in the tier]).
+
+    @property
+    def cap_bytes(self) -> int:
+        """The cap on the bytes of sources held (Note [back-pressure])."""
+        return self._ledger.cap_bytes
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Bytes of copies not yet observed complete."""
+        return self._ledger.bytes_in_flight
+
+    @property
+    def peak_bytes_in_flight(self) -> int:
+        return self._ledger.peak_bytes_in_flight
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the sources the policy holds."""
+        return self._ledger.bytes_held
+
+    @property
+    def peak_bytes_held(self) -> int:
+        return self._ledger.peak_bytes_held
+
+    @property
+    def copies(self) -> int:
+        """Device->host copies started."""
+        return self._ledger.copies
+
+    @property
+    def forced_waits(self) -> int:
+        """Copies that passed the cap and made the compute stream wait."""
+        return self._ledger.forced_waits
+
+    @property
+    def sources_released(self) -> int:
+        """Sources dropped before their copy was seen complete (past the cap, at unpack)."""
+        return self._ledger.sources_released
 
     @property
     def stall_seconds(self) -> float:
@@ -195,41 +251,34 @@ class Transfers:
         dev.copy(dst, src, self._d2h)
         c = Copy(self, dev.record(self._d2h), compute, src, dst, watch, on_landed)
         c._sink = errors
-        n = c.nbytes
         with self._lock:
-            self.copies += 1
-            while self._fifo and self._fifo[0]._finished:
-                self._fifo.popleft()
-            self._fifo.append(c)
-            self._held.append(c)
-            self.bytes_in_flight += n
-            self.bytes_held += n
-            self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
-            self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
-            victims = []  # Note [back-pressure]: the oldest held sources, the newest spared
-            while self.bytes_held > self.cap_bytes and self._held[0] is not c:
-                v = self._held.popleft()
-                if v._src is not None:
-                    victims.append((v, v._src))
-                    v._src = None
-                    self.bytes_held -= v.nbytes
+            # Note [back-pressure]: the ledger picks the oldest held sources, the newest spared
+            c._id, ids = self._ledger.issue(c.nbytes)
+            self._copies[c._id] = c
+            victims = self._take_sources(ids)
         if dev.has_callbacks:
             dev.then(c._event, lambda: self._try_observe(c))
-        self._release(victims, forced=True)
+        self._release(victims)
         dev.poll()
         return c
 
     def release_sources(self) -> None:
         """Make the compute stream wait on every copy whose source is held; drop the sources."""
         with self._lock:
-            victims = [(c, c._src) for c in self._held if c._src is not None]
-            for c, _ in victims:
-                c._src = None
-                self.bytes_held -= c.nbytes
-            self._held.clear()
-        self._release(victims, forced=False)
+            victims = self._take_sources(self._ledger.release_all())
+        self._release(victims)
 
-    def _release(self, victims: List[Tuple[Copy, torch.Tensor]], forced: bool) -> None:
+    def _take_sources(self, ids: List[int]) -> List[Tuple[Copy, torch.Tensor]]:
+        """The copies (and their sources) the ledger has just released; under the lock."""
+        victims = []
+        for i in ids:
+            v = self._copies[i]  # held, so not landed, so still here
+            src, v._src = v._src, None
+            if src is not None:  # always: set exactly while the ledger holds it
+                victims.append((v, src))
+        return victims
+
+    def _release(self, victims: List[Tuple[Copy, torch.Tensor]]) -> None:
         if not victims:
             return
         newest: Dict[Any, Copy] = {}  # per compute stream: its copies finish in issue order
@@ -237,9 +286,6 @@ class Transfers:
             newest[v._stream] = v
         for v in newest.values():
             self._wait_compute(v._stream, v._event)
-        with self._lock:
-            self.sources_released += len(victims)
-            self.forced_waits += forced
         victims.clear()  # the sources go now (Note [source lifetime])
 
     def _wait_compute(self, stream: Any, ev: Any) -> None:
@@ -265,13 +311,10 @@ class Transfers:
     def _observe(self, c: Copy, error: Optional[BaseException] = None) -> None:
         """The copy is complete: drop what it held and run on_landed, exactly once."""
         with self._lock:
-            if c._finished:
+            if c._finished or not self._ledger.landed(c._id):
                 return
             c._finished = True
-            self.bytes_in_flight -= c.nbytes
-            if c._src is not None:
-                c._src = None
-                self.bytes_held -= c.nbytes
+            c._src = None  # the ledger released it with the landing
             c._dst = None
             watched = c._watch() if c._watch is not None else None
             if watched is not None:  # Note [in-place after pack]
@@ -290,6 +333,8 @@ class Transfers:
                 c._error = e
                 sink.append(e)
         finally:
+            with self._lock:  # out of synchronize()'s sight only once on_landed has returned
+                del self._copies[c._id]
             c._landed.set()
 
     def _forget(self, error: BaseException,
@@ -299,11 +344,10 @@ class Transfers:
                 errs[:] = [e for e in errs if e is not error]
 
     def _poll(self) -> None:
-        while True:  # the front of the FIFO: a copy stream finishes in issue order
+        while True:  # the oldest copy not landed: a copy stream finishes in issue order
             with self._lock:
-                while self._fifo and self._fifo[0]._finished:
-                    self._fifo.popleft()
-                c = self._fifo[0] if self._fifo else None
+                i = self._ledger.front()
+                c = self._copies[i] if i is not None else None
             if c is None:
                 break
             self._try_observe(c)
@@ -311,8 +355,6 @@ class Transfers:
                 break
         query = self.dev.query
         with self._lock:
-            while self._held and self._held[0]._src is None:
-                self._held.popleft()
             while self._h2d_fifo and query(self._h2d_fifo[0][0]):
                 self._h2d_fifo.popleft()
         if self.frees is not None:
@@ -339,8 +381,8 @@ class Transfers:
 
     def synchronize(self, errors: Optional[List[BaseException]] = None) -> None:
         """Wait for every copy in flight (tests, measurements, a full pool); raises as reap()."""
-        with self._lock:
-            pending, h2d = list(self._fifo), [ev for ev, _ in self._h2d_fifo]
+        with self._lock:  # issue order, with those whose on_landed is still running
+            pending, h2d = list(self._copies.values()), [ev for ev, _ in self._h2d_fifo]
         for c in pending:
             c._sync()
         for ev in h2d:

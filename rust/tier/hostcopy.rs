@@ -1,0 +1,72 @@
+//! Host-side copies into the tier: [`Step::put_copy`] leases a block, copies bytes the host
+//! already has into it and seals it, in one call (the CPU host link's pack). Safe code: the
+//! source is a slice; the one `unsafe` that builds it from an address Python handed over stays
+//! at the PyO3 boundary (`PyStep::put_from` in `rust/py/tier.rs`), next to the owner that keeps
+//! the address alive.
+//!
+//! The copy is made into the block while it is still only leased, before it becomes an entry:
+//! nothing else can see it, so a plain `&mut [u8]` does it, and an error on the way (no room,
+//! a failed write behind at seal) leaves no entry behind -- the block goes back to the pool or
+//! the handle is dropped, which frees the entry wherever it is.
+
+use super::{Handle, Step};
+use crate::error::Result;
+
+impl Step {
+    /// Lease a block for `src.len()` bytes (making room as [`Step::put`] does), copy `src`
+    /// into it and seal it: the entry is dirty (or already being written behind) when this
+    /// returns. Raises what `put` and [`Handle::seal`] raise; on an error no entry is left.
+    pub fn put_copy(&self, src: &[u8]) -> Result<Handle> {
+        let mut block = self.lease(src.len() as u64)?;
+        block.as_mut_slice().copy_from_slice(src);
+        let (h, staging) = self.stage(block)?;
+        drop(staging);
+        h.seal()?;
+        Ok(h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::error::Error;
+    use crate::pool::{Pool, PoolOptions};
+    use crate::tier::{Tier, TierOptions};
+
+    fn host_tier(capacity: u64) -> Tier {
+        let mut o = PoolOptions::new(capacity);
+        o.lock = false;
+        o.huge_pages = false;
+        o.prefault = false;
+        let pool = Pool::new(&o).unwrap();
+        Tier::new(pool, None, TierOptions::for_pool(capacity))
+    }
+
+    #[test]
+    fn bytes_round_trip_through_get() {
+        let t = host_tier(1 << 20);
+        let step = t.begin_step();
+        let src: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let h = step.put_copy(&src).unwrap();
+        assert_eq!(h.nbytes(), src.len() as u64);
+        assert_eq!(h.residency(), "dirty");
+        assert_eq!(h.get().unwrap().as_slice(), &src[..]);
+        drop(h);
+        assert_eq!(t.stats().entries, 0);
+    }
+
+    #[test]
+    fn a_failed_put_leaves_no_entry() {
+        let t = host_tier(64 << 10);
+        let step = t.begin_step();
+        let keep = step.put_copy(&[1u8; 40 << 10]).unwrap();
+        let in_use = t.stats().pool_in_use;
+        let too_big = step.put_copy(&[2u8; 40 << 10]);
+        assert!(matches!(too_big, Err(Error::PoolExhausted { .. })));
+        assert!(matches!(step.put_copy(&[]), Err(Error::Invalid(_))));
+        let s = t.stats();
+        assert_eq!((s.entries, s.pool_in_use), (1, in_use));
+        assert_eq!(keep.get().unwrap().as_slice(), &[1u8; 40 << 10][..]);
+        drop(keep);
+        assert_eq!(t.stats().pool_in_use, 0);
+    }
+}
