@@ -17,12 +17,21 @@ Note [loss chunks]
     (32 MiB); 32,768 → 512 (64 MiB); 128,256 → 256 (125 MiB: the floor wins over the cap,
     keeping the GEMM wide). A chunk is thus at most 1/8 of a 2 × 4k-token step's logits at
     vocab 32k, and the region's peak is the chunk plus the weight gradient (vocab × d).
-    The chunk depends on the vocabulary alone, not on the policy or a planner's budget: the
-    chunk fixes the order in which the weight gradient sums, so a budget-sized chunk would give
-    ``wrap(policy="auto")`` gradients that differ in the last bits from ``policy="full"``'s on
-    the same model (seen: 4e-9 on the tiny GPT at a 1-byte budget). The planner counts the
-    chunk instead (Note [loss transient]); at most 125 MiB (vocab 128k), against budgets of
-    GiB on a device.
+    That is the chunk whenever it fits. Only a budget it does not fit shrinks it (Note [loss
+    chunk under a budget]).
+
+Note [loss chunk under a budget]
+    The chunk fixes the order in which the weight gradient sums, so a chunk that changed with
+    the budget would give ``wrap(policy="auto")`` gradients that differ in the last bits from
+    ``policy="full"``'s on the same model (seen: 4e-9 on the tiny GPT). So the speed rule's
+    chunk is kept whenever the plan fits with it, and an ``"auto"`` plan shrinks it only when
+    it does not: the planner then plans with the smallest chunk (``_FLOOR_ROWS`` rows, the
+    transient a learning step reports beside the speed rule's) and gives what that plan leaves
+    of the budget back to the chunk, up to the speed rule's (``Plan.loss_cap``). The rows are
+    then the largest power of two whose chunk and hidden gradient fit that cap, at least
+    ``_FLOOR_ROWS``: a thin GEMM is slower (128 rows: ~1.3x the time of 512), a step over the
+    budget on a GPU is an out-of-memory error. :func:`limit_chunk` applies the same cap by
+    hand (a reference run with the chunk a plan chose, a custom loss under a tight device).
 
 Note [loss transient]
     What the loss region adds at its peak (the start of backward), measured on CPU
@@ -49,13 +58,14 @@ Note [which HF models]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import re
 import threading
 import warnings
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -63,12 +73,13 @@ from torch.nn import functional as F
 
 __all__ = ["available", "chunk_rows", "options_for", "chunked_cross_entropy",
            "causal_lm_loss", "LossRegion", "FlagRegion", "attach", "detach", "describe",
-           "begin_scope", "end_scope", "FLAG"]
+           "begin_scope", "end_scope", "limit_chunk", "FLAG"]
 
 _log = logging.getLogger("spillover")
 
 _CHUNK_BYTES = 64 << 20  # Note [loss chunks]
 _MIN_ROWS, _MAX_ROWS = 256, 1024
+_FLOOR_ROWS = 64  # Note [loss chunk under a budget]
 
 #: The attribute a model of its own may expose to be switched by wrap (``FlagRegion``): a bool
 #: its forward reads to compute the loss through :func:`chunked_cross_entropy`.
@@ -77,26 +88,52 @@ FLAG = "spillover_chunked_loss"
 
 class _Scope(threading.local):
     """Note [loss transient]: the largest transient a chunked call reported while a wrapped
-    model's forward runs (per thread)."""
+    model's forward runs (per thread): with the speed rule's chunk, and with the smallest one
+    a budget may shrink it to; and the cap on it (Note [loss chunk under a budget])."""
 
     def __init__(self) -> None:
         self.transient = 0
+        self.transient_min = 0
+        self.cap: Optional[int] = None
 
 
 _scope = _Scope()
 
 
-def begin_scope() -> int:
+def begin_scope(cap: Optional[int] = None) -> Tuple[int, int, Optional[int]]:
     """A wrapped model's forward starts: chunked calls until :func:`end_scope` report their
-    transient. Returns what :func:`end_scope` restores (scopes nest)."""
-    prev, _scope.transient = _scope.transient, 0
+    transient, and keep it within ``cap`` bytes when given (Note [loss chunk under a budget]).
+    Returns what :func:`end_scope` restores (scopes nest)."""
+    prev = (_scope.transient, _scope.transient_min, _scope.cap)
+    _scope.transient = _scope.transient_min = 0
+    _scope.cap = _tighter(prev[2], cap)
     return prev
 
 
-def end_scope(prev: int) -> int:
-    """Close the scope :func:`begin_scope` opened; returns the largest transient reported."""
-    out, _scope.transient = _scope.transient, prev
+def end_scope(prev: Tuple[int, int, Optional[int]]) -> Tuple[int, int]:
+    """Close the scope :func:`begin_scope` opened; returns the largest transient reported with
+    the speed rule's chunk and with the smallest chunk."""
+    out = (_scope.transient, _scope.transient_min)
+    _scope.transient, _scope.transient_min, _scope.cap = prev
     return out
+
+
+def _tighter(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else min(a, b)
+
+
+@contextlib.contextmanager
+def limit_chunk(cap_bytes: Optional[int]) -> Iterator[None]:
+    """Keep what each chunked loss call adds at its peak (one fp32 logits chunk and the hidden
+    states' gradient) within ``cap_bytes``, by fewer rows per chunk (at least 64): what an
+    ``"auto"`` plan does when the speed rule's chunk does not fit its budget (Note [loss chunk
+    under a budget]; ``Plan.loss_cap`` says which cap it chose). ``None`` changes nothing."""
+    prev = _scope.cap
+    _scope.cap = _tighter(prev, cap_bytes)
+    try:
+        yield
+    finally:
+        _scope.cap = prev
 
 
 def available() -> bool:
@@ -104,16 +141,23 @@ def available() -> bool:
     return hasattr(F, "linear_cross_entropy") and hasattr(nn, "LinearCrossEntropyOptions")
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows (tokens) per chunk for a head of ``vocab`` classes (Note [loss chunks])."""
+def chunk_rows(vocab: int, cap_bytes: Optional[int] = None, hidden_bytes: int = 0) -> int:
+    """Rows (tokens) per chunk for a head of ``vocab`` classes (Note [loss chunks]); with
+    ``cap_bytes``, fewer where one fp32 chunk + ``hidden_bytes`` (the hidden states' gradient)
+    would pass it, down to 64 (Note [loss chunk under a budget])."""
     fit = max(1, _CHUNK_BYTES // (4 * max(1, int(vocab))))
-    rows = 1 << (fit.bit_length() - 1)
-    return max(_MIN_ROWS, min(_MAX_ROWS, rows))
+    rows = max(_MIN_ROWS, min(_MAX_ROWS, 1 << (fit.bit_length() - 1)))
+    if cap_bytes is not None:
+        while rows > _FLOOR_ROWS and rows * vocab * 4 + hidden_bytes > cap_bytes:
+            rows //= 2
+    return rows
 
 
-def options_for(vocab: int) -> Any:
-    """torch's ``LinearCrossEntropyOptions`` with the chunk of :func:`chunk_rows`."""
-    return nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows(vocab), chunking_method=None)
+def options_for(vocab: int, rows: Optional[int] = None) -> Any:
+    """torch's ``LinearCrossEntropyOptions`` with ``rows`` per chunk (default
+    :func:`chunk_rows`)."""
+    return nn.LinearCrossEntropyOptions(batch_chunk_size=rows or chunk_rows(vocab),
+                                        chunking_method=None)
 
 
 _warned_missing = False
@@ -165,12 +209,19 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         _warn_missing()
         return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=ignore_index,
                                reduction=reduction)
-    vocab = weight.shape[0]
-    # Note [loss transient]: one fp32 logits chunk and the hidden states' gradient
-    _scope.transient = max(_scope.transient, min(chunk_rows(vocab), h.shape[0]) * vocab * 4
-                           + h.numel() * h.element_size())
+    vocab, tokens = weight.shape[0], h.shape[0]
+    hidden_bytes = h.numel() * h.element_size()
+    # Note [loss transient]: one fp32 logits chunk and the hidden states' gradient, with the
+    # speed rule's chunk and with the smallest a budget may ask for
+    _scope.transient = max(_scope.transient,
+                           min(chunk_rows(vocab), tokens) * vocab * 4 + hidden_bytes)
+    _scope.transient_min = max(_scope.transient_min,
+                               min(_FLOOR_ROWS, tokens) * vocab * 4 + hidden_bytes)
+    rows = chunk_rows(vocab)
+    if _scope.cap is not None and min(rows, tokens) * vocab * 4 + hidden_bytes > _scope.cap:
+        rows = chunk_rows(vocab, _scope.cap, hidden_bytes)  # Note [loss chunk under a budget]
     loss = F.linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction=reduction,
-                                  options=options_for(vocab))
+                                  options=options_for(vocab, rows))
     return _OneBackward.apply(loss) if loss.requires_grad else loss
 
 

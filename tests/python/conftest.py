@@ -32,6 +32,14 @@ def assert_bitwise(a, b):
             assert torch.equal(x, y), f"gradient {i} differs: max |d| = {(x - y).abs().max()}"
 
 
+def same_loss_ref(base, batch, wrapped):
+    """The plain step of ``base`` with the loss chunk ``wrapped``'s last step used: an "auto"
+    plan shrinks it when the speed rule's does not fit its budget (Note [loss chunk under a
+    budget] in spillover/loss.py), which changes the order the head's gradient sums in."""
+    with spillover.loss.limit_chunk(wrapped._spillover_state.policy.loss_cap()):
+        return gpt_step(base, batch)
+
+
 def gpt_step(model, batch, ctx=None, outside=True):
     """One forward/backward; with `outside`, backward runs after the `with` block."""
     model.zero_grad(set_to_none=True)

@@ -126,6 +126,56 @@ def test_chunk_rows_rule():
     assert opt.batch_chunk_size == 512 and opt.chunking_method is None
 
 
+def test_a_cap_shrinks_the_chunk_down_to_the_floor():
+    # Note [loss chunk under a budget]: the largest power of two within the cap, at least 64
+    hidden = 4096 * 512 * 4
+    speed = 1024 * 8192 * 4 + hidden
+    assert L.chunk_rows(8192, cap_bytes=speed, hidden_bytes=hidden) == 1024
+    assert L.chunk_rows(8192, cap_bytes=speed - 1, hidden_bytes=hidden) == 512
+    assert L.chunk_rows(8192, cap_bytes=256 * 8192 * 4 + hidden, hidden_bytes=hidden) == 256
+    assert L.chunk_rows(8192, cap_bytes=1, hidden_bytes=hidden) == 64
+    assert L.chunk_rows(8192, cap_bytes=10 << 30, hidden_bytes=hidden) == 1024  # never more
+
+
+def test_limit_chunk_uses_fewer_rows_within_torchs_tolerance(monkeypatch):
+    """A capped chunk: more, smaller chunks (the rows torch is given), the same loss and
+    gradients within torch's tolerance; the scope reports the transient of the speed rule's
+    chunk and of the smallest one, whatever the cap."""
+    torch.manual_seed(0)
+    tokens, d, vocab = 2048, 64, 512
+    h0, w0 = torch.randn(tokens, d), torch.randn(vocab, d) * 0.1
+    y = torch.randint(0, vocab, (tokens,))
+    seen = []
+    real = torch.nn.functional.linear_cross_entropy
+
+    def spy(*a, options=None, **kw):
+        seen.append(options.batch_chunk_size)
+        return real(*a, options=options, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
+
+    def run(cap):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        scope = L.begin_scope()
+        with L.limit_chunk(cap):
+            loss = L.chunked_cross_entropy(h, w, y)
+        reported = L.end_scope(scope)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad, reported
+
+    ref = run(None)
+    hidden = tokens * d * 4
+    capped = run(128 * vocab * 4 + hidden)
+    assert seen == [1024, 128]
+    for a, b in zip(ref[:3], capped[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert ref[3] == capped[3] == (1024 * vocab * 4 + hidden, 64 * vocab * 4 + hidden)
+    with L.limit_chunk(64 * vocab * 4 + hidden):  # noqa: SIM117 (caps nest: the tighter wins)
+        with L.limit_chunk(1 << 30):
+            run(None)
+    assert seen[-1] == 64
+
+
 @pytest.mark.parametrize("how", ["wrap", "enable"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_loss_and_grads_match_hf_without_logits(kind, how):

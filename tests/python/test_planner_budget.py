@@ -10,7 +10,8 @@ import sys
 import textwrap
 
 import pytest
-from conftest import assert_bitwise, gpt_step
+import torch
+from conftest import assert_bitwise, gpt_step, same_loss_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -194,6 +195,57 @@ def test_the_loss_region_counts_in_the_planned_peak():
         _step(), CPU, 16 * MiB)
 
 
+def test_a_loss_chunk_that_fits_no_plan_is_shrunk_until_one_fits():
+    """Note [loss chunk under a budget]: the speed rule's chunk while some plan fits with it
+    (no cap); below that, the plan made with the smallest chunk, what it leaves of the budget
+    given back to the chunk, the peak with the grown chunk still within the budget."""
+    from test_planner import _step
+
+    big, least = 600 * MiB, 24 * MiB
+
+    def plan(budget, loss, loss_min=0):
+        return make_plan(_step(), CPU, budget=budget, outside_bytes=16 * MiB,
+                         peak_offset=10 * MiB, loss_bytes=loss, loss_min_bytes=loss_min)
+
+    floor_big, floor_least = plan(1, big).model_peak, plan(1, least).model_peak
+    assert floor_least < floor_big
+    budget = (floor_least + floor_big) // 2 + 10 * MiB
+    assert not plan(budget, big).fits  # the speed rule's chunk fits no plan
+    p = plan(budget, big, least)
+    assert p.fits and p.loss_cap is not None and least <= p.loss_cap < big
+    assert p.model_peak + p.peak_offset <= budget
+    # a budget the speed rule's chunk fits: no cap, the same plan as without the smallest
+    roomy = plan(floor_big + 10 * MiB + 50 * MiB, big, least)
+    assert roomy.fits and roomy.loss_cap is None
+    assert [(r.mode, r.actions) for r in roomy.regions] == [
+        (r.mode, r.actions) for r in plan(floor_big + 60 * MiB, big).regions]
+    # nothing fits even with the smallest chunk: the smallest it is
+    tight = plan(floor_least // 2, big, least)
+    assert not tight.fits and tight.loss_cap == least
+
+
+def test_wrap_runs_the_loss_chunk_its_plan_capped(tiny_gpt_cl, monkeypatch):
+    """End to end, with measured peaks given (test_planner's fake meter): a budget no plan fits
+    with the speed rule's chunk; the wrapped model's next steps run the capped chunk (fewer
+    rows) and equal the plain model run with that cap, bit for bit."""
+    from test_planner import _metered_steps
+
+    base, batch = tiny_gpt_cl
+    rows = []
+    real = torch.nn.functional.linear_cross_entropy
+
+    def spy(*a, options=None, **kw):
+        rows.append(options.batch_chunk_size)
+        return real(*a, options=options, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
+    planner, plans = _metered_steps(base, batch, 3 * MiB, [4 * MiB, 3 * MiB], steps=3)
+    cap = plans[-1].loss_cap
+    assert cap is not None and planner.loss_min_bytes <= cap < planner.loss_bytes
+    # each step: the wrapped model, then its plain reference; the first step learns
+    assert rows[0] == rows[1] == 1024 and rows[-2] == rows[-1] < 256  # 256 tokens: one chunk
+
+
 def test_auto_learns_the_loss_region_of_a_wrapped_model():
     """wrap(policy="auto") on the built-in GPT turns its chunked loss on; the learning step
     reports the loss's transient (one fp32 logits chunk + the hidden states' gradient) to the
@@ -210,9 +262,11 @@ def test_auto_learns_the_loss_region_of_a_wrapped_model():
     tokens = 4 * cfg.seq
     assert planner.loss_bytes == min(chunk_rows(cfg.vocab), tokens) * cfg.vocab * 4 \
         + tokens * cfg.d_model * 4
+    assert planner.loss_min_bytes == 64 * cfg.vocab * 4 + tokens * cfg.d_model * 4
     ex = spillover.explain(model)
     assert ex.summary["loss region in the peak"] == spillover.config.format_size(
         planner.loss_bytes)
+    assert planner.plan.loss_cap is None and "loss chunk" not in ex.summary  # 1 GiB: it fits
     # chunked_loss=False: no loss region, nothing counted
     plain = spillover.wrap(GPT(cfg), policy="auto", budget_bytes="1GiB", chunked_loss=False)
     for _ in range(2):
@@ -289,7 +343,6 @@ def test_no_modeled_step_over_full_checkpointings_peak(tiny_gpt_cl, tmp_path):
     pool that full recomputation under the context cannot afford: the learning step runs the
     frugal way, and no tuning step moves above the budget."""
     base, batch = tiny_gpt_cl
-    ref = gpt_step(base, batch)
     hidden = 4 * MiB
     probe = Planner(budget_bytes=1, machine=CPU, measure_peak=False)
     m = spillover.wrap(copy.deepcopy(base), policy=probe)
@@ -311,7 +364,8 @@ def test_no_modeled_step_over_full_checkpointings_peak(tiny_gpt_cl, tmp_path):
     for _ in range(planner.TUNING_STEPS + 3):
         ctx = spillover.offload_context("nvme", host_pool_bytes=pool, nvme_path=str(tmp_path),
                                         min_offload_bytes=4096)
-        assert_bitwise(ref, gpt_step(model, batch, ctx))
+        got = gpt_step(model, batch, ctx)
+        assert_bitwise(same_loss_ref(base, batch, model), got)
     assert planner.tuned and len(meter.peaks) >= 2
     assert all(p <= 1.05 * budget for p in meter.peaks), ([p / budget for p in meter.peaks],
                                                           planner.plan.variant)

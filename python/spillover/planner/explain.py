@@ -129,7 +129,13 @@ def explain_records(
                 f" (model {format_size(plan.model_peak)} + measured offset "
                 f"{format_size(plan.peak_offset)})")
         if loss_bytes:
-            summary["loss region in the peak"] = format_size(loss_bytes)
+            summary["loss region in the peak"] = format_size(
+                loss_bytes if plan.loss_cap is None else min(loss_bytes, plan.loss_cap))
+        if plan.loss_cap is not None:
+            summary["loss chunk"] = (
+                f"capped at {format_size(plan.loss_cap)} (chunk and hidden gradient) by the "
+                f"budget, against {format_size(loss_bytes)} with the speed rule's: fewer rows "
+                "per chunk, slower (Note [loss chunk under a budget])")
     else:
         modes = collections.Counter(r.mode for r in records)
         if modes.get("full"):

@@ -62,6 +62,9 @@ class Plan:
     #: measured peak - modeled peak, from the steps measured so far (None: not measured)
     peak_offset: Optional[int] = None
     variant: str = ""
+    #: the cap on the loss region's chunk (Note [loss chunk under a budget] in loss.py): None
+    #: when the speed rule's chunk fits
+    loss_cap: Optional[int] = None
 
 
 
@@ -90,6 +93,7 @@ def make_plan(
     peak_offset: Optional[int | Dict[str, int]] = None,
     kinds: Sequence[str] = KINDS,
     loss_bytes: int = 0,
+    loss_min_bytes: int = 0,
 ) -> Plan:
     """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
 
@@ -104,8 +108,15 @@ def make_plan(
     tried for the regions not run plainly at the end: op by op without offloading
     ("checkpoint"), with it ("checkpoint+offload"), or all run plainly with the offload context
     taking what they save ("plain-offload"). ``loss_bytes``: what the loss region adds when
-    backward starts (Note [loss transient] in spillover/loss.py), counted in peak budgets.
+    backward starts (Note [loss transient] in spillover/loss.py), counted in peak budgets;
+    ``loss_min_bytes`` (when smaller) what it adds with the smallest chunk: a plan that does
+    not fit with the first is made with the second, its slack given back to the chunk
+    (``Plan.loss_cap``, Note [loss chunk under a budget] there).
     """
+    if (peak_offset is not None and budget is not None
+            and 0 < loss_min_bytes < loss_bytes):
+        return _fit_loss(regions, machine, budget, outside_bytes, peak_offset, kinds,
+                         loss_bytes, loss_min_bytes)
     plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
     full = outside_bytes + sum(r.input_bytes for r in regions)
     peak = peak_offset is not None
@@ -213,6 +224,23 @@ def make_plan(
                 peak_offset=off(best.kind) if peak else None,
                 variant=best.kind)
 
+
+
+def _fit_loss(regions: List[RegionRecord], machine: Machine, budget: int, outside_bytes: int,
+              peak_offset: int | Dict[str, int], kinds: Sequence[str], loss_bytes: int,
+              loss_min_bytes: int) -> Plan:
+    """Note [loss chunk under a budget] (loss.py): the plan with the speed rule's chunk when it
+    fits; else the plan with the smallest chunk, whose slack goes back to the chunk."""
+    plan = make_plan(regions, machine, budget, outside_bytes, peak_offset, kinds, loss_bytes)
+    if plan.fits:
+        return plan
+    small = make_plan(regions, machine, budget, outside_bytes, peak_offset, kinds,
+                      loss_min_bytes)
+    slack = budget - small.model_peak - (small.peak_offset or 0) if small.fits else 0
+    small.loss_cap = min(loss_bytes, loss_min_bytes + slack)
+    # the chunk's growth counted in full (it adds at most that to the peak)
+    small.model_peak += small.loss_cap - loss_min_bytes
+    return small
 
 
 class _Greedy(Costs):

@@ -108,6 +108,9 @@ class Planner:
         self.outside_bytes = 0
         # what the loss region adds when backward starts (Note [loss transient], loss.py)
         self.loss_bytes = 0
+        # ... and with the smallest chunk a budget may shrink it to (Note [loss chunk under a
+        # budget], loss.py)
+        self.loss_min_bytes = 0
         # Note [peak feedback]
         self.measure_peak = measure_peak
         self._meter: Optional[Any] = None
@@ -313,7 +316,7 @@ class Planner:
             offsets = {"learning": 0} if self.measure_peak else None
         self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
                               self.outside_bytes, peak_offset=offsets, kinds=kinds,
-                              loss_bytes=self.loss_bytes)
+                              loss_bytes=self.loss_bytes, loss_min_bytes=self.loss_min_bytes)
         self.planned_records = recs
         self.replans += 1
 

@@ -115,21 +115,23 @@ class _WrapState:
         if self.step_records:
             self.records = self.step_records
         self.step_records = []
-        if self.loss_scope is None:  # Note [loss transient]: what the loss adds
-            self.loss_scope = _loss.begin_scope()
-        if self.policy.begin_step():
+        counting = self.policy.begin_step()
+        if self.loss_scope is None:  # Note [loss transient]: what the loss adds; its cap, Note
+            # [loss chunk under a budget], from the plan this step follows
+            self.loss_scope = _loss.begin_scope(self.policy.loss_cap())
+        if counting:
             self.counting = _CountingHooks(model)
             self.counting.hooks.__enter__()
 
     def post_forward(self, model: nn.Module, args: Any, out: Any) -> None:
-        loss_bytes = 0
+        loss_bytes = loss_min = 0
         if self.loss_scope is not None:
             scope, self.loss_scope = self.loss_scope, None
-            loss_bytes = _loss.end_scope(scope)
+            loss_bytes, loss_min = _loss.end_scope(scope)
         if self.counting is not None:
             c, self.counting = self.counting, None
             c.hooks.__exit__(None, None, None)
-            self.policy.end_step(c.bytes, loss_bytes)
+            self.policy.end_step(c.bytes, loss_bytes, loss_min)
 
     def last_records(self) -> List[RegionRecord]:
         return self.step_records or self.records

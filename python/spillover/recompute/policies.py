@@ -89,9 +89,16 @@ class RegionPolicy(abc.ABC):
         model saves outside its regions during it, for :meth:`end_step`."""
         return False
 
-    def end_step(self, outside_bytes: int, loss_bytes: int = 0) -> None:
+    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0
+                 ) -> None:
         """The forward :meth:`begin_step` asked to count has ended; ``loss_bytes``: what its
-        chunked loss region adds when backward starts (Note [loss transient], loss.py)."""
+        chunked loss region adds when backward starts (Note [loss transient], loss.py), and
+        ``loss_min_bytes`` what it would add with the smallest chunk."""
+        return None
+
+    def loss_cap(self) -> Optional[int]:
+        """The cap on the loss region's chunk in this step (Note [loss chunk under a budget]
+        in loss.py); None: the speed rule's chunk."""
         return None
 
 def _sac(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
@@ -410,9 +417,16 @@ class _Auto(RegionPolicy):
         self.planner.begin_step()
         return self.planner.learning
 
-    def end_step(self, outside_bytes: int, loss_bytes: int = 0) -> None:
+    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0
+                 ) -> None:
         self.planner.outside_bytes = outside_bytes
         self.planner.loss_bytes = loss_bytes
+        self.planner.loss_min_bytes = loss_min_bytes
+
+    def loss_cap(self) -> Optional[int]:
+        plan = self.planner.plan
+        return plan.loss_cap if plan is not None and not self.planner.learning else None
+
     def __repr__(self) -> str:
         return "'auto'"
 
