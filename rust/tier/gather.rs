@@ -5,11 +5,11 @@
 //! their own, written out, read back and prefetched like any other), so that one tensor larger
 //! than the whole pool still leaves the device. [`Gathered::get`] returns the whole storage as
 //! one buffer of its own (a one-off mapping): pieces only on disk are read straight into it,
-//! pieces still in the pool are copied. Those reads start when the storage is the next thing
-//! backward is expected to need (the learned order, Note [expected order]) -- in
-//! recomputation, when its region starts rerunning, so the ops before it overlap the reads --
-//! and not earlier, which would hold its bytes through the backward of the region before. One
-//! storage is read ahead at a time. A direct read leaves its piece's entry on disk; the request
+//! pieces still in the pool are copied. Those reads start once what backward is expected to
+//! need before the storage (the learned order, Note [expected order]) holds no more bytes than
+//! it does (Note [gather distance] in policy.rs), so the backward before it overlaps the
+//! reads without holding its bytes through a whole region's backward. One storage is read
+//! ahead at a time. A direct read leaves its piece's entry on disk; the request
 //! holds a clone of the slot, so freeing the entry meanwhile cannot hand those bytes to another
 //! write (Note [slot lifetime]).
 
@@ -64,6 +64,11 @@ impl GatherState {
 
     pub(crate) fn not_started(&self) -> bool {
         matches!(self.ahead, Ahead::NotStarted)
+    }
+
+    /// The whole storage's bytes.
+    pub(crate) fn nbytes(&self) -> u64 {
+        self.parts.iter().map(|&(_, n)| n).sum()
     }
 }
 

@@ -46,6 +46,7 @@ impl Tier {
                             chunk: c,
                             startable: gathering.is_none()
                                 && chunks.get(&c).is_some_and(|g| g.not_started()),
+                            nbytes: chunks.get(&c).map_or(0, |g| g.nbytes()),
                         };
                     }
                 }
