@@ -40,6 +40,21 @@ def same_loss_ref(base, batch, wrapped):
         return gpt_step(base, batch)
 
 
+@pytest.fixture
+def chunk_rows_seen(monkeypatch):
+    """The rows per chunk of every chunked loss call made in the test (torch's
+    ``linear_cross_entropy`` watched), in call order."""
+    seen = []
+    real = torch.nn.functional.linear_cross_entropy
+
+    def spy(*a, options=None, **kw):
+        seen.append(options.batch_chunk_size)
+        return real(*a, options=options, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
+    return seen
+
+
 def gpt_step(model, batch, ctx=None, outside=True):
     """One forward/backward; with `outside`, backward runs after the `with` block."""
     model.zero_grad(set_to_none=True)

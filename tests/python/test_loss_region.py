@@ -137,7 +137,7 @@ def test_a_cap_shrinks_the_chunk_down_to_the_floor():
     assert L.chunk_rows(8192, cap_bytes=10 << 30, hidden_bytes=hidden) == 1024  # never more
 
 
-def test_limit_chunk_uses_fewer_rows_within_torchs_tolerance(monkeypatch):
+def test_limit_chunk_uses_fewer_rows_within_torchs_tolerance(chunk_rows_seen):
     """A capped chunk: more, smaller chunks (the rows torch is given), the same loss and
     gradients within torch's tolerance; the scope reports the transient of the speed rule's
     chunk and of the smallest one, whatever the cap."""
@@ -145,14 +145,7 @@ def test_limit_chunk_uses_fewer_rows_within_torchs_tolerance(monkeypatch):
     tokens, d, vocab = 2048, 64, 512
     h0, w0 = torch.randn(tokens, d), torch.randn(vocab, d) * 0.1
     y = torch.randint(0, vocab, (tokens,))
-    seen = []
-    real = torch.nn.functional.linear_cross_entropy
-
-    def spy(*a, options=None, **kw):
-        seen.append(options.batch_chunk_size)
-        return real(*a, options=options, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
+    seen = chunk_rows_seen
 
     def run(cap):
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from conftest import assert_bitwise, gpt_step, same_loss_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -224,21 +223,14 @@ def test_a_loss_chunk_that_fits_no_plan_is_shrunk_until_one_fits():
     assert not tight.fits and tight.loss_cap == least
 
 
-def test_wrap_runs_the_loss_chunk_its_plan_capped(tiny_gpt_cl, monkeypatch):
+def test_wrap_runs_the_loss_chunk_its_plan_capped(tiny_gpt_cl, chunk_rows_seen):
     """End to end, with measured peaks given (test_planner's fake meter): a budget no plan fits
     with the speed rule's chunk; the wrapped model's next steps run the capped chunk (fewer
     rows) and equal the plain model run with that cap, bit for bit."""
     from test_planner import _metered_steps
 
     base, batch = tiny_gpt_cl
-    rows = []
-    real = torch.nn.functional.linear_cross_entropy
-
-    def spy(*a, options=None, **kw):
-        rows.append(options.batch_chunk_size)
-        return real(*a, options=options, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
+    rows = chunk_rows_seen
     planner, plans = _metered_steps(base, batch, 3 * MiB, [4 * MiB, 3 * MiB], steps=3)
     cap = plans[-1].loss_cap
     assert cap is not None and planner.loss_min_bytes <= cap < planner.loss_bytes
