@@ -1,4 +1,4 @@
-"""The loss region (spillover/loss.py): a HF causal LM's head and loss through torch's chunked
+"""The loss region (spillover/loss/): a HF causal LM's head and loss through torch's chunked
 ``linear_cross_entropy`` under ``spillover.wrap`` / ``hf.enable``, against HF's own loss.
 
 Tolerance: the chunked loss sums in another order than ``F.cross_entropy`` over the whole
@@ -321,7 +321,7 @@ def test_under_offload_context_bitwise_to_without(private_pool_bytes):
 
 def test_torch_without_the_function(monkeypatch):
     monkeypatch.delattr(F, "linear_cross_entropy")
-    monkeypatch.setattr(L, "_warned_missing", False)
+    monkeypatch.setattr(L.chunked, "_warned_missing", False)  # the warning is once a process
     base = tiny("llama")
     with pytest.warns(UserWarning, match="no torch.nn.functional.linear_cross_entropy"):
         model = hf.enable(copy.deepcopy(base), policy="full")

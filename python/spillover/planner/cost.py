@@ -182,7 +182,7 @@ class Costs:
         self.offloaded = 0
         self.tail_bytes = 0
         # what backward adds first: the plain tail's gradients (Note [plain backward]) or the
-        # loss region's transient (Note [loss transient], loss.py), whichever is more
+        # loss region's transient (Note [loss transient], loss/chunked.py), whichever is more
         self.tail_grad = 0
         self.link_used = 0.0
         # What the link can hide: the copy out overlaps forward compute, the copy back the

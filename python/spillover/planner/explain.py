@@ -61,7 +61,7 @@ def explain_records(
 ) -> Explanation:
     """Group a step's op records by (op, output shape, decision), with bytes and costs;
     ``loss_bytes``: what the chunked loss region adds when backward starts, counted in the
-    plan's peak (Note [loss transient] in spillover/loss.py)."""
+    plan's peak (Note [loss transient] in spillover/loss/chunked.py)."""
     groups: Dict[Tuple[str, Tuple[int, ...], str, str], Dict[str, Any]] = {}
     for ri, r in enumerate(records):
         # A plan's records carry its decisions, not what the runtime then skips.

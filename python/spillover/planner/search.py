@@ -62,8 +62,8 @@ class Plan:
     #: measured peak - modeled peak, from the steps measured so far (None: not measured)
     peak_offset: Optional[int] = None
     variant: str = ""
-    #: the cap on the loss region's chunk (Note [loss chunk under a budget] in loss.py): None
-    #: when the speed rule's chunk fits
+    #: the cap on the loss region's chunk (Note [loss chunk under a budget] in
+    #: loss/chunked.py): None when the speed rule's chunk fits
     loss_cap: Optional[int] = None
 
 
@@ -108,7 +108,7 @@ def make_plan(
     tried for the regions not run plainly at the end: op by op without offloading
     ("checkpoint"), with it ("checkpoint+offload"), or all run plainly with the offload context
     taking what they save ("plain-offload"). ``loss_bytes``: what the loss region adds when
-    backward starts (Note [loss transient] in spillover/loss.py), counted in peak budgets;
+    backward starts (Note [loss transient] in spillover/loss/chunked.py), counted in peak budgets;
     ``loss_min_bytes`` (when smaller) what it adds with the smallest chunk: a plan that does
     not fit with the first is made with the second, its slack given back to the chunk
     (``Plan.loss_cap``, Note [loss chunk under a budget] there).
@@ -229,8 +229,8 @@ def make_plan(
 def _fit_loss(regions: List[RegionRecord], machine: Machine, budget: int, outside_bytes: int,
               peak_offset: int | Dict[str, int], kinds: Sequence[str], loss_bytes: int,
               loss_min_bytes: int) -> Plan:
-    """Note [loss chunk under a budget] (loss.py): the plan with the speed rule's chunk when it
-    fits; else the plan with the smallest chunk, whose slack goes back to the chunk."""
+    """Note [loss chunk under a budget] (loss/chunked.py): the plan with the speed rule's chunk
+    when it fits; else the plan with the smallest chunk, whose slack goes back to the chunk."""
     plan = make_plan(regions, machine, budget, outside_bytes, peak_offset, kinds, loss_bytes)
     if plan.fits:
         return plan

@@ -106,10 +106,10 @@ class Planner:
         self._all_learned = True
         self._backward_seen = False
         self.outside_bytes = 0
-        # what the loss region adds when backward starts (Note [loss transient], loss.py)
+        # what the loss region adds when backward starts (Note [loss transient], loss/chunked.py)
         self.loss_bytes = 0
         # ... and with the smallest chunk a budget may shrink it to (Note [loss chunk under a
-        # budget], loss.py)
+        # budget], loss/chunked.py)
         self.loss_min_bytes = 0
         # Note [peak feedback]
         self.measure_peak = measure_peak

@@ -92,7 +92,7 @@ class _WrapState:
         self.handles: List[Any] = []
         self.model_ref = model
         self.warned_cache = False
-        # the loss region (spillover/loss.py): its hooks, and the line explain() shows
+        # the loss region (spillover/loss/): its hooks, and the line explain() shows
         self.loss_region: Any = None
         self.loss_line: Optional[str] = None
         self.loss_scope: Any = None  # what loss.end_scope restores, while a forward runs

@@ -92,13 +92,13 @@ class RegionPolicy(abc.ABC):
     def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0
                  ) -> None:
         """The forward :meth:`begin_step` asked to count has ended; ``loss_bytes``: what its
-        chunked loss region adds when backward starts (Note [loss transient], loss.py), and
+        chunked loss region adds when backward starts (Note [loss transient], loss/chunked.py), and
         ``loss_min_bytes`` what it would add with the smallest chunk."""
         return None
 
     def loss_cap(self) -> Optional[int]:
         """The cap on the loss region's chunk in this step (Note [loss chunk under a budget]
-        in loss.py); None: the speed rule's chunk."""
+        in loss/chunked.py); None: the speed rule's chunk."""
         return None
 
 def _sac(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],

@@ -24,5 +24,5 @@ def explain(target: Any, machine: Optional[Machine] = None) -> Explanation:
                          "or a spillover.Planner")
     exp = state.policy.explain(state.last_records(), machine)
     if getattr(state, "loss_line", None):
-        exp.summary["loss region"] = state.loss_line  # spillover/loss.py
+        exp.summary["loss region"] = state.loss_line  # spillover/loss/regions.py
     return exp

@@ -1,0 +1,29 @@
+"""The loss region without logits: a causal LM's head and loss through torch's chunked
+``linear_cross_entropy``, so no tokens × vocab logits tensor (nor its gradient, nor the
+log-softmax cross-entropy saves) exists during training.
+
+``spillover.wrap(model)`` and ``spillover.integrations.hf.enable(model)`` turn it on for
+HuggingFace causal LMs (``chunked_loss=False`` turns it off); a custom model calls
+:func:`causal_lm_loss` (HF's label shift) or :func:`chunked_cross_entropy` (targets already
+aligned) in place of ``F.cross_entropy(head(h), ...)``.
+
+Two rooms: :mod:`.chunked` (the chunked loss itself, its chunk size and what it adds to a step's
+peak: Notes [loss chunks], [loss chunk under a budget], [loss transient]) and :mod:`.regions`
+(which models it is turned on for and the hooks that do it: Note [which HF models]).
+"""
+
+from .chunked import (
+    available,
+    begin_scope,
+    causal_lm_loss,
+    chunk_rows,
+    chunked_cross_entropy,
+    end_scope,
+    limit_chunk,
+    options_for,
+)
+from .regions import FLAG, FlagRegion, LossRegion, attach, describe, detach, unsupported_reason
+
+__all__ = ["available", "chunk_rows", "options_for", "chunked_cross_entropy",
+           "causal_lm_loss", "LossRegion", "FlagRegion", "attach", "detach", "describe",
+           "begin_scope", "end_scope", "limit_chunk", "unsupported_reason", "FLAG"]
