@@ -32,11 +32,19 @@ def assert_bitwise(a, b):
             assert torch.equal(x, y), f"gradient {i} differs: max |d| = {(x - y).abs().max()}"
 
 
+def loss_cap_of(wrapped):
+    """The cap on the loss chunk ``wrapped``'s last step ran with (None: the speed rule's): an
+    "auto" plan shrinks the chunk when the speed rule's does not fit its budget (Note [loss
+    chunk under a budget] in spillover/loss/chunked.py), which changes the order the head's
+    gradient sums in. A plain reference run under ``spillover.loss.limit_chunk(cap)`` does the
+    same math."""
+    return wrapped._spillover_state.policy.loss_cap()
+
+
 def same_loss_ref(base, batch, wrapped):
-    """The plain step of ``base`` with the loss chunk ``wrapped``'s last step used: an "auto"
-    plan shrinks it when the speed rule's does not fit its budget (Note [loss chunk under a
-    budget] in spillover/loss.py), which changes the order the head's gradient sums in."""
-    with spillover.loss.limit_chunk(wrapped._spillover_state.policy.loss_cap()):
+    """The plain step of ``base`` with the loss chunk ``wrapped``'s last step used
+    (:func:`loss_cap_of`)."""
+    with spillover.loss.limit_chunk(loss_cap_of(wrapped)):
         return gpt_step(base, batch)
 
 

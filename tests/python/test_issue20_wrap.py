@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_bitwise, grads
+from conftest import assert_bitwise, grads, loss_cap_of
 from torch import nn
 
 import spillover
@@ -239,9 +239,15 @@ def test_torch_save_and_load_a_wrapped_model(policy):
                for b in loaded.blocks)
     for seed in range(1, 3):
         want, got = _gpt_step(model, batch, seed), _gpt_step(loaded, batch, seed)
-        assert torch.equal(want[0], got[0])
-        assert_bitwise(want[1], got[1])
-        assert_bitwise(_gpt_step(base, batch, seed)[1], got[1])
+        # auto: each against the plain model with the loss chunk its plan ran (loss_cap_of);
+        # the loaded planner learns again, so its step may run another chunk than the saved
+        with spillover.loss.limit_chunk(loss_cap_of(loaded)):
+            plain = _gpt_step(base, batch, seed)
+        if loss_cap_of(model) == loss_cap_of(loaded):
+            assert torch.equal(want[0], got[0])
+            assert_bitwise(want[1], got[1])
+        assert torch.equal(plain[0], got[0])
+        assert_bitwise(plain[1], got[1])
     assert str(spillover.explain(loaded, machine=MACHINE)).count("regions") >= 1
     spillover.unwrap(loaded)
     assert type(loaded.blocks[0]) is type(base.blocks[0])
