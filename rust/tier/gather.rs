@@ -31,6 +31,8 @@ pub struct Gathered {
 
 pub(crate) struct GatherState {
     parts: Vec<(u64, u64)>,
+    /// The whole storage's bytes (read at every read-ahead that sees one of its pieces).
+    nbytes: u64,
     ahead: Ahead,
 }
 
@@ -68,7 +70,7 @@ impl GatherState {
 
     /// The whole storage's bytes.
     pub(crate) fn nbytes(&self) -> u64 {
-        self.parts.iter().map(|&(_, n)| n).sum()
+        self.nbytes
     }
 }
 
@@ -88,6 +90,7 @@ pub(crate) fn new(step: &Step, parts: Vec<Handle>) -> Result<Gathered> {
     }
     let chunk = st.new_chunk(GatherState {
         parts: parts.iter().map(|h| (h.id(), h.nbytes())).collect(),
+        nbytes,
         ahead: Ahead::NotStarted,
     });
     for h in &parts {

@@ -165,12 +165,14 @@ pub const GATHER_REACH_ENTRIES: usize = 512;
 pub fn read_ahead(
     expected: impl Iterator<Item = u32>,
     window: u64,
+    may_gather: bool,
     mut seen: impl FnMut(u32) -> Seen,
     learned: impl Fn(u32) -> bool,
 ) -> Vec<Ahead> {
     let mut out = Vec::new();
     let mut ahead = 0u64;
-    let mut gathered = false;
+    // with no gathered storage that may start, the scan ends at the window
+    let mut gathered = !may_gather;
     let mut once = HashSet::new();
     for (i, seq) in expected.enumerate() {
         // Past the window only a gathered storage is looked for (Note [gather distance]).
@@ -274,6 +276,7 @@ mod tests {
         let plan = read_ahead(
             [5u32, 4, 3, 2, 1].into_iter(),
             10,
+            true,
             |s| match s {
                 5 | 4 => piece(9, 20),
                 _ => Seen::OnDisk(6),
@@ -292,11 +295,11 @@ mod tests {
             _ => Seen::OnDisk(6),
         };
         let order = [3u32, 2, 9, 8, 1];
-        let plan = read_ahead(order.into_iter(), 10, seen, |_| true);
+        let plan = read_ahead(order.into_iter(), 10, true, seen, |_| true);
         assert_eq!(plan, vec![Ahead::Read(3), Ahead::Read(2), Ahead::Gather(7)]);
         // more than its size before it: not yet
         let far = [3u32, 2, 4, 9, 8];
-        let plan = read_ahead(far.into_iter(), 10, seen, |_| true);
+        let plan = read_ahead(far.into_iter(), 10, true, seen, |_| true);
         assert_eq!(plan, vec![Ahead::Read(3), Ahead::Read(2)]);
         // one at a time: the second gathered storage waits for the first
         let two = |s: u32| match s {
@@ -304,10 +307,10 @@ mod tests {
             8 => piece(8, 16),
             _ => Seen::OnDisk(6),
         };
-        let plan = read_ahead([9u32, 8].into_iter(), 10, two, |_| true);
+        let plan = read_ahead([9u32, 8].into_iter(), 10, true, two, |_| true);
         assert_eq!(plan, vec![Ahead::Gather(7)]);
         // not where the order is a guess
-        let plan = read_ahead(order.into_iter(), 10, seen, |s| s != 9 && s != 8);
+        let plan = read_ahead(order.into_iter(), 10, true, seen, |s| s != 9 && s != 8);
         assert_eq!(plan, vec![Ahead::Read(3), Ahead::Read(2)]);
     }
 }

@@ -40,13 +40,12 @@ impl Tier {
                 let Some(e) = ids.get(q as usize).and_then(|id| entries.get(id)) else {
                     return Seen::Absent;
                 };
-                if let Some(c) = e.chunk {
-                    if chunks.get(&c).is_some_and(|g| g.direct()) {
+                if let Some((c, g)) = e.chunk.and_then(|c| chunks.get(&c).map(|g| (c, g))) {
+                    if g.direct() {
                         return Seen::Piece {
                             chunk: c,
-                            startable: gathering.is_none()
-                                && chunks.get(&c).is_some_and(|g| g.not_started()),
-                            nbytes: chunks.get(&c).map_or(0, |g| g.nbytes()),
+                            startable: gathering.is_none() && g.not_started(),
+                            nbytes: g.nbytes(),
                         };
                     }
                 }
@@ -60,7 +59,12 @@ impl Tier {
                 }
             };
             let expected = forecast.expected(seq, sizes.len());
-            policy::read_ahead(expected, window, seen, |q| forecast.is_learned(q))
+            // past the window only for a gathered storage that may start (Note [gather
+            // distance]): none while one is being read, none in a step without any
+            let may_gather = gathering.is_none() && !chunks.is_empty();
+            policy::read_ahead(expected, window, may_gather, seen, |q| {
+                forecast.is_learned(q)
+            })
         };
         for a in plan {
             match a {

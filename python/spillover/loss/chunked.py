@@ -1,11 +1,6 @@
-"""The chunked loss: a causal LM's head and loss through torch's chunked
-``linear_cross_entropy``, so no tokens × vocab logits tensor (nor its gradient, nor the
-log-softmax cross-entropy saves) exists during training.
-
-``spillover.wrap(model)`` and ``spillover.integrations.hf.enable(model)`` turn it on for
-HuggingFace causal LMs (``chunked_loss=False`` turns it off); a custom model calls
-:func:`causal_lm_loss` (HF's label shift) or :func:`chunked_cross_entropy` (targets already
-aligned) in place of ``F.cross_entropy(head(h), ...)``.
+"""The chunked loss itself (what it is for and who turns it on: the package docstring,
+:mod:`spillover.loss`): :func:`chunked_cross_entropy` and :func:`causal_lm_loss`, the rows per
+chunk, and the transient each call reports to a wrapped model's step.
 
 Note [loss chunks]
     torch's default chunking (``LinearCrossEntropyOptions()``, "aspect_ratio") is slow on CPU:
@@ -188,14 +183,14 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                                reduction=reduction)
     vocab, tokens = weight.shape[0], h.shape[0]
     hidden_bytes = h.numel() * h.element_size()
+    rows = chunk_rows(vocab)
     # Note [loss transient]: one fp32 logits chunk and the hidden states' gradient, with the
     # speed rule's chunk and with the smallest a budget may ask for
-    _scope.transient = max(_scope.transient,
-                           min(chunk_rows(vocab), tokens) * vocab * 4 + hidden_bytes)
+    speed = min(rows, tokens) * vocab * 4 + hidden_bytes
+    _scope.transient = max(_scope.transient, speed)
     _scope.transient_min = max(_scope.transient_min,
                                min(_FLOOR_ROWS, tokens) * vocab * 4 + hidden_bytes)
-    rows = chunk_rows(vocab)
-    if _scope.cap is not None and min(rows, tokens) * vocab * 4 + hidden_bytes > _scope.cap:
+    if _scope.cap is not None and speed > _scope.cap:
         rows = chunk_rows(vocab, _scope.cap, hidden_bytes)  # Note [loss chunk under a budget]
     loss = F.linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction=reduction,
                                   options=options_for(vocab, rows))
