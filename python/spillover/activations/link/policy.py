@@ -59,7 +59,8 @@ Note [the ledger lives in the tier]
     ledger saw it land), so ``synchronize()`` also waits for callbacks still running on another
     thread.
 
-What ``to_device`` hands out is freed in stream order (Note [frees in stream order] in
+The host -> device side (``to_device``, ``use``) is :class:`~.h2d.ToDevice`, a base of
+:class:`Transfers`; what it hands out is freed in stream order (Note [frees in stream order] in
 frees.py).
 
 """
@@ -75,7 +76,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from ..._native import Inflight
-from .frees import NOT_USED, StreamOrderFrees
+from .frees import StreamOrderFrees
+from .h2d import ToDevice
 
 __all__ = ["Copy", "Transfers"]
 
@@ -145,7 +147,7 @@ class Copy:
         self._landed.wait()
 
 
-class Transfers:
+class Transfers(ToDevice):
     """The copy policy of one device (Notes [back-pressure], [source lifetime], [the ledger
     lives in the tier], [frees in stream order]). Thread-safe; made by :func:`transfers_for`."""
 
@@ -220,16 +222,6 @@ class Transfers:
                 self._timings.popleft()
                 self._stall += s
             return self._stall
-
-    @property
-    def device_tensors_held(self) -> int:
-        """Handed-out device storages the policy still keeps (Note [frees in stream order])."""
-        return self.frees.held if self.frees is not None else 0
-
-    @property
-    def released_by_wait(self) -> int:
-        """Handed-out storages freed after the copy stream waited (the cap was passed)."""
-        return self.frees.released_by_wait if self.frees is not None else 0
 
     # -- device -> host --
 
@@ -388,53 +380,6 @@ class Transfers:
         for ev in h2d:
             self.dev.synchronize(ev)
         self.reap(errors)
-
-    # -- host -> device --
-
-    def to_device(self, host: torch.Tensor, *, after: Optional[Copy] = None,
-                  wait: bool = True) -> Tuple[torch.Tensor, Any]:
-        """Bring ``host`` (1-D uint8 on the CPU) to the device, after the copy ``after`` that
-        filled it; returns (device tensor, event). ``wait=False`` stages it ahead: pass the pair
-        to :meth:`use` before using the tensor. Plain CPU returns ``host`` itself."""
-        if host.dtype != torch.uint8 or host.dim() != 1 or host.device.type != "cpu":
-            raise ValueError("to_device: host must be a 1-D uint8 CPU tensor")
-        dev = self.dev
-        if self.host_is_device:
-            if after is not None:
-                dt = after.wait()  # raises what the copy raised
-                with self._lock:
-                    self._stall += dt
-            return host, None
-        frees = self.frees
-        assert frees is not None  # a device with a link has an H2D stream
-        frees.collect()
-        out = dev.empty(host.numel(), self._h2d)
-        if after is not None:
-            if after.done():
-                after.wait()  # raises what the copy raised
-            else:
-                dev.wait(self._h2d, after.event)  # Note [stream ordering]
-        dev.copy(out, host, self._h2d)
-        ev = dev.record(self._h2d)
-        compute = dev.current_stream() if wait else NOT_USED
-        with self._lock:
-            self._h2d_fifo.append((ev, host))  # the block must outlive the copy
-        frees.hand_out(out.untyped_storage(), compute)
-        if wait:
-            self._wait_compute(compute, ev)
-        dev.poll()
-        return out, ev
-
-    def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
-        """The tensor of a ``to_device(..., wait=False)`` pair, the current stream ordered
-        after its copy (and the stream that frees it: Note [frees in stream order])."""
-        t, ev = staged
-        if ev is not None:
-            compute = self.dev.current_stream()
-            assert self.frees is not None  # only a device with a link stages
-            self.frees.used_on(t.untyped_storage(), compute)
-            self._wait_compute(compute, ev)
-        return t
 
     def end_of_backward(self) -> None:
         """Release every source, give every device tensor the policy keeps back to the

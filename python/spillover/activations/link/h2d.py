@@ -1,0 +1,88 @@
+"""The host -> device side of the link's policy: bring a host block to the device after the
+copy that filled it (Note [stream ordering] in policy.py), stage it ahead, and hand what it makes
+to the stream-order frees (Note [frees in stream order] in frees.py). A base of
+:class:`~.policy.Transfers`, which owns the state it reads."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Deque, Optional, Tuple
+
+import torch
+
+from .frees import NOT_USED, StreamOrderFrees
+
+if TYPE_CHECKING:
+    from .policy import Copy
+
+__all__ = ["ToDevice"]
+
+
+class ToDevice:
+    """``to_device`` and ``use`` of :class:`~.policy.Transfers`."""
+
+    if TYPE_CHECKING:  # what the policy gives this side
+        dev: Any
+        host_is_device: bool
+        frees: Optional[StreamOrderFrees]
+        _lock: threading.Lock
+        _h2d: Any
+        _h2d_fifo: Deque[Tuple[Any, torch.Tensor]]
+        _stall: float
+
+        def _wait_compute(self, stream: Any, ev: Any) -> None: ...
+
+    @property
+    def device_tensors_held(self) -> int:
+        """Handed-out device storages the policy still keeps (Note [frees in stream order])."""
+        return self.frees.held if self.frees is not None else 0
+
+    @property
+    def released_by_wait(self) -> int:
+        """Handed-out storages freed after the copy stream waited (the cap was passed)."""
+        return self.frees.released_by_wait if self.frees is not None else 0
+
+    def to_device(self, host: torch.Tensor, *, after: Optional[Copy] = None,
+                  wait: bool = True) -> Tuple[torch.Tensor, Any]:
+        """Bring ``host`` (1-D uint8 on the CPU) to the device, after the copy ``after`` that
+        filled it; returns (device tensor, event). ``wait=False`` stages it ahead: pass the pair
+        to :meth:`use` before using the tensor. Plain CPU returns ``host`` itself."""
+        if host.dtype != torch.uint8 or host.dim() != 1 or host.device.type != "cpu":
+            raise ValueError("to_device: host must be a 1-D uint8 CPU tensor")
+        dev = self.dev
+        if self.host_is_device:
+            if after is not None:
+                dt = after.wait()  # raises what the copy raised
+                with self._lock:
+                    self._stall += dt
+            return host, None
+        frees = self.frees
+        assert frees is not None  # a device with a link has an H2D stream
+        frees.collect()
+        out = dev.empty(host.numel(), self._h2d)
+        if after is not None:
+            if after.done():
+                after.wait()  # raises what the copy raised
+            else:
+                dev.wait(self._h2d, after.event)  # Note [stream ordering]
+        dev.copy(out, host, self._h2d)
+        ev = dev.record(self._h2d)
+        compute = dev.current_stream() if wait else NOT_USED
+        with self._lock:
+            self._h2d_fifo.append((ev, host))  # the block must outlive the copy
+        frees.hand_out(out.untyped_storage(), compute)
+        if wait:
+            self._wait_compute(compute, ev)
+        dev.poll()
+        return out, ev
+
+    def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
+        """The tensor of a ``to_device(..., wait=False)`` pair, the current stream ordered
+        after its copy (and the stream that frees it: Note [frees in stream order])."""
+        t, ev = staged
+        if ev is not None:
+            compute = self.dev.current_stream()
+            assert self.frees is not None  # only a device with a link stages
+            self.frees.used_on(t.untyped_storage(), compute)
+            self._wait_compute(compute, ev)
+        return t
