@@ -1,7 +1,7 @@
 """The link: device <-> host copies for the activation tier and the optimizer, one policy
-(:class:`Transfers`, policy.py, its host -> device side in h2d.py) over the primitives of each device kind -- CUDA (cuda.py), a
-simulated GPU for CPU tests (sim.py), and plain CPU, where the host is the device (host.py).
-:func:`transfers_for` gives the process's policy for a device."""
+(:class:`Transfers`, policy.py, its host -> device side in h2d.py) over the primitives of each
+device kind -- CUDA (cuda.py), a simulated GPU for CPU tests (sim.py), and plain CPU, where the
+host is the device (host.py). :func:`transfers_for` gives the process's policy for a device."""
 
 from __future__ import annotations
 
