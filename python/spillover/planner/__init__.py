@@ -24,9 +24,10 @@ its first region on, the next step is planned from it, otherwise the next step l
 The budget is the step's peak: Note [peak feedback] in :mod:`.tuner`.
 
 The package, one concern a module: :mod:`.machine` (measured rates), :mod:`.records` (what a
-step recorded), :mod:`.cost` (what a decision frees and costs), :mod:`.search` (the plan, a pure
-function), :mod:`.tuner` (the online :class:`Planner`: learning, measured peaks, Note [peak
-feedback]) and :mod:`.explain`.
+step recorded), :mod:`.cost` (what a decision frees and costs), :mod:`.variants` (the passes that
+plan one variant), :mod:`.search` (the plan, a pure function, choosing among the variants),
+:mod:`.tuner` (the online :class:`Planner`: learning, measured peaks, Note [peak feedback]) and
+:mod:`.explain`.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def worth_saving(rec: RegionRecord, machine: Machine) -> Dict[int, str]:
 
 
 
-class _Item:
+class Item:
     __slots__ = ("region", "op", "seconds", "rc")
 
     def __init__(self, region: int, op: OpRecord, seconds: float):
@@ -158,7 +158,7 @@ class Costs:
         # the pool with what the context takes by itself.
         self.host_room = self.pool - self.fixed_in if ctx is not None and not self.nvme else 0
         self.kept = 0
-        self.items: List[_Item] = []
+        self.items: List[Item] = []
         self.fwd = [0.0] * len(regions)
         for ri, r in enumerate(regions):
             for o in r.ops:
@@ -173,7 +173,7 @@ class Costs:
                 elif o.forced is not None or o.bytes == 0:
                     self.ops[k] = ("recompute", "", o.forced or "holds no memory")
                 else:
-                    self.items.append(_Item(ri, o, sec))
+                    self.items.append(Item(ri, o, sec))
                     self.kept += o.bytes
         self.recompute = 0.0
         self.transfer = 0.0
@@ -225,7 +225,7 @@ class Costs:
             return t + over / (m.nvme_bytes_per_s or float("inf"))
         return nbytes / m.link_bytes_per_s
 
-    def can_offload(self, it: _Item) -> bool:
+    def can_offload(self, it: Item) -> bool:
         if not self.use_offload:
             return False
         if self.nvme:
@@ -240,12 +240,12 @@ class Costs:
             return need <= self.pool * REGION_POOL_SHARE
         return self.offloaded + it.op.bytes <= self.host_room
 
-    def chunked(self, it: _Item) -> bool:
+    def chunked(self, it: Item) -> bool:
         """Offloaded in pieces by the NVMe tier: larger than half its pool (Note [chunked
         storages] in context.py)."""
         return self.nvme and it.op.bytes > self.pool // 2
 
-    def offload_cost(self, it: _Item) -> Tuple[float, bool]:
+    def offload_cost(self, it: Item) -> Tuple[float, bool]:
         t = self.transfer_seconds(it.op.bytes)
         hidden = it.region != self.last and self.link_used + t <= self.hide_seconds
         # On a CPU host the copies cost compute: one into the pool, and for a chunked storage
@@ -275,6 +275,6 @@ class Costs:
 
 
 
-def _ms(v: Optional[float]) -> str:
+def ms(v: Optional[float]) -> str:
     return "-" if v is None else f"{v * 1e3:.1f} ms"
 

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import format_size
-from .cost import SKIPPED_REASON, _ms, region_skipped
+from .cost import SKIPPED_REASON, ms, region_skipped
 from .machine import Machine
 from .records import RegionRecord
 from .search import Plan
@@ -38,7 +38,7 @@ class Explanation:
             (
                 r["op"], r["output"], str(r["count"]), r["decision"], format_size(r["bytes"]),
                 format_size(r["total_bytes"]), f"{r['flops_per_byte']:.0f}",
-                _ms(r["recompute_s"]), _ms(r["transfer_s"]), r["why"],
+                ms(r["recompute_s"]), ms(r["transfer_s"]), r["why"],
             )
             for r in self.rows
         ]
@@ -119,8 +119,8 @@ def explain_records(
             "full recompute holds": format_size(plan.full_bytes),
             "this plan holds": format_size(plan.planned_bytes)
             + ("" if plan.fits else " (over budget)"),
-            "est. recompute per step": _ms(plan.recompute_seconds),
-            "est. exposed transfer per step": _ms(plan.transfer_seconds),
+            "est. recompute per step": ms(plan.recompute_seconds),
+            "est. exposed transfer per step": ms(plan.transfer_seconds),
             "note": plan.note,
         })
         if plan.model_peak:
@@ -150,7 +150,7 @@ def explain_records(
                 machine.op_seconds(o) for r in records if r.mode == "checkpoint"
                 for o in r.ops if o.action == "recompute" and not o.after_stop
             )
-            summary["est. recompute per step"] = _ms(rc)
+            summary["est. recompute per step"] = ms(rc)
     return Explanation(policy, rows, summary)
 
 

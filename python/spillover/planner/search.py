@@ -43,9 +43,10 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config import format_size
-from .cost import Costs, _Item, _ms
+from .cost import Costs
 from .machine import Machine
 from .records import RegionRecord
+from .variants import Greedy, PlainOffload
 
 # ---- the plan --------------------------------------------------------------------------------
 
@@ -172,7 +173,7 @@ def make_plan(
     # The last k regions run plainly (they are needed first in backward and cost nothing to
     # rebuild); the others are planned op by op in what remains of the budget, with and
     # without offloading op outputs, or all run plainly with the context taking what they save.
-    variants: List[_Greedy] = []
+    variants: List[Greedy] = []
     n = len(regions)
     for k in range(n):
         plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
@@ -184,7 +185,7 @@ def make_plan(
         if ctx is not None:
             tried += [(kd, True) for kd in ("checkpoint+offload", "plain-offload") if kd in kinds]
         for kind, use_offload in tried:
-            cls = _PlainOffload if kind == "plain-offload" else _Greedy
+            cls = PlainOffload if kind == "plain-offload" else Greedy
             g = cls(head, machine, 0, outside_bytes, ctx, device_is_host, use_offload)
             if kind == "plain-offload" and not g.use_offload:
                 continue  # the context frees nothing here (a CPU host's host tier)
@@ -258,117 +259,6 @@ def _fit_loss(regions: List[RegionRecord], machine: Machine, budget: int, outsid
     return small
 
 
-class _Greedy(Costs):
-    """One planning pass (with or without offloading op outputs); see the package docstring."""
-
-    def run(self) -> _Greedy:
-        by_rc = sorted(self.items, key=lambda it: (it.rc, it.region, it.op.index))
-        # Offload candidates: dearest to recompute first, the last region's after all others.
-        by_off = sorted(
-            (it for it in self.items if self.use_offload),
-            key=lambda it: (it.region == self.last, -it.rc, it.region, it.op.index),
-        )
-        taken: set = set()
-        lo = hi = 0
-        while self.mem > self.budget:
-            while lo < len(by_rc) and id(by_rc[lo]) in taken:
-                lo += 1
-            while hi < len(by_off) and (
-                id(by_off[hi]) in taken or not self.can_offload(by_off[hi])
-            ):
-                hi += 1
-            if lo >= len(by_rc):
-                break
-            cand = by_rc[lo]
-            off = by_off[hi] if hi < len(by_off) else None
-            off_cost, hidden = self.offload_cost(off) if off is not None else (float("inf"), False)
-            if off is None or cand.rc <= off_cost / off.op.bytes:
-                taken.add(id(cand))
-                self.kept -= cand.op.bytes
-                self.ops[(cand.region, cand.op.index)] = (
-                    "recompute", "", f"cheapest to free ({_rate_text(cand)})")
-            else:
-                taken.add(id(off))
-                self.kept -= off.op.bytes
-                self._take_offload(off, off_cost, "the transfer hides behind compute" if hidden
-                                   else "cheaper to move than to recompute")
-        for it in self.items:
-            if id(it) not in taken:
-                self.ops[(it.region, it.op.index)] = ("keep", "", "fits the budget")
-        self._save_chain_ends()
-        self._label_tiers()
-        self._total_recompute()
-        return self
-
-    def _take_offload(self, it: _Item, cost: float, why: str) -> None:
-        """Decide to offload ``it`` (its bytes already left out of ``kept``)."""
-        self.link_used += self.transfer_seconds(it.op.bytes)
-        self.offloaded += it.op.bytes
-        if not self.chunked(it):
-            self.region_off[it.region] += it.op.bytes
-        self.transfer += cost
-        self.region_transfer[it.region] += cost
-        self.ops[(it.region, it.op.index)] = ("offload", "", why)
-
-    def _save_chain_ends(self) -> None:
-        """Offload a recomputed output when that lets the runtime skip the ops feeding it and
-        costs less than rerunning them all (e.g. a softmax output: then the scores matmul,
-        scaling and masking before it are not rerun either), within the budget."""
-        # Chain ends first: a softmax output spares the matmul, scaling and masking before it.
-        for it in sorted(self.items, key=lambda it: (it.region, -it.op.index)):
-            k = (it.region, it.op.index)
-            if self.ops[k][0] != "recompute" or not self.use_offload or not self.can_offload(it):
-                continue
-            ops = self.regions[it.region].ops
-            before = self._dead(it.region, ops)
-            decided = self.ops[k]
-            self.ops[k] = ("offload", "", "")
-            gained = self._dead(it.region, ops) - before
-            self.ops[k] = decided
-            saved_s = it.seconds + sum(self.machine.op_seconds(o) for o in ops
-                                       if o.index in gained)
-            cost, _ = self.offload_cost(it)
-            if not gained or cost >= saved_s:
-                continue
-            self.offloaded += it.op.bytes  # what the pool would hold with it
-            fits = self.mem <= self.budget
-            self.offloaded -= it.op.bytes
-            if not fits:
-                continue
-            self._take_offload(it, cost, f"saving it spares rerunning {len(gained)} ops "
-                               f"before it ({_ms(saved_s)} > {_ms(cost)})")
-
-    def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int, grad: int = 0) -> None:
-        """Append regions that run plainly and keep everything (after planning the rest);
-        ``grad``: what their backward adds (Note [plain backward])."""
-        base = len(self.modes)
-        for i, r in enumerate(tail):
-            self.modes.append("plain-keep")
-            for o in r.ops:
-                self.ops[(base + i, o.index)] = (
-                    "keep", "", "region runs plainly: backward needs it first and it fits")
-        self.tail_bytes += tail_bytes
-        self.tail_grad = grad
-        self.budget += tail_bytes
-
-    def _label_tiers(self) -> None:
-        """The NVMe tier writes out the earliest packed first: what was packed last stays in
-        the pool, up to its resident share; everything packed before that goes to disk."""
-        room = self.resident
-        spilled = False
-        for ri in range(self.last, -1, -1):
-            for o in reversed(self.regions[ri].ops):
-                act, _tier, why = self.ops[(ri, o.index)]
-                if act != "offload":
-                    continue
-                if not self.nvme or (not spilled and o.bytes <= room):
-                    room -= o.bytes
-                    self.ops[(ri, o.index)] = (act, "host", why)
-                else:
-                    spilled = True
-                    self.ops[(ri, o.index)] = (act, "nvme", why)
-
-
 #: The fixed modes the planner can choose among (what ``wrap(policy=...)`` runs without it):
 #: every region run plainly ("none"), recomputed in full ("full"), or run plainly under the
 #: NVMe or host tier ("offload", where the context frees memory).
@@ -391,7 +281,7 @@ def fixed_modes(regions: List[RegionRecord], machine: Machine, outside_bytes: in
         recs = copy.deepcopy(regions)
         if mode == "offload":
             ctx, host = recs[0].offload if recs else None, bool(recs) and recs[0].device == "cpu"
-            if not _PlainOffload(recs, machine, 0, outside_bytes, ctx, host, True).use_offload:
+            if not PlainOffload(recs, machine, 0, outside_bytes, ctx, host, True).use_offload:
                 continue  # no context, or one that frees nothing here
         if mode == "none":
             plan = make_plan(recs, machine, 1 << 62, outside_bytes, offsets,
@@ -415,46 +305,10 @@ def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: 
         return outside_bytes
     ctx, host = regions[0].offload, regions[0].device == "cpu"
     if kind == "plain-offload":
-        g: Costs = _PlainOffload(regions, machine, 0, outside_bytes, ctx, host, True).run()
+        g: Costs = PlainOffload(regions, machine, 0, outside_bytes, ctx, host, True).run()
     else:
         g = Costs(regions, machine, 0, outside_bytes, ctx, host, False)
         g.kept = 0
     g.bwd = g.rebuilt_bytes()
     g.tail_grad = loss_bytes  # no plain tail: what backward adds first is the loss's
     return g.peak
-
-
-class _PlainOffload(_Greedy):
-    """The variant where the regions run plainly and the offload context takes everything
-    autograd saves: nothing is recomputed, and backward reloads tensors one by one as it needs
-    them (no region is rebuilt at once), so its backward peak is the lowest."""
-
-    def rebuilt_bytes(self) -> int:
-        largest = max((o.bytes for r in self.regions for o in r.ops if o.needed), default=0)
-        return 2 * largest  # the one in use and the next one read ahead
-
-    def run(self) -> _PlainOffload:
-        self.modes = ["plain-offload"] * len(self.regions)
-        self.kept = 0
-        total = sum(r.needed_bytes for r in self.regions)
-        t = self.transfer_seconds(total)
-        last = self.regions[self.last].needed_bytes if self.regions else 0
-        exposed = max(0.0, t - self.hide_seconds, self.transfer_seconds(last))
-        self.offloaded = total
-        self.transfer = exposed + 2 * total * self.per_byte_cpu
-        self.link_used = t
-        why = "region runs plainly: the offload context takes what autograd saves"
-        for ri, r in enumerate(self.regions):
-            for o in r.ops:
-                k = (ri, o.index)
-                if o.needed and o.bytes:
-                    self.ops[k] = ("offload", "", why)
-                else:
-                    self.ops[k] = ("recompute", "", "region runs plainly: not held")
-        self._label_tiers()
-        self.recompute = 0.0
-        return self
-
-
-def _rate_text(it: _Item) -> str:
-    return f"{it.seconds * 1e3:.2f} ms for {format_size(it.op.bytes)}"

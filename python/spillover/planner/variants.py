@@ -1,0 +1,161 @@
+"""The passes that plan one variant of a step (Note [near ties go to memory] in search.py
+chooses among them): :class:`Greedy` frees bytes op by op, cheapest first, by recomputing or
+offloading them; :class:`PlainOffload` runs every region plainly with the offload context
+taking what autograd saves. Both keep their costs in :class:`~.cost.Costs`."""
+
+from __future__ import annotations
+
+from typing import List
+
+from ..config import format_size
+from .cost import Costs, Item, ms
+from .records import RegionRecord
+
+__all__ = ["Greedy", "PlainOffload"]
+
+
+class Greedy(Costs):
+    """One planning pass (with or without offloading op outputs); see the package docstring."""
+
+    def run(self) -> Greedy:
+        by_rc = sorted(self.items, key=lambda it: (it.rc, it.region, it.op.index))
+        # Offload candidates: dearest to recompute first, the last region's after all others.
+        by_off = sorted(
+            (it for it in self.items if self.use_offload),
+            key=lambda it: (it.region == self.last, -it.rc, it.region, it.op.index),
+        )
+        taken: set = set()
+        lo = hi = 0
+        while self.mem > self.budget:
+            while lo < len(by_rc) and id(by_rc[lo]) in taken:
+                lo += 1
+            while hi < len(by_off) and (
+                id(by_off[hi]) in taken or not self.can_offload(by_off[hi])
+            ):
+                hi += 1
+            if lo >= len(by_rc):
+                break
+            cand = by_rc[lo]
+            off = by_off[hi] if hi < len(by_off) else None
+            off_cost, hidden = self.offload_cost(off) if off is not None else (float("inf"), False)
+            if off is None or cand.rc <= off_cost / off.op.bytes:
+                taken.add(id(cand))
+                self.kept -= cand.op.bytes
+                self.ops[(cand.region, cand.op.index)] = (
+                    "recompute", "", f"cheapest to free ({rate_text(cand)})")
+            else:
+                taken.add(id(off))
+                self.kept -= off.op.bytes
+                self._take_offload(off, off_cost, "the transfer hides behind compute" if hidden
+                                   else "cheaper to move than to recompute")
+        for it in self.items:
+            if id(it) not in taken:
+                self.ops[(it.region, it.op.index)] = ("keep", "", "fits the budget")
+        self._save_chain_ends()
+        self._label_tiers()
+        self._total_recompute()
+        return self
+
+    def _take_offload(self, it: Item, cost: float, why: str) -> None:
+        """Decide to offload ``it`` (its bytes already left out of ``kept``)."""
+        self.link_used += self.transfer_seconds(it.op.bytes)
+        self.offloaded += it.op.bytes
+        if not self.chunked(it):
+            self.region_off[it.region] += it.op.bytes
+        self.transfer += cost
+        self.region_transfer[it.region] += cost
+        self.ops[(it.region, it.op.index)] = ("offload", "", why)
+
+    def _save_chain_ends(self) -> None:
+        """Offload a recomputed output when that lets the runtime skip the ops feeding it and
+        costs less than rerunning them all (e.g. a softmax output: then the scores matmul,
+        scaling and masking before it are not rerun either), within the budget."""
+        # Chain ends first: a softmax output spares the matmul, scaling and masking before it.
+        for it in sorted(self.items, key=lambda it: (it.region, -it.op.index)):
+            k = (it.region, it.op.index)
+            if self.ops[k][0] != "recompute" or not self.use_offload or not self.can_offload(it):
+                continue
+            ops = self.regions[it.region].ops
+            before = self._dead(it.region, ops)
+            decided = self.ops[k]
+            self.ops[k] = ("offload", "", "")
+            gained = self._dead(it.region, ops) - before
+            self.ops[k] = decided
+            saved_s = it.seconds + sum(self.machine.op_seconds(o) for o in ops
+                                       if o.index in gained)
+            cost, _ = self.offload_cost(it)
+            if not gained or cost >= saved_s:
+                continue
+            self.offloaded += it.op.bytes  # what the pool would hold with it
+            fits = self.mem <= self.budget
+            self.offloaded -= it.op.bytes
+            if not fits:
+                continue
+            self._take_offload(it, cost, f"saving it spares rerunning {len(gained)} ops "
+                               f"before it ({ms(saved_s)} > {ms(cost)})")
+
+    def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int, grad: int = 0) -> None:
+        """Append regions that run plainly and keep everything (after planning the rest);
+        ``grad``: what their backward adds (Note [plain backward])."""
+        base = len(self.modes)
+        for i, r in enumerate(tail):
+            self.modes.append("plain-keep")
+            for o in r.ops:
+                self.ops[(base + i, o.index)] = (
+                    "keep", "", "region runs plainly: backward needs it first and it fits")
+        self.tail_bytes += tail_bytes
+        self.tail_grad = grad
+        self.budget += tail_bytes
+
+    def _label_tiers(self) -> None:
+        """The NVMe tier writes out the earliest packed first: what was packed last stays in
+        the pool, up to its resident share; everything packed before that goes to disk."""
+        room = self.resident
+        spilled = False
+        for ri in range(self.last, -1, -1):
+            for o in reversed(self.regions[ri].ops):
+                act, _tier, why = self.ops[(ri, o.index)]
+                if act != "offload":
+                    continue
+                if not self.nvme or (not spilled and o.bytes <= room):
+                    room -= o.bytes
+                    self.ops[(ri, o.index)] = (act, "host", why)
+                else:
+                    spilled = True
+                    self.ops[(ri, o.index)] = (act, "nvme", why)
+
+
+class PlainOffload(Greedy):
+    """The variant where the regions run plainly and the offload context takes everything
+    autograd saves: nothing is recomputed, and backward reloads tensors one by one as it needs
+    them (no region is rebuilt at once), so its backward peak is the lowest."""
+
+    def rebuilt_bytes(self) -> int:
+        largest = max((o.bytes for r in self.regions for o in r.ops if o.needed), default=0)
+        return 2 * largest  # the one in use and the next one read ahead
+
+    def run(self) -> PlainOffload:
+        self.modes = ["plain-offload"] * len(self.regions)
+        self.kept = 0
+        total = sum(r.needed_bytes for r in self.regions)
+        t = self.transfer_seconds(total)
+        last = self.regions[self.last].needed_bytes if self.regions else 0
+        exposed = max(0.0, t - self.hide_seconds, self.transfer_seconds(last))
+        self.offloaded = total
+        self.transfer = exposed + 2 * total * self.per_byte_cpu
+        self.link_used = t
+        why = "region runs plainly: the offload context takes what autograd saves"
+        for ri, r in enumerate(self.regions):
+            for o in r.ops:
+                k = (ri, o.index)
+                if o.needed and o.bytes:
+                    self.ops[k] = ("offload", "", why)
+                else:
+                    self.ops[k] = ("recompute", "", "region runs plainly: not held")
+        self._label_tiers()
+        self.recompute = 0.0
+        return self
+
+
+def rate_text(it: Item) -> str:
+    return f"{it.seconds * 1e3:.2f} ms for {format_size(it.op.bytes)}"
