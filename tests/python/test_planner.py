@@ -1,5 +1,6 @@
-"""The keep / offload / recompute planner: its decisions on synthetic steps (no torch run), then
-learning, re-planning and the budget on real models, and the calibration cache."""
+"""The keep / offload / recompute planner on real models: learning, re-planning, the budget,
+peak feedback, selective, and the calibration cache (its search on synthetic steps:
+test_planner_search.py)."""
 
 import copy
 import json
@@ -8,206 +9,17 @@ import os
 import pytest
 import torch
 from conftest import assert_bitwise, gpt_step, same_loss_ref
+from test_planner_search import CPU, MiB, _op, _step
 
 import spillover
 from spillover import calibrate
 from spillover.models import GPT, GPTConfig, synthetic_batch
 from spillover.planner import (
     Machine,
-    OpRecord,
     Planner,
     RegionRecord,
-    explain_records,
     make_plan,
 )
-
-MiB = 1 << 20
-# CPU-like and GPU-like rates: 100 GFLOP/s matmul, 5 GB/s elementwise, 10 GB/s link, 2 GB/s NVMe.
-CPU = Machine({"float32": 1e11}, 5e9, 1e10, 1e10, 2e9, 2e9)
-GPU = Machine({"float32": 5e12}, 5e11, 2e10, 2e10, 5e9, 5e9)
-
-
-def _op(i, name, mib, flops_per_byte=0.25, needed=False, after_stop=False, forced=None):
-    nbytes = int(mib * MiB)
-    return OpRecord(
-        index=i, name=name, shape=(int(mib * MiB) // 4,), dtype="float32", bytes=nbytes,
-        flops=int(flops_per_byte * nbytes), moved_bytes=2 * nbytes,
-        compute_bound=flops_per_byte > 1, forced=forced, needed=needed, after_stop=after_stop,
-    )
-
-
-def _block(ri, device="cpu", offload=None):
-    """A transformer-ish block: a big cheap attention-score chain, matmuls, elementwise ops."""
-    ops = [
-        _op(0, "layer_norm", 8, needed=True),
-        _op(1, "qkv", 24, flops_per_byte=256),
-        _op(2, "view", 0, forced="view"),
-        _op(3, "scores", 128, flops_per_byte=32),
-        _op(4, "softmax", 128, needed=True),
-        _op(5, "attn_v", 8, flops_per_byte=512, needed=True),
-        _op(6, "up", 32, flops_per_byte=256, needed=True),
-        _op(7, "gelu", 32, needed=True),
-        _op(8, "down", 8, flops_per_byte=1024, after_stop=True),
-    ]
-    needed = sum(o.bytes for o in ops if o.needed)
-    return RegionRecord(key=ri, name=f"blocks.{ri}", signature=ri, device=device,
-                        mode="checkpoint", input_bytes=8 * MiB, ops=ops, needed_bytes=needed,
-                        stop=8, offload=offload)
-
-
-def _step(n=4, device="cpu", offload=None):
-    return [_block(i, device, offload) for i in range(n)]
-
-
-def _actions(rec):
-    return {o.name: o.action for o in rec.ops}
-
-
-def test_everything_fits_keeps_everything():
-    recs = _step()
-    plan = make_plan(recs, CPU, budget=10 << 30, outside_bytes=16 * MiB)
-    assert plan.fits and plan.recompute_seconds == 0
-    assert all(r.mode == "plain-keep" for r in plan.regions)
-    assert plan.planned_bytes == plan.plain_bytes == 16 * MiB + 4 * (8 + 208) * MiB
-    plan = make_plan(_step(), CPU, budget=None)
-    assert all(r.mode == "plain-keep" for r in plan.regions)
-
-
-def test_frees_the_cheapest_bytes_first_and_keeps_the_last_region():
-    recs = _step()
-    full = 16 * MiB + 4 * 8 * MiB
-    budget = full + 4 * 72 * MiB  # room for about the matmul outputs of every block
-    plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
-    assert plan.fits and plan.planned_bytes <= budget
-    first = _actions(recs[0])
-    # Memory-bound and score outputs are recomputed; the dear matmul outputs are kept.
-    assert first["scores"] == first["softmax"] == first["gelu"] == "recompute"
-    assert first["attn_v"] == "keep"
-    assert first["down"] == "recompute" and recs[0].ops[-1].after_stop
-    assert all(r.mode == "checkpoint" for r in recs[:-1])
-    # Cost grows with what is recomputed: a tighter budget costs more.
-    tight = make_plan(_step(), CPU, budget=full + 4 * 16 * MiB, outside_bytes=16 * MiB)
-    assert tight.recompute_seconds > plan.recompute_seconds
-    assert tight.planned_bytes <= full + 4 * 16 * MiB
-
-
-def test_slack_goes_to_the_last_regions_first():
-    # on a device (on a CPU host a near tie goes to the lower peak: the test after this one)
-    recs = _step(device="cuda:0")
-    plain_one = 8 * MiB + recs[0].needed_bytes
-    # Room for three blocks' inputs and matmul outputs, and one block run plainly.
-    budget = 16 * MiB + 3 * (8 + 64) * MiB + plain_one
-    plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
-    assert [r.mode for r in recs] == ["checkpoint"] * 3 + ["plain-keep"]
-    assert plan.planned_bytes <= budget
-    assert [_actions(r)["qkv"] for r in recs[:3]] == ["keep"] * 3
-
-
-def test_a_near_tie_goes_to_the_lower_peak_on_a_cpu_host():
-    """Note [near ties go to memory]: the same budget on a CPU host; running the last block
-    plainly saves under TIME_SLACK of the step's modeled compute, so the plan that holds less
-    wins; a saving over it still buys memory."""
-    from spillover.planner.search import TIME_SLACK
-
-    plain_one = 8 * MiB + _step()[0].needed_bytes
-    budget = 16 * MiB + 3 * (8 + 64) * MiB + plain_one
-    gpu = make_plan(_step(device="cuda:0"), CPU, budget=budget, outside_bytes=16 * MiB)
-    recs = _step()
-    cpu = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
-    step_s = 3 * sum(CPU.op_seconds(o) for r in recs for o in r.ops)
-    gap = (cpu.recompute_seconds + cpu.transfer_seconds) - (gpu.recompute_seconds
-                                                             + gpu.transfer_seconds)
-    assert 0 < gap <= TIME_SLACK * step_s
-    assert cpu.planned_bytes < gpu.planned_bytes and cpu.fits
-    assert "plain-keep" not in [r.mode for r in recs]
-    # a budget with no room to keep anything more: the same plan either way
-    tight = make_plan(_step(), CPU, budget=16 * MiB + 4 * 8 * MiB + 1, outside_bytes=16 * MiB)
-    assert tight.fits and tight.recompute_seconds > 0
-
-
-def test_plain_tails_of_plain_offload_are_not_near_ties():
-    """Note [plain tails are not near ties]: on a CPU host under an NVMe context, running the
-    last blocks plainly beside plain-offload saves under TIME_SLACK of the step (a near tie
-    the lower peak would win) but is the same step with fewer copies: the fastest that fits
-    wins, and a budget with room for no tail keeps plain-offload."""
-    from spillover.planner.search import TIME_SLACK
-
-    nvme = {"tier": "nvme", "pool_bytes": 32 * MiB, "nvme": True}
-
-    def plan(budget, kinds=None):
-        recs = _step(6, offload=nvme)
-        kw = {"kinds": kinds} if kinds else {}
-        return make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0, **kw)
-
-    lowest = plan(300 * MiB)
-    assert lowest.variant == "plain-offload" and lowest.fits
-    one = plan(500 * MiB)
-    assert one.variant == "plain-offload, last 1 plain" and one.fits
-    assert lowest.model_peak < one.model_peak <= 500 * MiB
-    step_s = 3 * sum(CPU.op_seconds(o) for r in _step(6, offload=nvme) for o in r.ops)
-    gap = (lowest.recompute_seconds + lowest.transfer_seconds) - (one.recompute_seconds
-                                                                  + one.transfer_seconds)
-    assert 0 < gap <= TIME_SLACK * step_s  # a near tie by the rule it is an exception to
-    two = plan(700 * MiB)
-    assert two.variant == "plain-offload, last 2 plain" and two.model_peak <= 700 * MiB
-    # the checkpoint variants keep the near-tie rule: given only those, the lower peak still
-    # wins on this host (test_a_near_tie_goes_to_the_lower_peak_on_a_cpu_host)
-    assert not plan(700 * MiB, ("checkpoint", "checkpoint+offload")).variant.startswith(
-        "plain-offload")
-
-
-def test_budget_below_the_minimum_is_reported():
-    recs = _step()
-    plan = make_plan(recs, CPU, budget=1 * MiB, outside_bytes=16 * MiB)
-    assert not plan.fits and "below the least" in plan.note
-    assert plan.planned_bytes == plan.full_bytes
-    assert all(o.action == "recompute" for r in recs for o in r.ops)
-
-
-def test_gpu_offloads_what_the_link_hides():
-    offload = {"tier": "host", "pool_bytes": 64 << 30, "nvme": False}
-    recs = _step(8, device="cuda:0", offload=offload)
-    plan = make_plan(recs, GPU, budget=256 * MiB, outside_bytes=16 * MiB)
-    assert plan.fits
-    acts = [_actions(r) for r in recs]
-    # The dearest-to-recompute outputs of the early blocks move to host memory for free ...
-    assert acts[0]["attn_v"] == "offload" and acts[0]["up"] == "offload"
-    assert all(o.tier == "host" for o in recs[0].ops if o.action == "offload")
-    # ... the last block's are never counted as hidden (backward needs them first).
-    last_offloaded = [o for o in recs[-1].ops if o.action == "offload"]
-    assert all("cheaper to move" in o.reason for o in last_offloaded)
-    assert plan.transfer_seconds >= 0
-
-
-def test_nvme_only_beyond_the_host_pool():
-    offload = {"tier": "nvme", "pool_bytes": 256 * MiB, "nvme": True}
-    recs = _step(8, device="cuda:0", offload=offload)
-    make_plan(recs, GPU, budget=200 * MiB, outside_bytes=16 * MiB)
-    tiers = [(ri, o.tier) for ri, r in enumerate(recs) for o in r.ops if o.action == "offload"]
-    assert {"host", "nvme"} <= {t for _, t in tiers}
-    # Packed last = stays in the pool; earlier ones go to disk.
-    first_host = min(ri for ri, t in tiers if t == "host")
-    assert all(t == "host" for ri, t in tiers if ri > first_host)
-    assert all(t == "nvme" for ri, t in tiers if ri < first_host)
-
-
-def test_cpu_host_tier_frees_nothing_but_nvme_does():
-    host = {"tier": "host", "pool_bytes": 1 << 30, "nvme": False}
-    recs = _step(device="cpu", offload=host)
-    make_plan(recs, CPU, budget=200 * MiB, outside_bytes=16 * MiB)
-    assert not any(o.action == "offload" for r in recs for o in r.ops)
-    nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
-    recs = _step(device="cpu", offload=nvme)
-    plan = make_plan(recs, CPU, budget=200 * MiB, outside_bytes=16 * MiB)
-    moved = [o for r in recs for o in r.ops if o.action == "offload"]
-    # the 128 MiB scores go in pieces (Note [chunked storages] in context.py)
-    assert moved and any(o.bytes > 64 * MiB for o in moved)
-    for r in recs:  # a recomputed region's whole-block offloads fit in the pool together
-        if r.mode != "checkpoint":
-            continue  # a region run plainly reloads what it saved one tensor at a time
-        whole = [o.bytes for o in r.ops if o.action == "offload" and o.bytes <= 32 * MiB]
-        assert r.input_bytes + sum(whole) <= 32 * MiB
-    assert plan.planned_bytes >= 64 * MiB  # the pool is this host's memory: it counts
 
 
 def test_learns_plans_and_replans_on_shape_change(tiny_gpt_cl):
@@ -360,85 +172,7 @@ def test_op_flops_memo_follows_shapes():
     assert op_flops(torch.ops.aten.relu.default, (x,), {}, x.relu()) == 24
 
 
-def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
-    # Note [outputs only saved ops read]: saving the softmax output spares rerunning the
-    # scaling and masking before it; rerunning all three costs more than moving 128 MiB.
-    def chain(ri, offload):
-        ops = [
-            _op(0, "scale", 128),
-            _op(1, "mask", 128),
-            _op(2, "softmax", 128, needed=True),
-            _op(3, "attn_v", 8, flops_per_byte=512, needed=True),
-            _op(4, "out", 8, flops_per_byte=1024, after_stop=True),
-        ]
-        for o, readers in zip(ops, [(1,), (2,), (3,), (4,), ()]):
-            o.readers = readers
-        return RegionRecord(key=ri, name=f"b{ri}", signature=ri, device="cpu",
-                            mode="checkpoint", input_bytes=8 * MiB, ops=ops,
-                            needed_bytes=136 * MiB, stop=4, offload=offload)
-
-    nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
-    recs = [chain(i, nvme) for i in range(4)]
-    plan = make_plan(recs, CPU, budget=100 * MiB, outside_bytes=0,
-                     kinds=("checkpoint", "checkpoint+offload"))
-    # The last region's transfers cannot hide behind compute, so the greedy pass recomputes its
-    # chain; then offloading the softmax output pays for itself (161 ms of ops spared).
-    last = _actions(recs[-1])
-    assert last["softmax"] == "offload" and last["scale"] == last["mask"] == "recompute"
-    why = next(o.reason for o in recs[-1].ops if o.name == "softmax")
-    assert "spares rerunning 2 ops" in why, why
-    assert plan.fits and plan.recompute_seconds == 0  # the skipped ops cost nothing
-    # explain says what the runtime will do with them: not rerun, at no recompute cost.
-    rows = {(r["op"], r["decision"]): r for r in explain_records(recs, "auto", CPU, plan).rows}
-    assert ("scale", "recompute") not in rows and ("mask", "recompute") not in rows
-    assert rows[("scale", "not rerun")]["why"] == "only saved outputs read it: never rerun"
-    assert rows[("scale", "not rerun")]["recompute_s"] is None
-
-
 # ---- Note [peak feedback]: the budget is the step's peak --------------------------------------
-
-
-def test_peak_budget_counts_the_region_rebuilt_in_backward():
-    # One block saves 208 MiB for backward: a checkpointed region brings all of it back at once,
-    # and on the way rebuilds its 128 MiB of scores that autograd does not keep (Note
-    # [recompute transients]).
-    budget = 528 * MiB
-    recs = _step()
-    held_plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB)
-    recs = _step()
-    peak_plan = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0)
-    # The same budget as a peak costs more recomputation than as bytes held after forward.
-    assert peak_plan.fits and peak_plan.model_peak <= budget
-    assert peak_plan.recompute_seconds > held_plan.recompute_seconds
-    assert peak_plan.model_peak >= (208 + 128 + 16) * MiB
-    # A measured offset (what the model misses: gradients, copies in flight) tightens it more.
-    recs = _step()
-    tighter = make_plan(recs, CPU, budget=budget, outside_bytes=16 * MiB,
-                        peak_offset=64 * MiB)
-    assert tighter.fits and tighter.model_peak + 64 * MiB <= budget
-    assert tighter.recompute_seconds > peak_plan.recompute_seconds
-
-
-def test_plain_offload_regions_reload_one_by_one():
-    host = {"tier": "host", "pool_bytes": 4 << 30, "nvme": False}
-    budget = 300 * MiB
-    recs = _step(device="cuda:0", offload=host)
-    plan = make_plan(recs, GPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0,
-                     kinds=("plain-offload",))
-    assert plan.fits and plan.model_peak <= budget and plan.variant.startswith("plain-offload")
-    # On a GPU what the context takes leaves the device; run plainly, a region reloads its
-    # tensors one by one (its model: the largest twice) and recomputes nothing.
-    assert plan.recompute_seconds == 0
-    text = str(explain_records(recs, "auto", GPU, plan))
-    assert "offload-host" in text and "runs plainly" in text
-    # Given every variant, the planner takes one at least as cheap as each alone.
-    costs = []
-    for kinds in (("checkpoint",), ("checkpoint+offload",), ("plain-offload",), None):
-        recs = _step(device="cuda:0", offload=host)
-        kw = {"kinds": kinds} if kinds else {}
-        p = make_plan(recs, GPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0, **kw)
-        costs.append(p.recompute_seconds + p.transfer_seconds if p.fits else float("inf"))
-    assert costs[-1] <= min(costs[:-1])
 
 
 class _FakeMeter:

@@ -126,7 +126,7 @@ def test_search_is_a_pure_function(step):
 
 def test_fixed_modes_count_as_the_plans_do():
     nvme = {"tier": "nvme", "pool_bytes": 32 * MiB, "nvme": True}
-    from test_planner import _step
+    from test_planner_search import _step
 
     recs = _step(device="cpu", offload=nvme)
     fixed = fixed_modes(recs, CPU, 16 * MiB, {"learning": 8 * MiB})
@@ -144,7 +144,7 @@ def test_fixed_modes_count_as_the_plans_do():
 def test_a_budget_under_the_pool_says_so():
     """On a CPU host the context's pool is the memory the budget counts: when no plan fits,
     explain's note names it (the fix is the user's: a smaller pool)."""
-    from test_planner import _step
+    from test_planner_search import _step
 
     nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
     plan = make_plan(_step(device="cpu", offload=nvme), CPU, budget=64 * MiB,
@@ -158,7 +158,7 @@ def test_a_budget_under_the_pool_says_so():
 def test_a_plain_region_counts_its_backward():
     """Note [plain backward]: a region run plainly holds what it saved while its backward
     computes gradients; a plan with one such region models that much more than it holds."""
-    from test_planner import _step
+    from test_planner_search import _step
 
     recs = _step()
     # room for the last block run plainly with its 128 MiB softmax's gradient, not without
@@ -176,7 +176,7 @@ def test_a_plain_region_counts_its_backward():
 def test_the_loss_region_counts_in_the_planned_peak():
     """Note [loss transient]: the loss region's backward runs first, on top of what the step
     holds after forward; a plan counts it, and one that fit without it moves down."""
-    from test_planner import _step
+    from test_planner_search import _step
 
     plain = make_plan(_step(), CPU, budget=10 << 30, outside_bytes=16 * MiB, peak_offset=0,
                       loss_bytes=300 * MiB)
@@ -198,7 +198,7 @@ def test_a_loss_chunk_that_fits_no_plan_is_shrunk_until_one_fits():
     """Note [loss chunk under a budget]: the speed rule's chunk while some plan fits with it
     (no cap); below that, the plan made with the smallest chunk, what it leaves of the budget
     given back to the chunk, the peak with the grown chunk still within the budget."""
-    from test_planner import _step
+    from test_planner_search import _step
 
     big, least = 600 * MiB, 24 * MiB
 
