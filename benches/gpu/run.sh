@@ -255,7 +255,7 @@ pytest_step "tests: test_gpu_{step,pool,streams}.py${TEST_K[1]:+ -k \"${TEST_K[1
 # stream, event or synchronize) after the last kernel on another stream that wrote it (or read
 # it, for a write). Of spillover's orderings it sees two: the copy stream waiting for the compute
 # stream before a device->host copy reads its source, and the compute stream waiting for the
-# host->device copy before it uses the tensor (Note [stream ordering] in transfer.py). A race
+# host->device copy before it uses the tensor (Note [stream ordering] in activations/link/policy.py). A race
 # there may not show in one run's gradients; the sanitizer reports it whatever the timing.
 # test_stream_gradients_bitwise[host] runs both, on the host tier. It is the only test run again:
 # the sanitizer cannot help the others. Pool blocks are host memory, which it does not track; a

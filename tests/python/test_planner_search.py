@@ -183,7 +183,7 @@ def test_cpu_host_tier_frees_nothing_but_nvme_does():
     recs = _step(device="cpu", offload=nvme)
     plan = make_plan(recs, CPU, budget=200 * MiB, outside_bytes=16 * MiB)
     moved = [o for r in recs for o in r.ops if o.action == "offload"]
-    # the 128 MiB scores go in pieces (Note [chunked storages] in context.py)
+    # the 128 MiB scores go in pieces (Note [gathered storages] in rust/tier/gather.rs)
     assert moved and any(o.bytes > 64 * MiB for o in moved)
     for r in recs:  # a recomputed region's whole-block offloads fit in the pool together
         if r.mode != "checkpoint":

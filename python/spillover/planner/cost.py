@@ -230,7 +230,7 @@ class Costs:
             return False
         if self.nvme:
             if self.chunked(it):
-                return True  # it streams through the pool in pieces (Note [chunked storages])
+                return True  # in pieces through the pool (Note [gathered storages], gather.rs)
             # Recomputing a region brings back all its offloaded outputs (and inputs) at once,
             # and each holds a pool block until the region's backward is done. Past what the
             # pool holds, the NVMe tier reads back through temporary mappings (slower, with a
@@ -241,8 +241,8 @@ class Costs:
         return self.offloaded + it.op.bytes <= self.host_room
 
     def chunked(self, it: Item) -> bool:
-        """Offloaded in pieces by the NVMe tier: larger than half its pool (Note [chunked
-        storages] in context.py)."""
+        """Offloaded in pieces by the NVMe tier: larger than half its pool (Note [gathered
+        storages] in rust/tier/gather.rs)."""
         return self.nvme and it.op.bytes > self.pool // 2
 
     def offload_cost(self, it: Item) -> Tuple[float, bool]:
