@@ -7,7 +7,9 @@
 //!   on CPU each view is one `get`);
 //! - a next step that differs from the one that taught the order (a resized, an extra or a
 //!   missing tensor), backward orders that are not reverse pack order;
-//! - steps abandoned halfway, read-ahead windows from 0 to the whole pool, injected I/O faults.
+//! - steps abandoned halfway, read-ahead windows from 0 to the whole pool, injected I/O faults;
+//! - storages written out from their own memory at an address 64 bytes into a page, as torch
+//!   places them (Note [written from the tensor]), beside storages copied into the pool.
 //!
 //! Each case checks every byte that comes back, that no call panics (proptest fails a case that
 //! panics), and that the pool and the swap are empty once everything is dropped. A HF Llama
@@ -45,6 +47,8 @@ fn tier(cap: u64, window: u64, dir: &std::path::Path) -> Tier {
 struct Saved {
     size64: u64,
     views: u8,
+    /// Written from its own memory (`Step::put_direct`), whole or in pieces.
+    direct: bool,
 }
 
 /// How a step differs from the step before it.
@@ -116,7 +120,11 @@ fn case() -> impl Strategy<Value = Case> {
         prop_oneof![Just(256u64), Just(512), Just(1024)],
         prop_oneof![Just(0u64), 1u64..64, Just(64)],
         prop::collection::vec(
-            (size64(), 1u8..4).prop_map(|(size64, views)| Saved { size64, views }),
+            (size64(), 1u8..4, any::<bool>()).prop_map(|(size64, views, direct)| Saved {
+                size64,
+                views,
+                direct,
+            }),
             1..10,
         ),
         prop::collection::vec(step_plan(), 2..5),
@@ -150,7 +158,16 @@ fn retry<T>(mut f: impl FnMut() -> Result<T, Error>) -> Result<T, TestCaseError>
 
 /// Forward: pack one storage of `n` bytes (pieces of an eighth of the pool past half of it,
 /// as `spillover._tiers` cuts them). None: the pool had no room (the tensor stays put).
-fn pack(step: &Step, cap: u64, n: u64, bytes: &[u8]) -> Result<Option<Stored>, TestCaseError> {
+fn pack(
+    step: &Step,
+    cap: u64,
+    n: u64,
+    bytes: &[u8],
+    direct: bool,
+) -> Result<Option<Stored>, TestCaseError> {
+    if direct {
+        return pack_direct(step, cap, n, bytes);
+    }
     let put = |off: usize, len: usize| -> Result<Option<Handle>, TestCaseError> {
         match step.put(len as u64) {
             Ok((h, v)) => {
@@ -186,6 +203,47 @@ fn pack(step: &Step, cap: u64, n: u64, bytes: &[u8]) -> Result<Option<Stored>, T
         .map_err(|e| TestCaseError::fail(format!("gather: {e}")))
 }
 
+/// Forward, written from the storage's own memory, 64 bytes into a page with other bytes around
+/// it in the same pages: whole, or past half the pool in pieces of an eighth of it, every piece
+/// after the first starting on a page (as `spillover.activations.hooks` cuts them).
+fn pack_direct(
+    step: &Step,
+    cap: u64,
+    n: u64,
+    bytes: &[u8],
+) -> Result<Option<Stored>, TestCaseError> {
+    let mut src = vec![0xA5u8; n as usize + 3 * 4096];
+    let off = (4096 - src.as_ptr() as usize % 4096) % 4096 + 64;
+    src[off..off + n as usize].copy_from_slice(bytes);
+    let src = Arc::new(src);
+    let p = src[off..].as_ptr();
+    let put = |at: usize, len: usize| -> Result<Option<Handle>, TestCaseError> {
+        // SAFETY: the owner is the buffer itself, never written again.
+        match unsafe { step.put_direct(p.wrapping_add(at), len as u64, Box::new(src.clone())) } {
+            Ok(h) => Ok(Some(h)),
+            Err(Error::Io { .. }) | Err(Error::OutOfSpace { .. }) => Ok(None),
+            Err(e) => Err(TestCaseError::fail(format!("put_direct: {e}"))),
+        }
+    };
+    if n <= cap / 2 {
+        return Ok(put(0, n as usize)?.map(Stored::One));
+    }
+    let piece = (cap / 8) as usize;
+    let (mut at, mut len) = (0usize, piece - p as usize % 4096);
+    let mut parts = Vec::new();
+    while at < n as usize {
+        len = len.min(n as usize - at);
+        match put(at, len)? {
+            Some(h) => parts.push(h),
+            None => return Ok(None),
+        }
+        (at, len) = (at + len, piece);
+    }
+    step.gather(parts)
+        .map(|g| Some(Stored::Pieces(g)))
+        .map_err(|e| TestCaseError::fail(format!("gather: {e}")))
+}
+
 fn unpack(s: &Stored) -> Result<View, TestCaseError> {
     match s {
         Stored::One(h) => retry(|| h.get()),
@@ -208,6 +266,7 @@ fn sizes_of(model: &[Saved], change: Change) -> Vec<u64> {
                 Saved {
                     size64: s,
                     views: 2,
+                    direct: false,
                 },
             );
         }
@@ -242,7 +301,8 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
             let n = (cap * s64 / 64).max(1);
             let bytes = pattern(seed, n as usize);
             let views = case.model.get(i).map_or(2, |s| s.views);
-            saved.push(pack(&step, cap, n, &bytes)?.map(|st| (st, bytes, views)));
+            let direct = case.model.get(i).is_some_and(|s| s.direct);
+            saved.push(pack(&step, cap, n, &bytes, direct)?.map(|st| (st, bytes, views)));
         }
         // Backward: reverse pack order, with some neighbours swapped.
         let mut order: Vec<usize> = (0..saved.len()).rev().collect();
@@ -306,6 +366,7 @@ fn a_storage_unpacked_through_views_on_the_second_step() {
             .map(|_| Saved {
                 size64: 8,
                 views: 2,
+                direct: false,
             })
             .collect(),
         steps: (0..3)
@@ -315,6 +376,35 @@ fn a_storage_unpacked_through_views_on_the_second_step() {
                 abandon_after: None,
                 fault: None,
                 live_views: 1,
+            })
+            .collect(),
+    };
+    run(&case).unwrap();
+}
+
+/// Storages written from their own memory on every step, beside copied ones: the learned
+/// order keeps what backward needs first in the pool (Note [written from the tensor]), the
+/// rest is read back at an offset into its page, some of it (images a page larger than half
+/// the pool) into one-off buffers ahead of its unpack (Note [the next read does not wait]).
+#[test]
+fn storages_written_from_their_memory_over_several_steps() {
+    let case = Case {
+        cap_kib: 1024,
+        window64: 16,
+        model: (0..12)
+            .map(|i| Saved {
+                size64: [32, 8, 16, 32][i % 4],
+                views: 1 + (i % 2) as u8,
+                direct: i % 3 != 0,
+            })
+            .collect(),
+        steps: (0..4)
+            .map(|_| StepPlan {
+                change: Change::Same,
+                swaps: vec![],
+                abandon_after: None,
+                fault: None,
+                live_views: 2,
             })
             .collect(),
     };

@@ -50,6 +50,9 @@ Modes:
   full          spillover.wrap(policy="full"): each block saves only its input
   selective     spillover.wrap(policy="selective")
   offload-nvme  spillover.wrap(policy="offload") under offload_context("nvme", pool --pool)
+  offload-nvme-copy (not run by default) the same with write_from_tensor=False: every saved
+                storage copied into the pool before it is written (Note [written from the
+                tensor] in rust/tier/direct.rs), the tier as it was before
   auto          spillover.wrap(policy="auto") under offload_context("nvme", pool --auto-pool),
                 budget = `torch-full`'s peak of the whole step in this run (the least over
                 rounds 0 and 1; `full`'s when `torch-full` is not run): auto learns in round 0,
@@ -110,9 +113,10 @@ SDPA_OPS = tuple(
 SAC_SAVED = MATMULS + SDPA_OPS
 
 DEFAULT_MODES = "none,torch-full,torch-sac,full,selective,offload-nvme,auto"
-ALL_MODES = DEFAULT_MODES.split(",") + ["auto-sel", "torch-full-cl"]
+ALL_MODES = DEFAULT_MODES.split(",") + ["auto-sel", "torch-full-cl", "offload-nvme-copy"]
 TORCH_MODES = ("none", "torch-full", "torch-sac", "torch-full-cl")  # no spillover
-WRAP_POLICY = {"full": "full", "selective": "selective", "offload-nvme": "offload"}
+WRAP_POLICY = {"full": "full", "selective": "selective", "offload-nvme": "offload",
+               "offload-nvme-copy": "offload"}
 AUTO_MODES = ("auto", "auto-sel")
 
 
@@ -218,8 +222,9 @@ def measure(args: argparse.Namespace) -> None:
         models[mode] = spillover.wrap(m, policy=policy)
 
     def context(mode):
-        if mode == "offload-nvme":
-            return spillover.offload_context("nvme", host_pool_bytes=args.pool, nvme_path=tmp)
+        if mode in ("offload-nvme", "offload-nvme-copy"):
+            return spillover.offload_context("nvme", host_pool_bytes=args.pool, nvme_path=tmp,
+                                             write_from_tensor=mode == "offload-nvme")
         if mode in AUTO_MODES:
             return spillover.offload_context("nvme", host_pool_bytes=args.auto_pool,
                                              nvme_path=tmp)
@@ -415,10 +420,11 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
             line += (f": {s_rate:.0f} vs {f_rate:.0f} MiB per second added, "
                      f"{s_rate / f_rate:.2f}x torch-full's (goal >= 1)")
         print(line)
-    if "offload-nvme" in med and "torch-full" in med and "none" in med:
-        t, mem = med["offload-nvme"]
-        print(f"offload-nvme ({args.pool} pool): peak {mem / full_m:.2f}x torch-full's, time "
-              f"{t / base_t:.2f}x none's")
+    for m in ("offload-nvme", "offload-nvme-copy"):
+        if m in med and "torch-full" in med and "none" in med:
+            t, mem = med[m]
+            print(f"{m} ({args.pool} pool): peak {mem / full_m:.2f}x torch-full's, time "
+                  f"{t / base_t:.2f}x none's")
     for m in AUTO_MODES:
         ref = budget_source(m, modes)
         if m in med and ref in med:

@@ -195,6 +195,9 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "sim_compute_lag": (_seconds, 0.0,
                         "seconds the simulated device's compute stream runs behind the host "
                         "(with sim_link_bandwidth; tests; 0)"),
+    "write_from_tensor": (_bool, True,
+                          "NVMe tier, CPU tensors: write a saved storage to disk from its own "
+                          "memory, held until written (off: copy it into the pool first)"),
     "verify": (_bool, False, "checksum every offloaded tensor and check it on reload"),
     "log": (_level, "WARNING", "log level of the 'spillover' logger"),
 }
@@ -220,6 +223,7 @@ class Config:
     copy_inflight_bytes: Optional[int] = None
     sim_link_bandwidth: Optional[int] = None
     sim_compute_lag: float = 0.0
+    write_from_tensor: bool = True
     verify: bool = False
     log: str = "WARNING"
     #: field -> "keyword", "env" or "default": where each value came from (for `doctor`).

@@ -11,6 +11,8 @@ pub struct Arena {
     base: NonNull<u8>,
     len: usize,
     locked: bool,
+    /// Mapped here (unmapped on drop), or memory someone else owns ([`Arena::borrowed`]).
+    owned: bool,
 }
 
 // SAFETY: the arena is a plain byte range owned by this value; it is only unmapped in `drop`,
@@ -62,6 +64,7 @@ impl Arena {
             base,
             len,
             locked: false,
+            owned: true,
         };
         if huge_pages {
             // SAFETY: the range is exactly the mapping made above. Advice failure is harmless.
@@ -76,6 +79,25 @@ impl Arena {
             }
         }
         Ok(arena)
+    }
+
+    /// An arena over `len` bytes at `base` that someone else owns and keeps mapped (Note
+    /// [written from the tensor] in rust/tier/direct.rs): never locked, never unmapped here.
+    ///
+    /// # Safety
+    /// `base..base + len` must stay mapped and readable for as long as the arena lives.
+    pub unsafe fn borrowed(base: NonNull<u8>, len: usize) -> Arena {
+        Arena {
+            base,
+            len,
+            locked: false,
+            owned: false,
+        }
+    }
+
+    /// Whether the memory is someone else's ([`Arena::borrowed`]).
+    pub fn is_borrowed(&self) -> bool {
+        !self.owned
     }
 
     fn touch_pages(&self) {
@@ -119,6 +141,9 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: the pool keeps the arena alive while any block (and so any view of it) exists,
         // so nothing refers to the mapping any more. munlock is implied by munmap.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };

@@ -65,10 +65,14 @@ struct State {
     failed: u64,
 }
 
+/// What keeps a borrowed arena's memory alive ([`Pool::borrowed`]); dropped with the pool.
+pub type Owner = Box<dyn Send + Sync>;
+
 struct Inner {
     arenas: Vec<Arena>,
     state: Mutex<State>,
     lock_warning: Option<String>,
+    _owner: Option<Owner>,
 }
 
 impl Inner {
@@ -156,6 +160,46 @@ impl Pool {
                     failed: 0,
                 }),
                 lock_warning,
+                _owner: None,
+            }),
+        })
+    }
+
+    /// A pool of one arena over `len` bytes at `base`, memory that `owner` keeps mapped: the
+    /// pool (and every block leased from it) holds `owner` and drops it last. For writing a
+    /// tensor's own bytes to disk (Note [written from the tensor] in rust/tier/direct.rs).
+    /// `base` and `len` must be multiples of the granule (4 KiB).
+    ///
+    /// # Safety
+    /// `base..base + len` must stay mapped and readable while `owner` lives, and nothing may
+    /// be written through the pool's blocks (they are read by the kernel only).
+    pub unsafe fn borrowed(base: *mut u8, len: u64, owner: Owner) -> Result<Pool> {
+        let Some(nn) = std::ptr::NonNull::new(base) else {
+            return Err(Error::Invalid(
+                "cannot borrow memory at a null address".into(),
+            ));
+        };
+        if len == 0 || len % GRANULE != 0 || base as u64 % GRANULE != 0 {
+            return Err(Error::Invalid(format!(
+                "a borrowed range must be {GRANULE}-byte aligned and sized, not {len} bytes at \
+                 {base:p}"
+            )));
+        }
+        // SAFETY: the caller's promise.
+        let arena = unsafe { Arena::borrowed(nn, len as usize) };
+        Ok(Pool {
+            inner: Arc::new(Inner {
+                arenas: vec![arena],
+                state: Mutex::new(State {
+                    allocs: vec![ExtentAllocator::new(len)],
+                    in_use: 0,
+                    peak: 0,
+                    live: 0,
+                    leases: 0,
+                    failed: 0,
+                }),
+                lock_warning: None,
+                _owner: Some(owner),
             }),
         })
     }
@@ -301,13 +345,37 @@ impl Block {
         self.extent.offset
     }
 
+    /// Whether the block is memory someone else owns ([`Pool::borrowed`]): read by the kernel
+    /// only, never through a slice (its bytes beyond an entry's may be another allocation's).
+    pub fn is_borrowed(&self) -> bool {
+        self.pool.arenas[self.arena as usize].is_borrowed()
+    }
+
+    /// `n` bytes at `offset` of the block. Panics outside `len()`.
+    pub fn bytes(&self, offset: usize, n: usize) -> &[u8] {
+        assert!(
+            offset.checked_add(n).is_some_and(|end| end <= self.len),
+            "{n} bytes at {offset} outside a {}-byte block",
+            self.len
+        );
+        // SAFETY: the range is inside the block (checked) and mapped while it lives; the
+        // bytes of a borrowed block asked for here are the owner's, which it does not write
+        // while they are offloaded (Note [written from the tensor]).
+        unsafe { std::slice::from_raw_parts(self.as_ptr().add(offset), n) }
+    }
+
     pub fn as_slice(&self) -> &[u8] {
+        debug_assert!(!self.is_borrowed(), "a borrowed block is read with `bytes`");
         // SAFETY: `len` bytes at `as_ptr` are mapped and owned by this block. Readers that race
         // with writers through raw pointers are the caller's documented responsibility.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        debug_assert!(
+            !self.is_borrowed(),
+            "a borrowed block is never written through"
+        );
         // SAFETY: as `as_slice`, and `&mut self` makes this the only Rust reference.
         unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len) }
     }

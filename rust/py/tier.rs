@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 use super::errors::guarded;
 use super::pool::PyPool;
 use super::swap::PySwap;
+use crate::pool::Owner;
 use crate::tier::{Gathered, Handle, Step, StepStats, Tier, TierOptions, View};
 
 #[pyclass(name = "Tier", module = "spillover._native", frozen)]
@@ -167,6 +168,35 @@ impl PyStep {
         // has just leased (pool memory, never the tensor's), so the ranges do not overlap.
         let src = unsafe { std::slice::from_raw_parts(address as *const u8, len) };
         let h = guarded(py, || self.step.put_copy(src))?;
+        Ok(PyHandle { h })
+    }
+
+    /// Pack on a CPU host by writing `nbytes` at host address `address` to disk from where they
+    /// are, with no copy into the pool (GIL released; Note [written from the tensor] in
+    /// rust/tier/direct.rs). `owner` is the CPU storage whose data `address` is: the entry holds
+    /// it until the write lands. The caller does not write those bytes meanwhile. Raises on a
+    /// tier without swap and what allocating a slot raises; on an error no entry is left.
+    #[pyo3(signature = (owner, address, nbytes))]
+    fn put_direct(
+        &self,
+        py: Python<'_>,
+        owner: &Bound<'_, PyAny>,
+        address: usize,
+        nbytes: u64,
+    ) -> PyResult<PyHandle> {
+        if address == 0 || isize::try_from(nbytes).is_err() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "cannot write {nbytes} bytes at address {address:#x} from the tensor"
+            )));
+        }
+        let held: Owner = Box::new(owner.clone().unbind());
+        // SAFETY: `address` is the data of `owner`, a live CPU storage of at least `nbytes`
+        // bytes, which the entry holds (and with it the mapping) until the write has landed;
+        // the caller (activations/hooks.py) offloads autograd's saved tensors, which nothing
+        // writes until they are unpacked.
+        let h = guarded(py, || unsafe {
+            self.step.put_direct(address as *const u8, nbytes, held)
+        })?;
         Ok(PyHandle { h })
     }
 

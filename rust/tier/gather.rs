@@ -5,7 +5,10 @@
 //! their own, written out, read back and prefetched like any other), so that one tensor larger
 //! than the whole pool still leaves the device. [`Gathered::get`] returns the whole storage as
 //! one buffer of its own (a one-off mapping): pieces only on disk are read straight into it,
-//! pieces still in the pool are copied. Those reads start once what backward is expected to
+//! pieces still in the pool are copied. Pieces written from the tensor (Note [written from the
+//! tensor] in direct.rs) are images of whole pages, cut so that every piece after the first
+//! starts on one: the buffer holds the images back to back and the storage starts the first
+//! piece's `head` bytes in. Those reads start once what backward is expected to
 //! need before the storage (the learned order, Note [expected order]) holds no more bytes than
 //! it does (Note [gather distance] in policy.rs), so the backward before it overlaps the
 //! reads without holding its bytes through a whole region's backward. One storage is read
@@ -30,10 +33,19 @@ pub struct Gathered {
 }
 
 pub(crate) struct GatherState {
-    parts: Vec<(u64, u64)>,
+    /// Each piece's entry, bytes and offset into its first page (Note [written from the
+    /// tensor] in direct.rs).
+    parts: Vec<Part>,
     /// The whole storage's bytes (read at every read-ahead that sees one of its pieces).
     nbytes: u64,
     ahead: Ahead,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    id: u64,
+    nbytes: u64,
+    head: u64,
 }
 
 enum Ahead {
@@ -47,6 +59,7 @@ enum Ahead {
 
 struct Direct {
     bufs: Vec<Buf>,
+    parts: Vec<Part>,
     // Keeps the mapping's allocator alive with its blocks (the blocks hold the arena anyway).
     _pool: Pool,
 }
@@ -88,8 +101,16 @@ pub(crate) fn new(step: &Step, parts: Vec<Handle>) -> Result<Gathered> {
             ));
         }
     }
+    let layout = parts
+        .iter()
+        .map(|h| Part {
+            id: h.id(),
+            nbytes: h.nbytes(),
+            head: st.entries.get(&h.id()).map_or(0, |e| e.head),
+        })
+        .collect();
     let chunk = st.new_chunk(GatherState {
-        parts: parts.iter().map(|h| (h.id(), h.nbytes())).collect(),
+        parts: layout,
         nbytes,
         ahead: Ahead::NotStarted,
     });
@@ -106,19 +127,24 @@ pub(crate) fn new(step: &Step, parts: Vec<Handle>) -> Result<Gathered> {
     })
 }
 
-/// The buffer, cut into one block per piece, contiguous; None when the allocator did not
-/// place them back to back.
-fn direct_buffer(parts: &[(u64, u64)]) -> Result<Option<(Pool, Vec<Block>)>> {
-    let total: u64 = parts.iter().map(|&(_, n)| crate::extent::round_up(n)).sum();
+/// The buffer, cut into one block per piece (each the image of its piece: its bytes `head`
+/// bytes in), the pieces' bytes back to back; None when they do not lie back to back (the
+/// allocator placed the blocks apart, or a piece after the first does not start on a page).
+fn direct_buffer(parts: &[Part]) -> Result<Option<(Pool, Vec<Block>)>> {
+    let total: u64 = parts
+        .iter()
+        .map(|p| crate::extent::round_up(p.head + p.nbytes))
+        .sum();
     let pool = one_off(total)?;
     let mut blocks = Vec::with_capacity(parts.len());
     let mut next = None;
-    for &(_, n) in parts {
-        let b = pool.lease(n)?;
-        if next.is_some_and(|p| p != b.as_ptr() as usize) {
+    for p in parts {
+        let b = pool.lease(p.head + p.nbytes)?;
+        let at = b.as_ptr() as usize + p.head as usize;
+        if next.is_some_and(|n| n != at) {
             return Ok(None);
         }
-        next = Some(b.as_ptr() as usize + b.capacity());
+        next = Some(at + p.nbytes as usize);
         blocks.push(b);
     }
     Ok(Some((pool, blocks)))
@@ -138,9 +164,9 @@ fn begin(tier: &Tier, st: &mut State, c: u64) -> Result<Option<Direct>> {
     };
     let swap = tier.swap().cloned();
     let mut bufs = Vec::with_capacity(blocks.len());
-    for (&(id, _), b) in parts.iter().zip(blocks) {
+    for (p, b) in parts.iter().zip(blocks) {
         let buf = match &swap {
-            Some(sw) => match st.read_piece(sw, id, b) {
+            Some(sw) => match st.read_piece(sw, p.id, b) {
                 Ok(t) => Buf::Reading(t),
                 Err(b) => Buf::Free(b),
             },
@@ -148,7 +174,11 @@ fn begin(tier: &Tier, st: &mut State, c: u64) -> Result<Option<Direct>> {
         };
         bufs.push(buf);
     }
-    Ok(Some(Direct { bufs, _pool: pool }))
+    Ok(Some(Direct {
+        bufs,
+        parts,
+        _pool: pool,
+    }))
 }
 
 /// Read chunk `c` ahead of its use (policy::Ahead::Gather). Caller holds the lock. A failure
@@ -226,12 +256,18 @@ impl Gathered {
     }
 
     fn assemble(&self, d: Direct) -> Result<View> {
-        let Direct { bufs, _pool } = d;
+        let Direct { bufs, parts, _pool } = d;
         let mut blocks: Vec<Option<Block>> = Vec::with_capacity(bufs.len());
         let mut pending: Vec<Option<Buf>> = bufs.into_iter().map(Some).collect();
         blocks.resize_with(pending.len(), || None);
         for i in (0..pending.len()).rev() {
             let h = &self.parts[i];
+            let Some(&Part { nbytes, head, .. }) = parts.get(i) else {
+                return Err(Error::Internal(format!(
+                    "piece {i} of a gather has no layout"
+                )));
+            };
+            let (head, nbytes) = (head as usize, nbytes as usize);
             let Some(buf) = pending[i].take() else {
                 return Err(Error::Internal(format!(
                     "piece {i} of a gather taken twice"
@@ -247,7 +283,7 @@ impl Gathered {
                     st.add_stall(self.step, waited);
                     r?;
                     if let Some(expected) = st.piece_checksum(h.id()) {
-                        let found = crc32c::crc32c(block.as_slice());
+                        let found = crc32c::crc32c(block.bytes(head, nbytes));
                         if found != expected {
                             return Err(Error::Integrity {
                                 key: h.id(),
@@ -263,7 +299,7 @@ impl Gathered {
                     let v = self.tier.get(h.id(), true)?;
                     // SAFETY: `v` keeps its bytes alive and unwritten for the call; `block` is
                     // this gather's own, so the ranges do not overlap.
-                    unsafe { block.copy_from_raw(v.as_ptr(), v.len(), 0)? };
+                    unsafe { block.copy_from_raw(v.as_ptr(), v.len(), head)? };
                     block
                 }
             };
@@ -272,7 +308,8 @@ impl Gathered {
         let Some(blocks) = blocks.into_iter().collect::<Option<Vec<Block>>>() else {
             return Err(Error::Internal("a gathered piece was never filled".into()));
         };
-        Ok(view_of_blocks(blocks, self.nbytes as usize))
+        let head = parts.first().map_or(0, |p| p.head as usize);
+        Ok(view_of_blocks(blocks, head, self.nbytes as usize))
     }
 
     fn through_pool(&self) -> Result<View> {
@@ -285,7 +322,7 @@ impl Gathered {
             // SAFETY: `v` keeps its bytes alive for the call; `out` is this gather's own.
             unsafe { out.copy_from_raw(v.as_ptr(), v.len(), off)? };
         }
-        Ok(view_of_blocks(vec![out], self.nbytes as usize))
+        Ok(view_of_blocks(vec![out], 0, self.nbytes as usize))
     }
 }
 

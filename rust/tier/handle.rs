@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::gather::{self, Gathered};
 use super::policy::Learned;
-use super::{Entry, Residency, StepStats, Tier};
+use super::{Entry, Residency, State, StepStats, Tier};
 use crate::error::{Error, Result};
 use crate::pool::Block;
 
@@ -32,9 +32,19 @@ unsafe impl Sync for View {}
 
 impl View {
     pub(super) fn of(b: &Arc<Block>) -> View {
+        View::at(b, 0, b.len())
+    }
+
+    /// `len` bytes at `offset` of `b`. Panics outside the block.
+    pub(super) fn at(b: &Arc<Block>, offset: usize, len: usize) -> View {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= b.len()),
+            "a view of {len} bytes at {offset} outside a {}-byte block",
+            b.len()
+        );
         View {
-            ptr: b.as_ptr(),
-            len: b.len(),
+            ptr: b.as_ptr().wrapping_add(offset),
+            len,
             keep: Keep::Block(b.clone()),
         }
     }
@@ -134,8 +144,34 @@ impl Step {
         let block = Arc::new(block);
         let view = View::of(&block);
         let mut st = self.tier.lock();
+        let h = self.add_entry(&mut st, nbytes, 0, None, Residency::Staging(block))?;
+        drop(st);
+        Ok((h, view))
+    }
+
+    /// Make `block`, already filled with `nbytes` from `head` on, an entry of this step,
+    /// staged (Note [written from the tensor] in direct.rs: the layout of an image).
+    pub(super) fn stage_at(&self, block: Block, head: u64, nbytes: u64) -> Result<Handle> {
+        let mut st = self.tier.lock();
+        self.add_entry(
+            &mut st,
+            nbytes,
+            head,
+            None,
+            Residency::Staging(Arc::new(block)),
+        )
+    }
+
+    /// A new entry of this step, next in pack order (caller holds the lock).
+    pub(super) fn add_entry(
+        &self,
+        st: &mut State,
+        nbytes: u64,
+        head: u64,
+        checksum: Option<u32>,
+        res: Residency,
+    ) -> Result<Handle> {
         let id = st.next_id;
-        st.next_id += 1;
         let Some(s) = st.steps.get_mut(&self.id) else {
             return Err(Error::Internal(format!(
                 "step {} has no state while its Step lives",
@@ -146,31 +182,29 @@ impl Step {
         s.sizes.push(nbytes);
         s.ids.push(id);
         s.stats.bytes_put += nbytes;
+        st.next_id += 1;
         st.entries.insert(
             id,
             Entry {
                 nbytes,
                 step: self.id,
                 seq,
-                res: Residency::Staging(block),
-                checksum: None,
+                res,
+                checksum,
                 went_to_disk: false,
                 viewed: false,
                 chunk: None,
+                head,
             },
         );
-        drop(st);
-        Ok((
-            Handle {
-                inner: Arc::new(HandleInner {
-                    tier: self.tier.clone(),
-                    id,
-                    nbytes,
-                    seq,
-                }),
-            },
-            view,
-        ))
+        Ok(Handle {
+            inner: Arc::new(HandleInner {
+                tier: self.tier.clone(),
+                id,
+                nbytes,
+                seq,
+            }),
+        })
     }
 
     /// Make `parts` (entries of this step, in order) one storage that `get` returns as a
@@ -247,7 +281,7 @@ impl Handle {
             }
         };
         if t.inner.opts.verify {
-            e.checksum = Some(crc32c::crc32c(b.as_slice()));
+            e.checksum = Some(crc32c::crc32c(e.bytes(&b)));
         }
         e.res = Residency::Dirty(b);
         let n = e.nbytes;
@@ -285,7 +319,7 @@ impl Handle {
         let st = self.tier().lock();
         let e = st.entries.get(&self.inner.id)?;
         match &e.res {
-            Residency::Dirty(b) | Residency::Clean { block: b, .. } => Some(View::of(b)),
+            Residency::Dirty(b) | Residency::Clean { block: b, .. } => Some(e.view(b)),
             _ => None,
         }
     }
@@ -307,9 +341,14 @@ impl Handle {
     }
 }
 
-/// Let a view be made from a block the tier owns (used by gather).
-pub(crate) fn view_of_blocks(blocks: Vec<Block>, len: usize) -> View {
-    let ptr = blocks.first().map_or(std::ptr::null_mut(), |b| b.as_ptr());
+/// Let a view be made from blocks the tier owns, back to back (used by gather): `len` bytes
+/// from `head` bytes into the first.
+pub(crate) fn view_of_blocks(blocks: Vec<Block>, head: usize, len: usize) -> View {
+    let total: usize = blocks.iter().map(|b| b.capacity()).sum();
+    assert!(head + len <= total, "a gathered view past its blocks");
+    let ptr = blocks
+        .first()
+        .map_or(std::ptr::null_mut(), |b| b.as_ptr().wrapping_add(head));
     View {
         keep: Keep::Gathered(Arc::new(blocks)),
         ptr,

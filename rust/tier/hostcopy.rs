@@ -17,10 +17,17 @@ impl Step {
     /// into it and seal it: the entry is dirty (or already being written behind) when this
     /// returns. Raises what `put` and [`Handle::seal`] raise; on an error no entry is left.
     pub fn put_copy(&self, src: &[u8]) -> Result<Handle> {
-        let mut block = self.lease(src.len() as u64)?;
-        block.as_mut_slice().copy_from_slice(src);
-        let (h, staging) = self.stage(block)?;
-        drop(staging);
+        self.put_copy_at(src, 0)
+    }
+
+    /// As [`Step::put_copy`], the bytes `head` bytes into the block (and into the slot it is
+    /// written to): the layout of an entry written from the tensor (Note [written from the
+    /// tensor] in direct.rs), so that either kind reads back the same way.
+    pub(super) fn put_copy_at(&self, src: &[u8], head: u64) -> Result<Handle> {
+        let n = src.len() as u64;
+        let mut block = self.lease(head + n)?;
+        block.as_mut_slice()[head as usize..].copy_from_slice(src);
+        let h = self.stage_at(block, head, n)?;
         h.seal()?;
         Ok(h)
     }

@@ -46,6 +46,7 @@
 //! the error is raised by the call that saw it. A read that fails leaves the entry on disk and
 //! raises from `get`. Never a zero-filled view.
 
+mod direct;
 mod gather;
 mod handle;
 mod hostcopy;

@@ -33,6 +33,8 @@ pub struct Learned {
 pub struct Forecast {
     learned: Option<Learned>,
     pos: HashMap<u32, usize>,
+    /// Bytes the learned order unpacks before each of its places.
+    before: Vec<u64>,
     checked: bool,
 }
 
@@ -50,11 +52,37 @@ impl Forecast {
             .as_ref()
             .map(|l| l.order.iter().enumerate().map(|(i, &s)| (s, i)).collect())
             .unwrap_or_default();
+        let before = learned
+            .as_ref()
+            .map(|l| {
+                let mut at = 0u64;
+                l.order
+                    .iter()
+                    .map(|&q| {
+                        let b = at;
+                        at = at.saturating_add(l.sizes.get(q as usize).copied().unwrap_or(0));
+                        b
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         Forecast {
             learned,
             pos,
+            before,
             checked: false,
         }
+    }
+
+    /// Whether backward is expected to unpack `seq` (of `nbytes`) among its first `budget`
+    /// bytes, by the learned order (Note [written from the tensor], tier/direct.rs). False
+    /// without one, and for an entry of another size than the step that taught it packed.
+    pub fn needed_within(&self, seq: u32, nbytes: u64, budget: u64) -> bool {
+        let (Some(l), Some(&p)) = (&self.learned, self.pos.get(&seq)) else {
+            return false;
+        };
+        l.sizes.get(seq as usize) == Some(&nbytes)
+            && self.before[p].saturating_add(nbytes) <= budget
     }
 
     /// Forget the learned order when this step packed other sizes than the step that taught

@@ -12,7 +12,7 @@ use crate::pool::{Block, Pool, PoolOptions};
 impl Tier {
     /// Note [write early, drop late] (policy.rs): drop the earliest packed clean entry nobody
     /// views. Returns whether a block went back to the pool.
-    fn drop_one_clean(st: &mut State) -> bool {
+    pub(super) fn drop_one_clean(st: &mut State) -> bool {
         let victim = st.entries.iter().find_map(|(&id, e)| match &e.res {
             Residency::Clean { block, .. } if unshared(block) => Some(id),
             _ => None,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::gather::GatherState;
 use super::policy::{Forecast, Learned};
 use super::stats::StepStats;
-use super::Tier;
+use super::{Tier, View};
 use crate::io::{Slot, Swap, Ticket, Watch};
 use crate::pool::Block;
 
@@ -69,6 +69,27 @@ pub(super) struct Entry {
     pub(super) viewed: bool,
     /// The gathered storage this entry is a piece of.
     pub(super) chunk: Option<u64>,
+    /// Where the entry's bytes start in its block and in its slot: 0, except for an entry
+    /// written from the tensor (Note [written from the tensor] in direct.rs), whose block and
+    /// slot are the image of the whole pages its bytes lie in.
+    pub(super) head: u64,
+}
+
+impl Entry {
+    /// Bytes its block and its slot hold: the entry's, after `head` bytes of its first page.
+    pub(super) fn image(&self) -> u64 {
+        self.head + self.nbytes
+    }
+
+    /// A view of the entry's bytes in `b` (its block).
+    pub(super) fn view(&self, b: &Arc<Block>) -> View {
+        View::at(b, self.head as usize, self.nbytes as usize)
+    }
+
+    /// The entry's bytes in `b` (its block).
+    pub(super) fn bytes<'a>(&self, b: &'a Block) -> &'a [u8] {
+        b.bytes(self.head as usize, self.nbytes as usize)
+    }
 }
 
 /// Whether only the entry sees its block (Note [views hold blocks]).

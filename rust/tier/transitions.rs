@@ -27,7 +27,7 @@ impl Tier {
         if !unshared(b) {
             return Ok(false);
         }
-        let slot = swap.alloc(e.nbytes)?; // OutOfSpace: the step that hit it fails here
+        let slot = swap.alloc(e.image())?; // OutOfSpace: the step that hit it fails here
         let b = match std::mem::replace(&mut e.res, Residency::Moving) {
             Residency::Dirty(b) => b,
             other => {
@@ -43,7 +43,7 @@ impl Tier {
             }
         };
         if verify && e.checksum.is_none() {
-            e.checksum = Some(crc32c::crc32c(block.as_slice()));
+            e.checksum = Some(crc32c::crc32c(e.bytes(&block)));
         }
         let ticket = swap.write(block, &slot);
         e.res = Residency::Writing { ticket, slot };
@@ -79,10 +79,16 @@ impl Tier {
                                 s.stats.bytes_written += n;
                             }
                         }
-                        e.res = Residency::Clean {
-                            block: Arc::new(block),
-                            slot,
-                        };
+                        if block.is_borrowed() {
+                            // Note [written from the tensor]: the tensor goes now
+                            drop(block);
+                            e.res = Residency::Disk { slot };
+                        } else {
+                            e.res = Residency::Clean {
+                                block: Arc::new(block),
+                                slot,
+                            };
+                        }
                         Ok(())
                     }
                     Err(err) => {

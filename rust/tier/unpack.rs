@@ -7,8 +7,9 @@ use std::time::Instant;
 use super::gather;
 use super::policy::{self, Ahead, Seen};
 use super::state::{Entry, Residency, State, StepState};
-use super::{Tier, View};
+use super::{one_off, Tier, View};
 use crate::error::{Error, Result};
+use crate::pool::Block;
 
 impl Tier {
     /// Read ahead after an unpack of `seq` in `step` (policy::read_ahead).
@@ -66,21 +67,29 @@ impl Tier {
                 forecast.is_learned(q)
             })
         };
+        let mut first = true;
         for a in plan {
             match a {
                 Ahead::Read(q) => {
                     let Some(&id) = st.steps.get(&step).and_then(|s| s.ids.get(q as usize)) else {
                         continue;
                     };
+                    // Note [plans are snapshots]: skip what is no longer only on disk.
+                    let image = match st.entries.get(&id) {
+                        Some(e) if matches!(e.res, Residency::Disk { .. }) => e.image(),
+                        _ => continue,
+                    };
+                    let block = match self.inner.pool.lease(image) {
+                        Ok(b) => b,
+                        Err(_) if first => match self.room_for_next(st, image, step) {
+                            Some(b) => b,
+                            None => break,
+                        },
+                        Err(_) => break, // past the next read, read-ahead never evicts
+                    };
+                    first = false;
                     let Some(e) = st.entries.get_mut(&id) else {
                         continue;
-                    };
-                    // Note [plans are snapshots]: skip what is no longer only on disk.
-                    if !matches!(e.res, Residency::Disk { .. }) {
-                        continue;
-                    }
-                    let Ok(block) = self.inner.pool.lease(e.nbytes) else {
-                        break; // read-ahead never evicts
                     };
                     match std::mem::replace(&mut e.res, Residency::Moving) {
                         Residency::Disk { slot } => {
@@ -94,6 +103,25 @@ impl Tier {
                 Ahead::Gather(c) => gather::start(self, st, c),
             }
         }
+    }
+
+    /// Note [the next read does not wait]: a block for the first read of a read-ahead plan
+    /// that found no room in the pool: room made by dropping clean entries (never by waiting),
+    /// else a one-off mapping (counted as an overflow read), as `get` would make a moment
+    /// later. Waiting for its `get` to make room exposed the whole read: the SDPA GPT's 32 MiB
+    /// MLP storages, written from the tensor (4 KiB more in the pool read back, so two no
+    /// longer fit a 64 MiB pool beside anything else), waited 20 ms each, 11 of 12 a step.
+    fn room_for_next(&self, st: &mut State, image: u64, step: u64) -> Option<Block> {
+        while Self::drop_one_clean(st) {
+            if let Ok(b) = self.inner.pool.lease(image) {
+                return Some(b);
+            }
+        }
+        let b = one_off(image).and_then(|p| p.lease(image)).ok()?;
+        if let Some(s) = st.steps.get_mut(&step) {
+            s.stats.overflow_reads += 1;
+        }
+        Some(b)
     }
 
     /// Count an unpack of entry `id` (hit: its bytes were in the pool in time). Its place in
@@ -162,15 +190,15 @@ impl Tier {
                         ))
                     }
                     Residency::Dirty(b) | Residency::Clean { block: b, .. } => {
-                        let b = b.clone();
-                        self.check(e, id, b.as_slice())?;
+                        self.check(e, id, e.bytes(b))?;
+                        let view = e.view(b);
                         let (s, q) = (e.step, e.seq);
                         if record {
                             Self::used(&mut st, id, hit);
                             st.add_stall(s, waited);
                             self.read_ahead(&mut st, s, q);
                         }
-                        return Ok(View::of(&b));
+                        return Ok(view);
                     }
                     Residency::Writing { ticket, .. } => ticket.watch(),
                     Residency::Reading { ticket, .. } => {
@@ -181,7 +209,7 @@ impl Tier {
                     }
                     Residency::Disk { .. } => {
                         hit = false;
-                        let n = e.nbytes;
+                        let n = e.image();
                         drop(st);
                         let block = self.read_block(n, step)?;
                         let mut st = self.lock();

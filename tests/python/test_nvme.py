@@ -292,9 +292,10 @@ def test_chunked_storage_is_read_ahead_when_it_is_next(tmp_path, private_pool_by
 
 def test_entries_are_written_early_and_dropped_without_waiting(tmp_path, private_pool_bytes):
     """Note [write early, drop late]: past a quarter of the pool unwritten, entries are written
-    behind and keep their blocks; a lease that needs room drops written ones at once."""
+    behind and keep their blocks; a lease that needs room drops written ones at once. (Copied
+    into the pool, not written from the tensors: Note [written from the tensor].)"""
     pool = (1 << 20) + private_pool_bytes % (1 << 16)
-    c = nvme(tmp_path, "threads", pool)
+    c = nvme(tmp_path, "threads", pool, write_from_tensor=False)
     xs = [torch.randn(1 << 15) for _ in range(6)]  # 128 KiB each: 3/4 of the pool in all
     hs = []
     with c:

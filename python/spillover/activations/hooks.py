@@ -228,18 +228,31 @@ class Hooks(Unpack):
     def _pack_host(self, rec: StepRecord, storage: Any, t: torch.Tensor, nbytes: int
                    ) -> Optional[Stored]:
         """Note [host link]: the storage's bytes into the tier in one call per entry (pieces
-        above the chunk size, Note [gathered storages] in rust/tier/gather.rs)."""
+        above the chunk size, Note [gathered storages] in rust/tier/gather.rs). On the NVMe
+        tier a whole storage is written out from its own memory (Note [written from the
+        tensor] in rust/tier/direct.rs)."""
+        direct = rec.tier.has_swap and self.config.write_from_tensor
         if not (self._chunk_above and nbytes > self._chunk_above):
             try:
-                handle = self._put_from(rec, storage, 0, nbytes)
+                if direct:
+                    handle = rec.step.put_direct(storage, storage.data_ptr(), nbytes)
+                else:
+                    handle = self._put_from(rec, storage, 0, nbytes)
             except PoolExhaustedError:
                 return None
             return Stored(rec, handle, nbytes, t.device, [], handle.seq)
         handles = []
+        addr = storage.data_ptr()
+        # written from the tensor, every piece after the first starts on a page
+        off, n = 0, self._chunk_bytes - (addr % 4096 if direct else 0)
         try:
-            for off in range(0, nbytes, self._chunk_bytes):
-                n = min(self._chunk_bytes, nbytes - off)
-                handles.append(self._put_from(rec, storage, off, n, grow=False))
+            while off < nbytes:
+                n = min(n, nbytes - off)
+                if direct:
+                    handles.append(rec.step.put_direct(storage, addr + off, n))
+                else:
+                    handles.append(self._put_from(rec, storage, off, n, grow=False))
+                off, n = off + n, self._chunk_bytes
         except PoolExhaustedError:
             return None
         rec.stats.add(tensors_chunked=1)

@@ -1,0 +1,130 @@
+"""NVMe tier on a CPU host: saved storages written to disk from their own memory (Note [written
+from the tensor] in rust/tier/direct.rs): held until written and released then, never copied
+into the pool, read back bitwise from an address inside their first page; what backward needs
+first stays in the pool; SPILLOVER_WRITE_FROM_TENSOR=0 copies as before."""
+
+import gc
+
+import pytest
+import torch
+from conftest import assert_bitwise, drained, gpt_step
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import spillover
+
+
+def nvme(tmp_path, pool, **kw):
+    return spillover.offload_context("nvme", host_pool_bytes=pool, nvme_path=str(tmp_path),
+                                     io_engine="threads", **kw)
+
+
+def test_torch_places_large_storages_off_the_page_grid():
+    """Why the entry's block is the image of its pages: O_DIRECT cannot write from here."""
+    x = torch.empty(8 << 20, dtype=torch.uint8)
+    assert x.data_ptr() % 512 != 0
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_storage_is_held_until_written_then_released(tmp_path, verify):
+    c = nvme(tmp_path, 4 << 20, verify=verify)
+    x = torch.randn(1 << 18)  # 1 MiB, 64 bytes into a page
+    ref = x.clone()
+    weak = StorageWeakRef(x.untyped_storage())
+    with c:
+        h = c.pack(x)
+    del x
+    c.synchronize()  # the write landed
+    gc.collect()
+    assert weak.expired(), "the tier still holds the storage after its write landed"
+    assert h.stored.entry.residency == "disk"
+    s = c.stats()
+    assert s.pool_in_use == 0, "a storage written from its memory went through the pool"
+    assert s.bytes_offloaded_nvme == 1 << 20
+    assert torch.equal(c.unpack(h), ref)
+    del h
+    assert drained(c) == (0, 0)
+
+
+def test_switched_off_the_storage_is_copied_and_released_at_once(tmp_path):
+    c = nvme(tmp_path, 4 << 20, write_from_tensor=False)
+    x = torch.randn(1 << 18)
+    ref = x.clone()
+    weak = StorageWeakRef(x.untyped_storage())
+    with c:
+        h = c.pack(x)
+    del x
+    gc.collect()
+    assert weak.expired(), "copied into the pool: nothing holds the storage"
+    assert torch.equal(c.unpack(h), ref)
+    del h
+    assert drained(c) == (0, 0)
+
+
+def test_what_backward_needs_first_stays_in_the_pool(tmp_path):
+    """From the second step on, the learned order names what backward unpacks first: those
+    storages are copied into the pool (and still there when backward starts), the rest is
+    written from the tensors."""
+    xs = [torch.randn(1 << 18) for _ in range(8)]  # 1 MiB each, 8 MiB through a 4 MiB pool
+    c = nvme(tmp_path, 4 << 20, prefetch_bytes=1 << 20)
+    for step in range(2):
+        with c:
+            hs = [c.pack(x) for x in xs]
+        c.synchronize()
+        res = [h.stored.entry.residency for h in hs]
+        if step == 0:
+            assert res == ["disk"] * 8, res  # no order learned yet: all from the tensors
+        else:
+            assert res[:5] == ["disk"] * 5, res
+            assert all(r in ("dirty", "clean") for r in res[5:]), res  # the pool less 1 MiB
+        for h, x in zip(reversed(hs), reversed(xs)):
+            assert torch.equal(c.unpack(h), x)
+        del hs, h
+    assert drained(c) == (0, 0)
+
+
+@pytest.mark.parametrize("attn", ["explicit", "sdpa"])
+def test_gpt_steps_bitwise_written_from_the_tensors(tmp_path, attn, private_pool_bytes):
+    from spillover.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab=512, d_model=64, n_heads=4, n_layers=3, seq=256, attn=attn)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    batch = synthetic_batch(cfg, 4)
+    ref = gpt_step(model, batch)
+    pool = (2 << 20) + private_pool_bytes % (1 << 16)  # smaller than a step's activations
+    for _ in range(3):
+        c = nvme(tmp_path, pool, verify=True, min_offload_bytes=1 << 16)
+        assert_bitwise(ref, gpt_step(model, batch, c))
+        s = c.stats()
+        assert s.bytes_offloaded_nvme > pool, s
+    assert drained(c) == (0, 0)
+
+
+def test_a_storage_in_pieces_is_written_from_its_memory_and_gathered(tmp_path):
+    """Note [gathered storages]: past half the pool a storage goes in pieces; written from the
+    tensor, every piece after the first starts on a page, so their images lie back to back in
+    the gathered buffer and the storage comes back bitwise, over two steps (the second keeps
+    the pieces backward needs first in the pool, at the same place in their pages)."""
+    c = nvme(tmp_path, 4 << 20, prefetch_bytes=1 << 20)
+    xs = [torch.randn(3 << 18) for _ in range(2)] + [torch.randn(3 << 19)]  # 3, 3, 6 MiB
+    for step in range(2):
+        weaks = [StorageWeakRef(x.untyped_storage()) for x in xs]
+        with c:
+            hs = [c.pack(x) for x in xs]
+        c.synchronize()
+        g = hs[-1].stored.entry
+        assert len(g.parts) > 1
+        res = [p.residency for p in g.parts]
+        if step == 0:
+            assert res == ["disk"] * len(res), res
+            clones = [x.clone() for x in xs]
+            xs = None
+            gc.collect()
+            assert all(w.expired() for w in weaks), "held after their writes landed"
+        else:
+            assert "disk" in res and ("clean" in res or "dirty" in res), res
+        for h, x in zip(reversed(hs), reversed(clones)):
+            assert torch.equal(c.unpack(h), x)
+        del hs, h, g
+        xs = [x.clone() for x in clones]
+    assert drained(c) == (0, 0)
