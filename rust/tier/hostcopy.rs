@@ -11,6 +11,7 @@
 
 use super::{Handle, Step};
 use crate::error::Result;
+use crate::pool::Block;
 
 impl Step {
     /// Lease a block for `src.len()` bytes (making room as [`Step::put`] does), copy `src`
@@ -24,10 +25,15 @@ impl Step {
     /// written to): the layout of an entry written from the tensor (Note [written from the
     /// tensor] in direct.rs), so that either kind reads back the same way.
     pub(super) fn put_copy_at(&self, src: &[u8], head: u64) -> Result<Handle> {
-        let n = src.len() as u64;
-        let mut block = self.lease(head + n)?;
+        let block = self.lease(head + src.len() as u64)?;
+        self.copy_in(block, src, head)
+    }
+
+    /// Copy `src` into `block` (leased for it, `head` bytes more), `head` bytes in; stage and
+    /// seal it.
+    pub(super) fn copy_in(&self, mut block: Block, src: &[u8], head: u64) -> Result<Handle> {
         block.as_mut_slice()[head as usize..].copy_from_slice(src);
-        let h = self.stage_at(block, head, n)?;
+        let h = self.stage_at(block, head, src.len() as u64)?;
         h.seal()?;
         Ok(h)
     }
