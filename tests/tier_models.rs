@@ -219,7 +219,14 @@ fn pack_direct(
     let p = src[off..].as_ptr();
     let put = |at: usize, len: usize| -> Result<Option<Handle>, TestCaseError> {
         // SAFETY: the owner is the buffer itself, never written again.
-        match unsafe { step.put_direct(p.wrapping_add(at), len as u64, Box::new(src.clone())) } {
+        match unsafe {
+            step.put_direct(
+                p.wrapping_add(at),
+                len as u64,
+                Box::new(src.clone()),
+                at == 0,
+            )
+        } {
             Ok(h) => Ok(Some(h)),
             Err(Error::Io { .. }) | Err(Error::OutOfSpace { .. }) => Ok(None),
             Err(e) => Err(TestCaseError::fail(format!("put_direct: {e}"))),

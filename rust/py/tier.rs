@@ -176,13 +176,15 @@ impl PyStep {
     /// rust/tier/direct.rs). `owner` is the CPU storage whose data `address` is: the entry holds
     /// it until the write lands. The caller does not write those bytes meanwhile. Raises on a
     /// tier without swap and what allocating a slot raises; on an error no entry is left.
-    #[pyo3(signature = (owner, address, nbytes))]
+    /// `first`: false for the further pieces of one storage (they do not wait for writes).
+    #[pyo3(signature = (owner, address, nbytes, first=true))]
     fn put_direct(
         &self,
         py: Python<'_>,
         owner: &Bound<'_, PyAny>,
         address: usize,
         nbytes: u64,
+        first: bool,
     ) -> PyResult<PyHandle> {
         if address == 0 || isize::try_from(nbytes).is_err() {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
@@ -195,7 +197,8 @@ impl PyStep {
         // the caller (activations/hooks.py) offloads autograd's saved tensors, which nothing
         // writes until they are unpacked.
         let h = guarded(py, || unsafe {
-            self.step.put_direct(address as *const u8, nbytes, held)
+            self.step
+                .put_direct(address as *const u8, nbytes, held, first)
         })?;
         Ok(PyHandle { h })
     }

@@ -38,7 +38,10 @@
 //!   images then lie back to back in the gathered buffer, the storage `head` bytes into it.
 //! - **Memory.** Sources whose writes are in flight are memory the step holds, so a put waits
 //!   while the bytes being written (from the pool or from tensors) would pass the pool's
-//!   capacity: at most that much beyond what the step holds anyway.
+//!   capacity: at most that much, and the storage being packed, beyond what the step holds
+//!   anyway. Only a storage's first piece waits: its further pieces are memory held until its
+//!   last piece lands whatever they wait for, and waiting for them held forward up (the CPU
+//!   GPT's 128 MiB attention probabilities through a 64 MiB pool).
 //! - **What the caller promises.** Nothing writes the storage's bytes while the write is in
 //!   flight (for autograd's saved tensors an in-place write is an error at unpack anyway), and
 //!   nothing frees its memory behind the owner's back (`storage.resize_(0)`, which a saved
@@ -56,13 +59,20 @@ impl Step {
     /// Offload `nbytes` at `ptr` (Note [written from the tensor]): copied into the pool while
     /// it has room to spare or when backward needs them first, else written to disk from where
     /// they are: the entry is being written when this returns, and on disk only once the write
-    /// lands, when `owner` is dropped. Waits while the bytes being written would pass the
-    /// pool's capacity. Fails on a tier without swap, and with what allocating a slot
+    /// lands, when `owner` is dropped. With `wait`, first waits while the bytes being written
+    /// would pass the pool's capacity (the further pieces of one storage do not: their bytes
+    /// are that storage's, held until its last piece lands whatever they wait for). Fails on a tier without swap, and with what allocating a slot
     /// raises (`OutOfSpace`); on an error no entry is left and `owner` is dropped.
     ///
     /// # Safety
     /// `ptr..ptr + nbytes` must stay mapped, readable and unwritten while `owner` lives.
-    pub unsafe fn put_direct(&self, ptr: *const u8, nbytes: u64, owner: Owner) -> Result<Handle> {
+    pub unsafe fn put_direct(
+        &self,
+        ptr: *const u8,
+        nbytes: u64,
+        owner: Owner,
+        wait: bool,
+    ) -> Result<Handle> {
         let tier = &self.tier;
         let Some(swap) = tier.inner.swap.clone() else {
             return Err(Error::Invalid(
@@ -90,7 +100,9 @@ impl Step {
                 copied => return copied,
             }
         }
-        self.wait_for_writes(image)?;
+        if wait {
+            self.wait_for_writes(image)?;
+        }
         // SAFETY: the pages from `start` to `start + image` each hold a byte of the caller's
         // range, so they are mapped while `owner` lives (the caller's promise); the borrowed
         // pool holds `owner` and its block is only ever read by the kernel.
@@ -221,7 +233,7 @@ mod tests {
             let src = Box::new(Source(released.clone()));
             let full = fill(&tier);
             // SAFETY: `buf` outlives the write (waited for below) and is not written meanwhile.
-            let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src) }.unwrap();
+            let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src, true) }.unwrap();
             drop(full);
             assert_eq!(h.nbytes(), n as u64);
             tier.wait_idle().unwrap();
@@ -251,7 +263,7 @@ mod tests {
         let released = Arc::new(AtomicBool::new(false));
         let src = Box::new(Source(released.clone()));
         // SAFETY: `buf` outlives the call and is not written meanwhile.
-        let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src) }.unwrap();
+        let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src, true) }.unwrap();
         assert!(
             released.load(Ordering::SeqCst),
             "copied: the source is not held"
@@ -279,6 +291,7 @@ mod tests {
                 buf[off..].as_ptr(),
                 n as u64,
                 Box::new(Source(released.clone())),
+                true,
             )
         }
         .unwrap();
@@ -307,7 +320,7 @@ mod tests {
         for i in 0..8 {
             let p = buf[off + i * n..].as_ptr();
             // SAFETY: as above.
-            hs.push(unsafe { step.put_direct(p, n as u64, Box::new(())) }.unwrap());
+            hs.push(unsafe { step.put_direct(p, n as u64, Box::new(()), true) }.unwrap());
             let st = tier.lock();
             let writing: u64 = st
                 .writing
@@ -340,7 +353,9 @@ mod tests {
         while at < n {
             len = len.min(n - at);
             // SAFETY: `buf` outlives the writes (waited for below) and is not written.
-            parts.push(unsafe { step.put_direct(p.add(at), len as u64, Box::new(())) }.unwrap());
+            parts.push(
+                unsafe { step.put_direct(p.add(at), len as u64, Box::new(()), at == 0) }.unwrap(),
+            );
             (at, len) = (at + len, piece);
         }
         let g = step.gather(parts).unwrap();
@@ -364,7 +379,7 @@ mod tests {
         let step = tier.begin_step();
         let b = [1u8; 16];
         // SAFETY: `b` outlives the call, which fails before reading it.
-        let r = unsafe { step.put_direct(b.as_ptr(), 16, Box::new(())) };
+        let r = unsafe { step.put_direct(b.as_ptr(), 16, Box::new(()), true) };
         assert!(r.is_err());
         assert_eq!(tier.stats().entries, 0);
     }

@@ -249,7 +249,7 @@ class Hooks(Unpack):
             while off < nbytes:
                 n = min(n, nbytes - off)
                 if direct:
-                    handles.append(rec.step.put_direct(storage, addr + off, n))
+                    handles.append(rec.step.put_direct(storage, addr + off, n, off == 0))
                 else:
                     handles.append(self._put_from(rec, storage, off, n, grow=False))
                 off, n = off + n, self._chunk_bytes
