@@ -222,13 +222,13 @@ impl Step {
         s.forecast.after(seq, &s.sizes).take(n).collect()
     }
 
+    /// This step's counters, once the requests already done are finished (so that the bytes
+    /// of writes that landed count, Note [written from the tensor]); an error of one of them
+    /// is left for the call that owns it.
     pub fn stats(&self) -> StepStats {
-        self.tier
-            .lock()
-            .steps
-            .get(&self.id)
-            .map(|s| s.stats)
-            .unwrap_or_default()
+        let mut st = self.tier.lock();
+        let _ = self.tier.reap(&mut st);
+        st.steps.get(&self.id).map(|s| s.stats).unwrap_or_default()
     }
 }
 

@@ -13,7 +13,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import spillover
 
 
-def nvme(tmp_path, pool, **kw):
+def nvme(tmp_path, private, **kw):
+    """A context on a pool of its own (the tier of a capacity is shared in a process, with what
+    its last step taught): 4 MiB less under 64 KiB, so three 1 MiB storages fill it."""
+    pool = (4 << 20) - private % (1 << 16)
     return spillover.offload_context("nvme", host_pool_bytes=pool, nvme_path=str(tmp_path),
                                      io_engine="threads", **kw)
 
@@ -25,15 +28,15 @@ def test_torch_places_large_storages_off_the_page_grid():
 
 
 def _fill(c):
-    """Three 1 MiB storages: a 4 MiB pool has no room to spare after them (each takes a page
-    more, the image of its pages), so the next pack writes from the tensor."""
+    """Three 1 MiB storages: the pool of `nvme` has no room to spare after them (each takes a
+    page more, the image of its pages), so the next pack writes from the tensor."""
     fillers = [torch.randn(1 << 18) for _ in range(3)]
     return [c.pack(x) for x in fillers], fillers
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_a_storage_is_held_until_written_then_released(tmp_path, verify):
-    c = nvme(tmp_path, 4 << 20, verify=verify)
+def test_a_storage_is_held_until_written_then_released(tmp_path, verify, private_pool_bytes):
+    c = nvme(tmp_path, private_pool_bytes, verify=verify)
     x = torch.randn(1 << 18)  # 1 MiB, 64 bytes into a page
     ref = x.clone()
     weak = StorageWeakRef(x.untyped_storage())
@@ -55,9 +58,9 @@ def test_a_storage_is_held_until_written_then_released(tmp_path, verify):
     assert drained(c) == (0, 0)
 
 
-def test_with_room_to_spare_the_storage_is_copied(tmp_path):
+def test_with_room_to_spare_the_storage_is_copied(tmp_path, private_pool_bytes):
     """The pool first: a pool with room keeps the bytes (no read back), the storage goes."""
-    c = nvme(tmp_path, 4 << 20)
+    c = nvme(tmp_path, private_pool_bytes)
     x = torch.randn(1 << 18)
     ref = x.clone()
     weak = StorageWeakRef(x.untyped_storage())
@@ -72,8 +75,8 @@ def test_with_room_to_spare_the_storage_is_copied(tmp_path):
     assert drained(c) == (0, 0)
 
 
-def test_switched_off_the_storage_is_copied_and_released_at_once(tmp_path):
-    c = nvme(tmp_path, 4 << 20, write_from_tensor=False)
+def test_switched_off_the_storage_is_copied_and_released_at_once(tmp_path, private_pool_bytes):
+    c = nvme(tmp_path, private_pool_bytes, write_from_tensor=False)
     with c:
         kept, fillers = _fill(c)
         x = torch.randn(1 << 18)
@@ -88,12 +91,12 @@ def test_switched_off_the_storage_is_copied_and_released_at_once(tmp_path):
     assert drained(c) == (0, 0)
 
 
-def test_what_backward_needs_first_stays_in_the_pool(tmp_path):
+def test_what_backward_needs_first_stays_in_the_pool(tmp_path, private_pool_bytes):
     """From the second step on, the learned order names what backward unpacks first: those
     storages are copied into the pool (and still there when backward starts); the first ones
     of forward fill the pool while it has room; the rest is written from the tensors."""
     xs = [torch.randn(1 << 18) for _ in range(8)]  # 1 MiB each, 8 MiB through a 4 MiB pool
-    c = nvme(tmp_path, 4 << 20, prefetch_bytes=1 << 20)
+    c = nvme(tmp_path, private_pool_bytes, prefetch_bytes=512 << 10)
     in_pool = ("dirty", "writing", "clean")
     for step in range(2):
         with c:
@@ -102,7 +105,7 @@ def test_what_backward_needs_first_stays_in_the_pool(tmp_path):
         res = [h.stored.entry.residency for h in hs]
         if step == 0:  # no order learned yet: the pool while it has room, then the tensors
             assert all(r in in_pool for r in res[:3]) and res[3:] == ["disk"] * 5, res
-        else:  # the last three (the pool less the 1 MiB window) copied, room made for them
+        else:  # the last three (the pool less the 512 KiB window) copied, room made for them
             # (by dropping written entries, earliest packed first: one of them may go again
             # while an earlier copy is still unwritten)
             assert res[3:5] == ["disk"] * 2 and res[-1] in in_pool, res
@@ -122,21 +125,21 @@ def test_gpt_steps_bitwise_written_from_the_tensors(tmp_path, attn, private_pool
     model = GPT(cfg)
     batch = synthetic_batch(cfg, 4)
     ref = gpt_step(model, batch)
-    pool = (2 << 20) + private_pool_bytes % (1 << 16)  # smaller than a step's activations
-    for _ in range(3):
-        c = nvme(tmp_path, pool, verify=True, min_offload_bytes=1 << 16)
+    for _ in range(3):  # 4 MiB: smaller than a step's activations
+        c = nvme(tmp_path, private_pool_bytes, verify=True, min_offload_bytes=1 << 16)
         assert_bitwise(ref, gpt_step(model, batch, c))
         s = c.stats()
-        assert s.bytes_offloaded_nvme > pool, s
+        assert s.bytes_offloaded_nvme > s.pool_capacity, s
     assert drained(c) == (0, 0)
 
 
-def test_a_storage_in_pieces_is_written_from_its_memory_and_gathered(tmp_path):
+def test_a_storage_in_pieces_is_written_from_its_memory_and_gathered(tmp_path,
+                                                                   private_pool_bytes):
     """Note [gathered storages]: past half the pool a storage goes in pieces; written from the
     tensor, every piece after the first starts on a page, so their images lie back to back in
     the gathered buffer and the storage comes back bitwise, over two steps (the second keeps
     the pieces backward needs first in the pool, at the same place in their pages)."""
-    c = nvme(tmp_path, 4 << 20, prefetch_bytes=1 << 20)
+    c = nvme(tmp_path, private_pool_bytes, prefetch_bytes=1 << 20)
     xs = [torch.randn(3 << 18) for _ in range(2)] + [torch.randn(3 << 19)]  # 3, 3, 6 MiB
     clones = [x.clone() for x in xs]
     for step in range(2):

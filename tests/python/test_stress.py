@@ -76,7 +76,9 @@ def test_slice(case):
     if case.tier == "nvme":
         assert st["bytes_offloaded_nvme"] > 0 and st["tensors_chunked"] > 0, st
     if not case.pool_bytes:  # the default pool grows rather than keep tensors on the device
-        assert st["bytes_kept_pool_full"] == 0 and st["pool_capacity"] > 64 * MIB, st
+        assert st["bytes_kept_pool_full"] == 0, st
+        if case.tier == "host":  # (on NVMe what finds no room is written from the tensor)
+            assert st["pool_capacity"] > 64 * MIB, st
 
 
 def test_slice_covers_the_issue():
