@@ -11,8 +11,9 @@ Note [growing pool]
     - *mid-step*, when a lease finds no room even after the copies in flight landed (on the
       host tier the tensor would otherwise stay on the device; on the NVMe tier nothing in the
       pool can be written out -- a CPU storage is written from its own memory then, Note
-      [written from the tensor] in rust/tier/direct.rs, and the pool does not grow for it): a pool of at least twice the capacity, and ``sized_for`` what
-      the context's live entries hold plus the tensor. The step goes on in a new tier step over
+      [written from the tensor] in rust/tier/direct.rs, and the pool does not grow for it): a
+      pool of at least twice the capacity, and ``sized_for`` what the context's live entries
+      hold plus the tensor. The step goes on in a new tier step over
       the new pool (its record keeps every tier step, for its counters); entries already made
       stay where they are. A storage going in pieces never grows midway: its pieces must share
       one tier step (Note [gathered storages] in rust/tier/gather.rs).
