@@ -149,12 +149,7 @@ impl Step {
             let watch = {
                 let mut st = tier.lock();
                 tier.reap(&mut st)?;
-                let writing: u64 = st
-                    .writing
-                    .iter()
-                    .filter_map(|id| st.entries.get(id))
-                    .map(|e| e.image())
-                    .sum();
+                let writing = st.bytes_writing();
                 if writing == 0 || writing + image <= cap {
                     return Ok(());
                 }
@@ -182,7 +177,7 @@ mod tests {
 
     use crate::io::{FaultKind, IoOptions, Swap};
     use crate::pool::{Pool, PoolOptions};
-    use crate::tier::{Tier, TierOptions};
+    use crate::tier::{Step, Tier, TierOptions};
 
     /// Flags its drop: stands for the storage a put holds.
     struct Source(Arc<AtomicBool>);
@@ -191,6 +186,20 @@ mod tests {
         fn drop(&mut self) {
             self.0.store(true, Ordering::SeqCst);
         }
+    }
+
+    /// A flag the owner sets when dropped, and the owner.
+    fn source() -> (Arc<AtomicBool>, Box<Source>) {
+        let released = Arc::new(AtomicBool::new(false));
+        (released.clone(), Box::new(Source(released)))
+    }
+
+    /// An NVMe tier over a swap file in a directory of its own, and its first step.
+    fn nvme_step(capacity: u64, verify: bool) -> (tempfile::TempDir, Tier, Step) {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = nvme_tier(capacity, dir.path(), verify);
+        let step = tier.begin_step();
+        (dir, tier, step)
     }
 
     fn nvme_tier(capacity: u64, dir: &std::path::Path, verify: bool) -> Tier {
@@ -223,14 +232,11 @@ mod tests {
 
     #[test]
     fn round_trip_from_an_unaligned_storage_releases_it_once_written() {
-        let dir = tempfile::tempdir().unwrap();
         for verify in [false, true] {
-            let tier = nvme_tier(1 << 20, dir.path(), verify);
-            let step = tier.begin_step();
+            let (_dir, tier, step) = nvme_step(1 << 20, verify);
             let n = 300_001;
             let (buf, off) = unaligned(n);
-            let released = Arc::new(AtomicBool::new(false));
-            let src = Box::new(Source(released.clone()));
+            let (released, src) = source();
             let full = fill(&tier);
             // SAFETY: `buf` outlives the write (waited for below) and is not written meanwhile.
             let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src, true) }.unwrap();
@@ -255,13 +261,10 @@ mod tests {
 
     #[test]
     fn with_room_to_spare_it_is_copied_into_the_pool() {
-        let dir = tempfile::tempdir().unwrap();
-        let tier = nvme_tier(1 << 20, dir.path(), false);
-        let step = tier.begin_step();
+        let (_dir, tier, step) = nvme_step(1 << 20, false);
         let n = 100_000;
         let (buf, off) = unaligned(n);
-        let released = Arc::new(AtomicBool::new(false));
-        let src = Box::new(Source(released.clone()));
+        let (released, src) = source();
         // SAFETY: `buf` outlives the call and is not written meanwhile.
         let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src, true) }.unwrap();
         assert!(
@@ -275,26 +278,16 @@ mod tests {
 
     #[test]
     fn a_failed_write_keeps_the_source_readable_and_writes_it_again() {
-        let dir = tempfile::tempdir().unwrap();
-        let tier = nvme_tier(1 << 20, dir.path(), true);
-        let step = tier.begin_step();
+        let (_dir, tier, step) = nvme_step(1 << 20, true);
         let n = 100_000;
         let (buf, off) = unaligned(n);
-        let released = Arc::new(AtomicBool::new(false));
+        let (released, src) = source();
         tier.swap()
             .unwrap()
             .inject_fault(FaultKind::Write, libc::EIO, 1);
         let full = fill(&tier);
         // SAFETY: as above.
-        let h = unsafe {
-            step.put_direct(
-                buf[off..].as_ptr(),
-                n as u64,
-                Box::new(Source(released.clone())),
-                true,
-            )
-        }
-        .unwrap();
+        let h = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src, true) }.unwrap();
         drop(full);
         assert!(tier.wait_idle().is_err(), "the injected error is raised");
         assert_eq!(h.residency(), "dirty");
@@ -310,9 +303,7 @@ mod tests {
 
     #[test]
     fn writes_in_flight_stay_within_the_pool() {
-        let dir = tempfile::tempdir().unwrap();
-        let tier = nvme_tier(256 << 10, dir.path(), false);
-        let step = tier.begin_step();
+        let (_dir, tier, step) = nvme_step(256 << 10, false);
         let n = 100 << 10;
         let (buf, off) = unaligned(8 * n);
         let _full = fill(&tier);
@@ -321,13 +312,7 @@ mod tests {
             let p = buf[off + i * n..].as_ptr();
             // SAFETY: as above.
             hs.push(unsafe { step.put_direct(p, n as u64, Box::new(()), true) }.unwrap());
-            let st = tier.lock();
-            let writing: u64 = st
-                .writing
-                .iter()
-                .filter_map(|id| st.entries.get(id))
-                .map(|e| e.image())
-                .sum();
+            let writing = tier.lock().bytes_writing();
             assert!(writing <= 256 << 10, "{writing} bytes being written");
         }
         tier.wait_idle().unwrap();
@@ -341,9 +326,7 @@ mod tests {
 
     #[test]
     fn pieces_cut_at_pages_are_gathered_straight_from_disk() {
-        let dir = tempfile::tempdir().unwrap();
-        let tier = nvme_tier(1 << 20, dir.path(), true);
-        let step = tier.begin_step();
+        let (_dir, tier, step) = nvme_step(1 << 20, true);
         let (n, piece) = (700_000usize, 128usize << 10);
         let (buf, off) = unaligned(n);
         let p = buf[off..].as_ptr();

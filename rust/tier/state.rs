@@ -186,6 +186,15 @@ impl State {
         Tier::used(self, id, hit);
     }
 
+    /// Bytes of the writes in flight (images, Note [written from the tensor] in direct.rs).
+    pub(super) fn bytes_writing(&self) -> u64 {
+        self.writing
+            .iter()
+            .filter_map(|id| self.entries.get(id))
+            .map(|e| e.image())
+            .sum()
+    }
+
     pub(crate) fn add_stall(&mut self, step: u64, secs: f64) {
         if let Some(s) = self.steps.get_mut(&step) {
             s.stats.stall_seconds += secs;
