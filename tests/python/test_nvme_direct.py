@@ -49,7 +49,6 @@ def test_a_storage_is_held_until_written_then_released(tmp_path, verify, private
     gc.collect()
     assert weak.expired(), "the tier still holds the storage after its write landed"
     assert h.stored.entry.residency == "disk"
-    assert [k.stored.entry.residency for k in kept] != ["disk"] * 3  # copied, kept in the pool
     assert c.stats().pool_in_use == in_pool, "a storage written from its memory used the pool"
     assert torch.equal(c.unpack(h), ref)
     for k, f in zip(kept, fillers):
