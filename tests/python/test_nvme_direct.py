@@ -14,9 +14,10 @@ import spillover
 
 
 def nvme(tmp_path, private, **kw):
-    """A context on a pool of its own (the tier of a capacity is shared in a process, with what
-    its last step taught): 4 MiB less under 64 KiB, so three 1 MiB storages fill it."""
-    pool = (4 << 20) - private % (1 << 16)
+    """A context on a pool of its own (a pool of a capacity is shared in a process, with the
+    blocks other contexts still hold): 4 MiB less 4 to 68 KiB -- never 4 MiB, which other tests
+    use -- so that three 1 MiB storages fill it."""
+    pool = (4 << 20) - 4096 - private % (1 << 16)
     return spillover.offload_context("nvme", host_pool_bytes=pool, nvme_path=str(tmp_path),
                                      io_engine="threads", **kw)
 
@@ -49,6 +50,7 @@ def test_a_storage_is_held_until_written_then_released(tmp_path, verify, private
     gc.collect()
     assert weak.expired(), "the tier still holds the storage after its write landed"
     assert h.stored.entry.residency == "disk"
+    assert [k.stored.entry.residency for k in kept] != ["disk"] * 3  # copied, kept in the pool
     assert c.stats().pool_in_use == in_pool, "a storage written from its memory used the pool"
     assert torch.equal(c.unpack(h), ref)
     for k, f in zip(kept, fillers):
