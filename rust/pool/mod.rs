@@ -360,15 +360,14 @@ impl Block {
         );
         // SAFETY: the range is inside the block (checked) and mapped while it lives; the
         // bytes of a borrowed block asked for here are the owner's, which it does not write
-        // while they are offloaded (Note [written from the tensor]).
+        // while they are offloaded (Note [written from the tensor]). Readers that race with
+        // writers through raw pointers are the caller's documented responsibility.
         unsafe { std::slice::from_raw_parts(self.as_ptr().add(offset), n) }
     }
 
     pub fn as_slice(&self) -> &[u8] {
         debug_assert!(!self.is_borrowed(), "a borrowed block is read with `bytes`");
-        // SAFETY: `len` bytes at `as_ptr` are mapped and owned by this block. Readers that race
-        // with writers through raw pointers are the caller's documented responsibility.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+        self.bytes(0, self.len)
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {

@@ -128,6 +128,22 @@ fn step_stats<'py>(py: Python<'py>, s: StepStats) -> PyResult<Bound<'py, PyDict>
     Ok(d)
 }
 
+/// The length of `nbytes` at host address `address` handed over from Python: a ValueError for a
+/// null address or a length no address space holds.
+fn host_range(address: usize, nbytes: u64) -> PyResult<usize> {
+    if address == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "null source address",
+        ));
+    }
+    match isize::try_from(nbytes) {
+        Ok(len) => Ok(len as usize),
+        Err(_) => Err(pyo3::exceptions::PyValueError::new_err(
+            "nbytes larger than an address space",
+        )),
+    }
+}
+
 #[pymethods]
 impl PyStep {
     /// Lease a block for `nbytes` (making room on an NVMe tier; GIL released) and return
@@ -151,17 +167,7 @@ impl PyStep {
         nbytes: u64,
     ) -> PyResult<PyHandle> {
         let _held = owner; // a raw pointer only with its owner, held for the whole call
-        if address == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "null source address",
-            ));
-        }
-        let Ok(len) = isize::try_from(nbytes) else {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "nbytes larger than an address space",
-            ));
-        };
-        let len = len as usize;
+        let len = host_range(address, nbytes)?;
         // SAFETY: `address` is the data of `owner`, a live CPU tensor of at least `nbytes`
         // bytes that the Python caller (spillover.context) does not write during the call and
         // this frame holds until the slice is last used; the tier copies it into a block it
@@ -186,11 +192,7 @@ impl PyStep {
         nbytes: u64,
         first: bool,
     ) -> PyResult<PyHandle> {
-        if address == 0 || isize::try_from(nbytes).is_err() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "cannot write {nbytes} bytes at address {address:#x} from the tensor"
-            )));
-        }
+        host_range(address, nbytes)?;
         let held: Owner = Box::new(owner.clone().unbind());
         // SAFETY: `address` is the data of `owner`, a live CPU storage of at least `nbytes`
         // bytes, which the entry holds (and with it the mapping) until the write has landed;
