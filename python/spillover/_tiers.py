@@ -105,13 +105,15 @@ def tier_for(cfg: Config, pool: Any, nvme: bool, own_swap: bool = False) -> Any:
     """The process's activation tier over ``pool``: spilling to the swap engine when ``nvme``
     (``own_swap``: see :func:`swap_for`), host-only otherwise. Raises what opening the swap
     raises (ConfigError, SwapIOError)."""
-    key = (id(pool), nvme, _swap_key(cfg) if nvme else None, cfg.prefetch_bytes, cfg.verify)
+    key = (id(pool), nvme, _swap_key(cfg) if nvme else None, cfg.prefetch_bytes, cfg.verify,
+           cfg.write_hold_bytes)
     with _lock:
         t = _tiers.get(key)
     if t is not None:
         return t
     swap = swap_for(cfg, pool, own=own_swap) if nvme else None
-    t = _native.Tier(pool, swap, prefetch_bytes=cfg.prefetch_bytes, verify=cfg.verify)
+    t = _native.Tier(pool, swap, prefetch_bytes=cfg.prefetch_bytes, verify=cfg.verify,
+                     write_hold_bytes=cfg.write_hold_bytes)
     with _lock:
         return _tiers.setdefault(key, t)
 

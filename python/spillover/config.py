@@ -198,6 +198,10 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "write_from_tensor": (_bool, True,
                           "NVMe tier, CPU tensors: write a saved storage to disk from its own "
                           "memory, held until written (off: copy it into the pool first)"),
+    "write_hold_bytes": (_opt_size, None,
+                         "NVMe tier, CPU tensors: bytes being written to disk past which a pack "
+                         "waits for the oldest write (default: the host pool's capacity plus "
+                         "the largest storage written from its tensor so far)"),
     "verify": (_bool, False, "checksum every offloaded tensor and check it on reload"),
     "log": (_level, "WARNING", "log level of the 'spillover' logger"),
 }
@@ -224,6 +228,7 @@ class Config:
     sim_link_bandwidth: Optional[int] = None
     sim_compute_lag: float = 0.0
     write_from_tensor: bool = True
+    write_hold_bytes: Optional[int] = None
     verify: bool = False
     log: str = "WARNING"
     #: field -> "keyword", "env" or "default": where each value came from (for `doctor`).

@@ -21,15 +21,19 @@ impl PyTier {
     /// A tier over `pool`, spilling to `swap` (host-only when None). `dirty_bytes`: write
     /// behind past this many unwritten bytes (default a quarter of the pool);
     /// `prefetch_bytes`: read-ahead window (default a quarter of the pool, at most 256 MiB);
-    /// `verify`: crc32c at seal, checked at every get (IntegrityError).
+    /// `verify`: crc32c at seal, checked at every get (IntegrityError); `write_hold_bytes`:
+    /// bytes being written past which a pack waits (default the pool's capacity and the
+    /// largest storage written from a tensor so far).
     #[new]
-    #[pyo3(signature = (pool, swap=None, *, dirty_bytes=None, prefetch_bytes=None, verify=false))]
+    #[pyo3(signature = (pool, swap=None, *, dirty_bytes=None, prefetch_bytes=None, verify=false,
+                        write_hold_bytes=None))]
     fn new(
         pool: &PyPool,
         swap: Option<&PySwap>,
         dirty_bytes: Option<u64>,
         prefetch_bytes: Option<u64>,
         verify: bool,
+        write_hold_bytes: Option<u64>,
     ) -> Self {
         let mut o = TierOptions::for_pool(pool.pool.capacity());
         if let Some(d) = dirty_bytes {
@@ -39,6 +43,7 @@ impl PyTier {
             o.prefetch_bytes = p;
         }
         o.verify = verify;
+        o.write_hold_bytes = write_hold_bytes;
         let swap = swap.map(|s| s.swap.clone());
         PyTier {
             tier: Tier::new(pool.pool.clone(), swap, o),
@@ -60,6 +65,13 @@ impl PyTier {
     #[getter]
     fn prefetch_bytes(&self) -> u64 {
         self.tier.options().prefetch_bytes
+    }
+
+    /// The hold set for this tier (None: the pool's capacity and the largest storage written
+    /// from a tensor so far).
+    #[getter]
+    fn write_hold_bytes(&self) -> Option<u64> {
+        self.tier.options().write_hold_bytes
     }
 
     #[getter]
@@ -311,6 +323,13 @@ impl PyView {
     #[getter]
     fn address(&self) -> usize {
         self.v.as_ptr() as usize
+    }
+
+    /// True while the bytes are the packed tensor's own memory (written from the tensor, the
+    /// write not landed yet): nothing was read back.
+    #[getter]
+    fn borrowed(&self) -> bool {
+        self.v.is_borrowed()
     }
 
     /// numpy's array interface: a writable 1-D uint8 array over the bytes.

@@ -71,6 +71,12 @@ impl View {
     pub fn is_block(&self) -> bool {
         matches!(self.keep, Keep::Block(_))
     }
+
+    /// Whether the bytes are still the tensor's own memory (Note [written from the tensor]:
+    /// its write to disk has not landed), not a pool block nor a read-back buffer.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(&self.keep, Keep::Block(b) if b.is_borrowed())
+    }
 }
 
 /// One step (one forward and its backward): its entries' pack order, what it unpacked, its

@@ -109,6 +109,8 @@ impl Tier {
                     dirty: VecDeque::new(),
                     dirty_bytes: 0,
                     writing: VecDeque::new(),
+                    direct_run: 0,
+                    direct_largest: 0,
                     reading: Vec::new(),
                     steps: HashMap::new(),
                     next_step: 0,

@@ -13,6 +13,10 @@ pub struct TierOptions {
     pub prefetch_bytes: u64,
     /// crc32c every entry at seal and check it at every `get`.
     pub verify: bool,
+    /// Bytes being written (from the pool or from tensors) past which a put from a tensor
+    /// waits for the oldest write; None: the pool's capacity and the largest storage written
+    /// from a tensor so far (Note [written from the tensor], Memory).
+    pub write_hold_bytes: Option<u64>,
 }
 
 impl TierOptions {
@@ -22,6 +26,7 @@ impl TierOptions {
             dirty_bytes: capacity / 4,
             prefetch_bytes: (capacity / 4).min(DEFAULT_PREFETCH_CAP),
             verify: false,
+            write_hold_bytes: None,
         }
     }
 }

@@ -92,6 +92,31 @@ def test_switched_off_the_storage_is_copied_and_released_at_once(tmp_path, priva
     assert drained(c) == (0, 0)
 
 
+def test_writes_past_the_hold_wait(tmp_path, private_pool_bytes, monkeypatch):
+    """SPILLOVER_WRITE_HOLD_BYTES reaches the tier, and a pack that would pass the hold waits
+    for the writes before it: with a hold of one page, every storage written from its tensor
+    finds the ones before it on disk."""
+    monkeypatch.setenv("SPILLOVER_WRITE_HOLD_BYTES", "4KiB")
+    c = nvme(tmp_path, private_pool_bytes)
+    with c:
+        kept, fillers = _fill(c)
+        assert c._tier.write_hold_bytes == 4096
+        xs = [torch.randn(1 << 18) for _ in range(4)]
+        hs = []
+        for x in xs:
+            hs.append(c.pack(x))
+            assert [h.stored.entry.residency for h in hs[:-1]] == ["disk"] * (len(hs) - 1)
+    c.synchronize()
+    assert [h.stored.entry.residency for h in hs] == ["disk"] * 4
+    for h, x in zip(hs, xs):
+        assert torch.equal(c.unpack(h), x)
+    monkeypatch.delenv("SPILLOVER_WRITE_HOLD_BYTES")
+    with nvme(tmp_path, private_pool_bytes) as d:
+        assert d._tier.write_hold_bytes is None  # the default: pool + largest storage so far
+    del hs, h, kept
+    assert drained(c) == (0, 0)
+
+
 def test_what_backward_needs_first_stays_in_the_pool(tmp_path, private_pool_bytes):
     """From the second step on, the learned order names what backward unpacks first: those
     storages are copied into the pool (and still there when backward starts); the first ones

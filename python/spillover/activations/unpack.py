@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict
 import torch
 
 from .. import _runtime
-from ..config import Config
+from ..config import Config, format_size
 from ..errors import IntegrityError
 from .link import block_tensor
 from .registry import StepRecord
@@ -153,12 +153,13 @@ class Unpack:
                 f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} read "
                 f"back from the {where} tier does not match its checksum ({e})"
             ) from None
-        if not s.chunked and not self._in_pool(view.address):
+        # A borrowed view is the tensor's own memory, its write not landed: nothing was read.
+        if not s.chunked and not view.borrowed and not self._in_pool(view.address):
             _runtime.warn_once(
                 "pool-overflow",
-                f"spillover: the {self._pool.capacity >> 20} MiB host pool had no room to read "
-                f"back a {s.nbytes >> 20} MiB tensor; used a temporary buffer (slower). Raise "
-                "SPILLOVER_HOST_POOL_BYTES to a few times the largest saved tensor.",
+                f"spillover: the {format_size(self._pool.capacity)} host pool had no room to "
+                f"read back a {format_size(s.nbytes)} tensor; used a temporary buffer (slower). "
+                "Raise SPILLOVER_HOST_POOL_BYTES to a few times the largest saved tensor.",
             )
         raw, _ = tr.to_device(block_tensor(view))
         return raw
