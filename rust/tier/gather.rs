@@ -12,7 +12,11 @@
 //! need before the storage (the learned order, Note [expected order]) holds no more bytes than
 //! it does (Note [gather distance] in policy.rs), so the backward before it overlaps the
 //! reads without holding its bytes through a whole region's backward. One storage is read
-//! ahead at a time. A direct read leaves its piece's entry on disk; the request
+//! ahead at a time, and only once no gathered buffer handed out is still held by a view: the
+//! explicit CPU GPT's next 128 MiB attention probabilities, read ahead straight into their
+//! buffer as soon as the current ones were taken, were resident through the current ones'
+//! softmax backward, the step's peak (`plain-offload` on a 32 MiB pool: 634 MiB against 518
+//! through the pool, `recompute_bench.py` auto). A direct read leaves its piece's entry on disk; the request
 //! holds a clone of the slot, so freeing the entry meanwhile cannot hand those bytes to another
 //! write (Note [slot lifetime]).
 
@@ -187,6 +191,10 @@ pub(crate) fn start(tier: &Tier, st: &mut State, c: u64) {
     if st.gathering().is_some() || !st.chunk_mut(c).is_some_and(|g| g.not_started()) {
         return;
     }
+    let assembling = st.chunks.values().any(|g| matches!(g.ahead, Ahead::InUse));
+    if assembling || st.gathered_alive() {
+        return; // one gathered buffer at a time (Note [gathered storages])
+    }
     if let Ok(Some(d)) = begin(tier, st, c) {
         if let Some(g) = st.chunk_mut(c) {
             g.ahead = Ahead::Started(d);
@@ -247,6 +255,9 @@ impl Gathered {
             None => self.through_pool(),
         };
         let mut st = self.tier.lock();
+        if let Some(w) = out.as_ref().ok().and_then(View::gathered) {
+            st.gathered_out.push(w);
+        }
         if let Some(g) = st.chunk_mut(self.chunk) {
             if matches!(g.ahead, Ahead::InUse) {
                 g.ahead = Ahead::NotStarted;

@@ -67,6 +67,14 @@ impl View {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
+    /// The buffer of a gathered view, weakly (None for a view of one block).
+    pub(super) fn gathered(&self) -> Option<std::sync::Weak<Vec<Block>>> {
+        match &self.keep {
+            Keep::Gathered(b) => Some(Arc::downgrade(b)),
+            Keep::Block(_) => None,
+        }
+    }
+
     /// Whether this view keeps a pool block (not a gathered buffer).
     pub fn is_block(&self) -> bool {
         matches!(self.keep, Keep::Block(_))

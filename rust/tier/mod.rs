@@ -119,6 +119,7 @@ impl Tier {
                     chunks: HashMap::new(),
                     next_chunk: 0,
                     gathering: None,
+                    gathered_out: Vec::new(),
                     panic_gets: 0,
                 }),
             }),

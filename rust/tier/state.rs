@@ -128,6 +128,8 @@ pub(crate) struct State {
     pub(super) next_chunk: u64,
     /// The gathered storage being read ahead of its use (at most one).
     pub(super) gathering: Option<u64>,
+    /// The buffers of gathered storages handed out (Note [gathered storages]: one at a time).
+    pub(super) gathered_out: Vec<std::sync::Weak<Vec<crate::pool::Block>>>,
     /// `get`s left to panic ([`Tier::inject_panic`]).
     pub(super) panic_gets: u32,
 }
@@ -163,6 +165,12 @@ impl State {
 
     pub(crate) fn gathering(&self) -> Option<u64> {
         self.gathering
+    }
+
+    /// Whether a gathered storage's buffer is still held by a view.
+    pub(crate) fn gathered_alive(&mut self) -> bool {
+        self.gathered_out.retain(|w| w.strong_count() > 0);
+        !self.gathered_out.is_empty()
     }
 
     /// Start reading `id` (on disk only) into `block` for a gather; returns the ticket, or

@@ -291,6 +291,38 @@ def test_chunked_storage_is_read_ahead_when_it_is_next(tmp_path, private_pool_by
     assert drained(c) == (0, 0)
 
 
+def test_a_chunked_storage_is_not_read_ahead_while_another_is_held(tmp_path,
+                                                                   private_pool_bytes):
+    """Note [gathered storages]: one gathered buffer at a time. The next chunked storage's
+    reads start only once the one before it is no longer held: read ahead straight into its
+    buffer while the explicit GPT's softmax backward still held the current probabilities,
+    the next ones raised the step's peak by their size."""
+    pool = (1 << 20) + private_pool_bytes % (1 << 16)
+    big1, s1, s2, big2 = (torch.randn(3 << 18), torch.randn(1 << 16), torch.randn(1 << 16),
+                          torch.randn(3 << 18))
+    for step in range(2):  # the first teaches the unpack order: big2, s2, s1, big1
+        c = nvme(tmp_path, "threads", pool)
+        with c:
+            hs = [c.pack(t) for t in (big1, s1, s2, big2)]
+        _all_to_disk(c)
+        if step == 0:
+            for h in reversed(hs):
+                c.unpack(h)
+            continue
+        g1 = hs[0].stored.entry
+        out = c.unpack(hs[3])
+        assert torch.equal(out, big2)
+        assert torch.equal(c.unpack(hs[2]), s2)
+        assert not g1.started, "read ahead while another gathered storage is held"
+        del out
+        gc.collect()
+        assert torch.equal(c.unpack(hs[1]), s1)
+        assert g1.started  # its reads started once big2's buffer was let go
+        assert torch.equal(c.unpack(hs[0]), big1)
+    del hs, h, g1
+    assert drained(c) == (0, 0)
+
+
 def test_entries_are_written_early_and_dropped_without_waiting(tmp_path, private_pool_bytes):
     """Note [write early, drop late]: past a quarter of the pool unwritten, entries are written
     behind and keep their blocks; a lease that needs room drops written ones at once. (Copied
