@@ -53,6 +53,7 @@
 //!   nothing frees its memory behind the owner's back (`storage.resize_(0)`, which a saved
 //!   tensor does not survive without offload either).
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use super::state::Residency;
@@ -96,7 +97,7 @@ impl Step {
         let start = addr - addr % GRANULE;
         let (head, image) = (addr - start, round_up(end) - start);
         if wait {
-            tier.lock().direct_run = 0; // a storage's first piece
+            tier.inner.direct_run.store(0, Relaxed); // a storage's first piece
         }
         // SAFETY: the caller's promise, for the length of this call (`owner` lives through
         // it); a copy goes into a block leased from the pool, never the caller's memory.
@@ -113,7 +114,8 @@ impl Step {
         if wait {
             self.wait_for_writes(image)?;
         }
-        tier.lock().note_direct(image);
+        let run = tier.inner.direct_run.fetch_add(image, Relaxed) + image;
+        tier.inner.direct_largest.fetch_max(run, Relaxed);
         // SAFETY: the pages from `start` to `start + image` each hold a byte of the caller's
         // range, so they are mapped while `owner` lives (the caller's promise); the borrowed
         // pool holds `owner` and its block is only ever read by the kernel.
@@ -156,14 +158,14 @@ impl Step {
     /// from a tensor so far) or nothing is being written.
     fn wait_for_writes(&self, image: u64) -> Result<()> {
         let tier = &self.tier;
+        let cap = tier.inner.opts.write_hold_bytes.unwrap_or_else(|| {
+            let largest = tier.inner.direct_largest.load(Relaxed);
+            tier.inner.pool.capacity() + largest.max(image)
+        });
         loop {
             let watch = {
                 let mut st = tier.lock();
                 tier.reap(&mut st)?;
-                let cap =
-                    tier.inner.opts.write_hold_bytes.unwrap_or_else(|| {
-                        tier.inner.pool.capacity() + st.direct_largest.max(image)
-                    });
                 let writing = st.bytes_writing();
                 if writing == 0 || writing + image <= cap {
                     return Ok(());

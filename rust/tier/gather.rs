@@ -16,9 +16,9 @@
 //! explicit CPU GPT's next 128 MiB attention probabilities, read ahead straight into their
 //! buffer as soon as the current ones were taken, were resident through the current ones'
 //! softmax backward, the step's peak (`plain-offload` on a 32 MiB pool: 634 MiB against 518
-//! through the pool, `recompute_bench.py` auto). A direct read leaves its piece's entry on disk; the request
-//! holds a clone of the slot, so freeing the entry meanwhile cannot hand those bytes to another
-//! write (Note [slot lifetime]).
+//! through the pool, `recompute_bench.py` auto). A direct read leaves its piece's entry on
+//! disk; the request holds a clone of the slot, so freeing the entry meanwhile cannot hand
+//! those bytes to another write (Note [slot lifetime]).
 
 use std::time::Instant;
 

@@ -59,6 +59,7 @@ mod transitions;
 mod unpack;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::Result;
@@ -79,6 +80,11 @@ pub(crate) struct Inner {
     swap: Option<Arc<Swap>>,
     opts: TierOptions,
     state: Mutex<State>,
+    /// The images of the storage being written from its tensor (its pieces so far) and of the
+    /// largest one so far (Note [written from the tensor], Memory): atomics, so that a pack
+    /// that copies takes no lock for them.
+    direct_run: AtomicU64,
+    direct_largest: AtomicU64,
 }
 
 /// The tier. Cheap to clone; share it between steps and threads.
@@ -109,8 +115,6 @@ impl Tier {
                     dirty: VecDeque::new(),
                     dirty_bytes: 0,
                     writing: VecDeque::new(),
-                    direct_run: 0,
-                    direct_largest: 0,
                     reading: Vec::new(),
                     steps: HashMap::new(),
                     next_step: 0,
@@ -122,6 +126,8 @@ impl Tier {
                     gathered_out: Vec::new(),
                     panic_gets: 0,
                 }),
+                direct_run: AtomicU64::new(0),
+                direct_largest: AtomicU64::new(0),
             }),
         }
     }

@@ -115,10 +115,6 @@ pub(crate) struct State {
     /// Entries with a write in flight (oldest first) and with a read in flight.
     pub(super) writing: VecDeque<u64>,
     pub(super) reading: Vec<u64>,
-    /// The images of the storage being written from its tensor (its pieces so far) and of the
-    /// largest one this tier wrote so (Note [written from the tensor], Memory).
-    pub(super) direct_run: u64,
-    pub(super) direct_largest: u64,
     pub(super) steps: HashMap<u64, StepState>,
     pub(super) next_step: u64,
     pub(super) last_step: Option<u64>,
@@ -205,13 +201,6 @@ impl State {
             .filter_map(|id| self.entries.get(id))
             .map(|e| e.image())
             .sum()
-    }
-
-    /// Count a piece of `image` bytes written from its tensor (`direct_run` is reset at the
-    /// first piece of every storage, whichever way that piece goes).
-    pub(super) fn note_direct(&mut self, image: u64) {
-        self.direct_run += image;
-        self.direct_largest = self.direct_largest.max(self.direct_run);
     }
 
     pub(crate) fn add_stall(&mut self, step: u64, secs: f64) {
