@@ -255,27 +255,34 @@ def test_sim_to_device_waits_for_after():
     assert torch.equal(tr.use(staged), src)  # the H2D stream waited for the D2H copy
 
 
-def test_handed_out_tensors_freed_in_stream_order():
+def test_handed_out_tensors_go_when_dropped():
+    """Note [backward's tensors in the compute pool]: a tensor brought back and used goes as
+    soon as its user drops it (the allocator frees it in its stream's order); one staged ahead
+    is kept by the policy only until it is used, or dropped unused and collected."""
     n = MiB
     dev, tr = _sim(bandwidth=4e9)
     out, _ = tr.to_device(_bytes(n))
+    assert tr.device_tensors_held == 0 and dev.live_bytes() == n
     del out
-    assert tr.device_tensors_held == 1 and dev.live_bytes() == n  # kept: no fence yet
-    kept, _ = tr.to_device(_bytes(n, 1))  # a fence: the first is free, nobody holds it
-    assert tr.device_tensors_held == 1 and dev.live_bytes() == n
+    assert dev.live_bytes() == 0  # no fence, no event: gone with its last reference
     staged = tr.to_device(_bytes(n, 2), wait=False)
-    tr.use(staged)
-    assert tr.device_tensors_held == 2  # both still referenced by the caller
+    assert tr.device_tensors_held == 1
+    kept = tr.use(staged)
+    assert tr.device_tensors_held == 0 and torch.equal(kept, _bytes(n, 2))
     del staged
-    tr.end_of_backward()
+    dropped = tr.to_device(_bytes(n, 3), wait=False)
+    del dropped
+    assert tr.device_tensors_held == 1  # nobody else holds it: the next copy collects it
+    tr.to_device(_bytes(n, 4))
     assert tr.device_tensors_held == 0 and dev.live_bytes() == n  # only `kept`, the caller's
+    tr.end_of_backward()
     del kept
     assert dev.live_bytes() == 0
 
 
-def test_unused_staged_output_is_freed_at_once():
-    """As on CUDA: a device tensor allocated on the H2D stream and dropped by everyone while its
-    copy runs is free at once (only later work of that stream could reuse it)."""
+def test_unused_staged_output_is_freed_once_its_stream_waits():
+    """As on CUDA: a tensor staged ahead and dropped by everyone while its copy runs goes once
+    the stream whose pool made it was made to wait for the copy."""
     dev, tr = _sim(bandwidth=20e6)
     staged = tr.to_device(_bytes(MiB), wait=False)  # 50 ms of copy
     del staged

@@ -46,6 +46,10 @@ class CudaDevice:
     def wait(self, stream: Any, ev: Any) -> None:
         stream.wait_event(ev)
 
+    def order_after(self, stream: Any, other: Any) -> None:
+        """``stream``'s later work runs after what ``other`` has queued so far."""
+        stream.wait_stream(other)
+
     def timed_wait(self, stream: Any, ev: Any) -> Any:
         """``wait``, bracketed by timing events on ``stream``; resolved by :meth:`elapsed`."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

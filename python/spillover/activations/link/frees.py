@@ -1,124 +1,103 @@
-"""Device tensors the link handed out for backward, given back to the allocator in stream order.
+"""Device tensors the link hands out for backward: made in the allocator pool of the stream that
+uses them, so that they go back to it in stream order by themselves.
 
-Note [frees in stream order]
-    A tensor ``to_device`` hands out is allocated on the H2D stream (its pool) and used by the
-    compute stream; freed as soon as its last reference goes, the allocator could give its
-    bytes to the next H2D copy while compute still reads them. Nor may the host wait to *see*
-    that compute passed its last use: on a GPU the host runs ahead, and whatever it keeps until
-    then piles up (a link-bound backward would keep nearly everything it brought back). So a
-    handed-out storage is released in stream order. Each remembers the stream that used it (the
-    current stream at ``to_device(wait=True)`` or ``use``); once nobody else references it
-    (autograd let go after its node), an event is recorded on that stream -- every use was
-    enqueued before -- and the storage joins the *released* list. A released storage goes:
-    at once when its event has fired; or, when the released bytes pass the cap, after the H2D
-    stream was made to wait on the newest event among the oldest ones (the pool's next H2D
-    copies are then ordered after compute's uses), never by a host wait; or at
-    ``end_of_backward``, the same way. A storage never used by compute (staged, then dropped)
-    goes at once: only later work of the H2D stream can reuse it. One still referenced at
-    ``end_of_backward`` (kept by autograd or the caller) goes to ``record_stream`` of its using
-    stream. Where the allocation lives (the H2D stream's pool, apart from forward's) is what
-    ``max_memory_reserved`` shows; the simulated device counts reserved bytes per stream pool.
-    Guarded by test_link_sim.py, whose simulated compute stream lags the host.
+Note [backward's tensors in the compute pool]
+    ``to_device`` makes its output on the stream that will use it (the current stream: the one
+    autograd runs the node on), not on the H2D stream.
+    - The block is one that stream's pool gives: work of that stream the device has not run yet
+      (the host runs ahead) may still use it. So the H2D stream is first ordered after that
+      stream's queued work (``order_after``), then copies, and the using stream waits for the
+      copy's event before its first use. Neither is a host wait.
+    - Once autograd lets go of the tensor, the allocator gives its block back to that stream's
+      pool at once, and only later work of that stream can reuse it: the free is in stream
+      order by the allocator's own rule, with no event, list or cap of ours, however far the
+      host runs ahead. Backward's tensors share the pool forward's activations left, so
+      ``max_memory_reserved`` is not forward's peak plus backward's set in the H2D stream's
+      pool, as it was when outputs were made on the H2D stream (and freed behind events).
+    - A tensor staged ahead (``wait=False``) and dropped before any use: its stream never waited
+      for the copy, and its block could go to that stream's next allocation while the copy
+      still writes it. That stream is made to wait for the copy's event before we let go
+      (``collect``, at each H2D copy; ``release_all`` at the end of backward for those still
+      referenced elsewhere).
+    - A tensor used on another stream than the one it was made on (``use`` from a side stream):
+      ``record_stream`` of that stream, as CUDA's allocator asks of every cross-stream use.
+    The simulated device counts reserved bytes per stream pool and its compute stream lags the
+    host (test_link_sim.py); its compute runs on the host as it is enqueued, so ``order_after``
+    has nothing to wait for there: what it models is memory, not the H2D copy's later start.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
-from typing import Any, Deque, Dict, List, Tuple
+from typing import Any, List
 
 from .common import use_count
 
-__all__ = ["NOT_USED", "StreamOrderFrees"]
-
-#: The using stream of a handed-out storage no compute stream has used yet (staged ahead).
-NOT_USED = None
+__all__ = ["StagedAhead"]
 
 
-class StreamOrderFrees:
-    """Note [frees in stream order] for one device: storages handed out on ``copy_stream``,
-    released on the streams that used them, behind ``cap_bytes`` of released bytes."""
+class StagedAhead:
+    """Note [backward's tensors in the compute pool]: the tensors staged ahead that no stream
+    has used yet, each with the stream whose pool made it and its copy's event."""
 
-    def __init__(self, dev: Any, copy_stream: Any, cap_bytes: int):
-        self.dev, self.copy_stream, self.cap_bytes = dev, copy_stream, cap_bytes
+    def __init__(self, dev: Any):
+        self.dev = dev
         self._lock = threading.Lock()
-        self._handed: List[list] = []  # [storage, using stream or NOT_USED], still referenced
-        self._released: Deque[Tuple[Any, Any, int, int]] = collections.deque()  # +event, bytes
-        self._released_bytes = 0
-        #: storages that went after the copy stream was made to wait (the cap was passed)
-        self.released_by_wait = 0
+        self._staged: List[list] = []  # [storage, stream it was made on, copy's event]
 
     @property
     def held(self) -> int:
-        """Handed-out storages still kept (referenced elsewhere, or released and waiting)."""
+        """Staged storages no stream has used yet."""
         with self._lock:
-            return len(self._handed) + len(self._released)
+            return len(self._staged)
 
-    def hand_out(self, storage: Any, stream: Any) -> None:
-        """``storage`` was made on the copy stream for ``stream`` (NOT_USED: staged ahead)."""
+    def stage(self, storage: Any, stream: Any, event: Any) -> None:
+        """``storage``, made on ``stream``'s pool, is written by the copy ``event`` ends."""
         with self._lock:
-            self._handed.append([storage, stream])
+            self._staged.append([storage, stream, event])
 
     def used_on(self, storage: Any, stream: Any) -> None:
-        """A staged storage's user is ``stream`` from now on."""
+        """A staged storage is used on ``stream`` from now on (which then waits for its copy)."""
         with self._lock:
-            for h in self._handed:
-                if h[0]._cdata == storage._cdata:
-                    h[1] = stream
-                    return
+            for i, s in enumerate(self._staged):
+                if s[0]._cdata == storage._cdata:
+                    made_on = self._staged.pop(i)[1]
+                    break
+            else:
+                return
+        if stream != made_on:
+            self.dev.record_stream(storage, stream)
 
     def collect(self) -> None:
-        """Storages nobody else references are released on the stream that used them; those
-        compute has passed go, and past the cap the copy stream waits for the oldest before
-        they go. Never a host wait."""
-        dev = self.dev
+        """Staged storages nobody else references go, after the stream that made them is made
+        to wait for their copy. Never a host wait."""
         with self._lock:
-            if not self._handed and not self._released:
+            if not self._staged:
                 return
             free, kept = [], []
-            for h in self._handed:  # one use count each: the scan is per H2D copy
-                (free if use_count(h[0]) <= 1 else kept).append(h)
-            if free:
-                self._handed = kept
-        events: Dict[int, Any] = {}
-        for storage, stream in free:
-            if stream is NOT_USED:
-                continue  # only the copy stream ever used it: its own later work comes after
-            ev = events.get(id(stream))
-            if ev is None:
-                ev = events[id(stream)] = dev.record(stream)
-            n = storage.nbytes()
-            with self._lock:
-                self._released.append((storage, ev, n, id(stream)))
-                self._released_bytes += n
-        free.clear()
-        victims: List[Any] = []
-        wait_on: Dict[int, Any] = {}  # per using stream, the newest event to wait for
-        with self._lock:
-            while self._released and dev.query(self._released[0][1]):
-                victims.append(self._released.popleft())
-                self._released_bytes -= victims[-1][2]
-            while self._released and self._released_bytes > self.cap_bytes:
-                v = self._released.popleft()
-                self._released_bytes -= v[2]
-                victims.append(v)
-                wait_on[v[3]] = v[1]  # a stream's events fire in order: the newest covers all
-                self.released_by_wait += 1
-        for ev in wait_on.values():
-            dev.wait(self.copy_stream, ev)
-        victims.clear()  # the storages go now
+            for s in self._staged:  # one use count each: the scan is per H2D copy
+                (free if use_count(s[0]) <= 1 else kept).append(s)
+            if not free:
+                return
+            self._staged = kept
+        self._order(free)
 
     def release_all(self) -> None:
-        """End of backward: every released storage goes after the copy stream waits for its
-        event; one still referenced goes to ``record_stream`` of its using stream."""
+        """End of backward: every staged storage's stream waits for its copy; those still
+        referenced elsewhere may then go whenever they are dropped."""
         with self._lock:
-            released, self._released = list(self._released), collections.deque()
-            self._released_bytes = 0
-            rest, self._handed = self._handed, []
-        newest = {skey: ev for _, ev, _, skey in released}
-        for ev in newest.values():
-            self.dev.wait(self.copy_stream, ev)
-        for storage, stream in rest:
-            if stream is not NOT_USED:
-                self.dev.record_stream(storage, stream)
-        del rest, released, newest
+            staged, self._staged = self._staged, []
+        self._order(staged)
+
+    def _order(self, staged: List[list]) -> None:
+        newest: List[list] = []  # [stream, event]: one H2D stream's events fire in issue order
+        for _, stream, event in staged:
+            for n in newest:
+                if n[0] == stream:
+                    n[1] = event
+                    break
+            else:
+                newest.append([stream, event])
+        for stream, event in newest:
+            self.dev.wait(stream, event)
+        staged.clear()  # the storages go now

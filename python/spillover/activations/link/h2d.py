@@ -1,7 +1,7 @@
 """The host -> device side of the link's policy: bring a host block to the device after the
-copy that filled it (Note [stream ordering] in policy.py), stage it ahead, and hand what it makes
-to the stream-order frees (Note [frees in stream order] in frees.py). A base of
-:class:`~.policy.Transfers`, which owns the state it reads."""
+copy that filled it (Note [stream ordering] in policy.py), into the allocator pool of the stream
+that uses it, and stage it ahead (Note [backward's tensors in the compute pool] in frees.py). A
+base of :class:`~.policy.Transfers`, which owns the state it reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Deque, Optional, Tuple
 
 import torch
 
-from .frees import NOT_USED, StreamOrderFrees
+from .frees import StagedAhead
 
 if TYPE_CHECKING:
     from .policy import Copy
@@ -24,7 +24,7 @@ class ToDevice:
     if TYPE_CHECKING:  # what the policy gives this side
         dev: Any
         host_is_device: bool
-        frees: Optional[StreamOrderFrees]
+        staged: Optional[StagedAhead]
         _lock: threading.Lock
         _h2d: Any
         _h2d_fifo: Deque[Tuple[Any, torch.Tensor]]
@@ -34,13 +34,9 @@ class ToDevice:
 
     @property
     def device_tensors_held(self) -> int:
-        """Handed-out device storages the policy still keeps (Note [frees in stream order])."""
-        return self.frees.held if self.frees is not None else 0
-
-    @property
-    def released_by_wait(self) -> int:
-        """Handed-out storages freed after the copy stream waited (the cap was passed)."""
-        return self.frees.released_by_wait if self.frees is not None else 0
+        """Device storages staged ahead that no stream has used yet: the only ones the policy
+        keeps (Note [backward's tensors in the compute pool])."""
+        return self.staged.held if self.staged is not None else 0
 
     def to_device(self, host: torch.Tensor, *, after: Optional[Copy] = None,
                   wait: bool = True) -> Tuple[torch.Tensor, Any]:
@@ -56,10 +52,12 @@ class ToDevice:
                 with self._lock:
                     self._stall += dt
             return host, None
-        frees = self.frees
-        assert frees is not None  # a device with a link has an H2D stream
-        frees.collect()
-        out = dev.empty(host.numel(), self._h2d)
+        staged = self.staged
+        assert staged is not None  # a device with a link has an H2D stream
+        staged.collect()
+        compute = dev.current_stream()  # the stream that uses it: its pool makes it
+        out = dev.empty(host.numel(), compute)
+        dev.order_after(self._h2d, compute)  # queued work of `compute` may still use the block
         if after is not None:
             if after.done():
                 after.wait()  # raises what the copy raised
@@ -67,22 +65,22 @@ class ToDevice:
                 dev.wait(self._h2d, after.event)  # Note [stream ordering]
         dev.copy(out, host, self._h2d)
         ev = dev.record(self._h2d)
-        compute = dev.current_stream() if wait else NOT_USED
         with self._lock:
             self._h2d_fifo.append((ev, host))  # the block must outlive the copy
-        frees.hand_out(out.untyped_storage(), compute)
         if wait:
             self._wait_compute(compute, ev)
+        else:
+            staged.stage(out.untyped_storage(), compute, ev)
         dev.poll()
         return out, ev
 
     def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
         """The tensor of a ``to_device(..., wait=False)`` pair, the current stream ordered
-        after its copy (and the stream that frees it: Note [frees in stream order])."""
+        after its copy (Note [backward's tensors in the compute pool])."""
         t, ev = staged
         if ev is not None:
             compute = self.dev.current_stream()
-            assert self.frees is not None  # only a device with a link stages
-            self.frees.used_on(t.untyped_storage(), compute)
+            assert self.staged is not None  # only a device with a link stages
+            self.staged.used_on(t.untyped_storage(), compute)
             self._wait_compute(compute, ev)
         return t

@@ -60,8 +60,8 @@ Note [the ledger lives in the tier]
     thread.
 
 The host -> device side (``to_device``, ``use``) is :class:`~.h2d.ToDevice`, a base of
-:class:`Transfers`; what it hands out is freed in stream order (Note [frees in stream order] in
-frees.py).
+:class:`Transfers`; what it hands out is made in the pool of the stream that uses it, and goes
+back to it in stream order (Note [backward's tensors in the compute pool] in frees.py).
 
 """
 
@@ -76,7 +76,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from ..._native import Inflight
-from .frees import StreamOrderFrees
+from .frees import StagedAhead
 from .h2d import ToDevice
 
 __all__ = ["Copy", "Transfers"]
@@ -149,7 +149,8 @@ class Copy:
 
 class Transfers(ToDevice):
     """The copy policy of one device (Notes [back-pressure], [source lifetime], [the ledger
-    lives in the tier], [frees in stream order]). Thread-safe; made by :func:`transfers_for`."""
+    lives in the tier], [backward's tensors in the compute pool]). Thread-safe; made by
+    :func:`transfers_for`."""
 
     def __init__(self, dev: Any, cap_bytes: Optional[int] = None):
         self.dev = dev
@@ -163,9 +164,8 @@ class Transfers(ToDevice):
         #: the ledger's ids -> their copies, issue order, until on_landed has returned
         self._copies: Dict[int, Copy] = {}
         self._h2d_fifo: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
-        #: Note [frees in stream order] in frees.py (None on a plain CPU host)
-        self.frees = (None if self._h2d is None
-                      else StreamOrderFrees(dev, self._h2d, cap))
+        #: Note [backward's tensors in the compute pool] in frees.py (None on a plain CPU host)
+        self.staged = None if self._h2d is None else StagedAhead(dev)
         self._timings: Deque[Any] = collections.deque()
         self._errors: List[BaseException] = []
         self._stall = 0.0
@@ -349,8 +349,8 @@ class Transfers(ToDevice):
         with self._lock:
             while self._h2d_fifo and query(self._h2d_fifo[0][0]):
                 self._h2d_fifo.popleft()
-        if self.frees is not None:
-            self.frees.collect()
+        if self.staged is not None:
+            self.staged.collect()
         self.dev.poll()
 
     def reap(self, errors: Optional[List[BaseException]] = None) -> None:
@@ -382,10 +382,10 @@ class Transfers(ToDevice):
         self.reap(errors)
 
     def end_of_backward(self) -> None:
-        """Release every source, give every device tensor the policy keeps back to the
-        allocator in stream order (Note [frees in stream order]), reap."""
+        """Release every source, let go of the tensors staged ahead and never used, after their
+        streams wait for their copies (Note [backward's tensors in the compute pool]), reap."""
         self.release_sources()
         self._poll()
-        if self.frees is not None:
-            self.frees.release_all()
+        if self.staged is not None:
+            self.staged.release_all()
         self.reap()

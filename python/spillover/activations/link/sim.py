@@ -237,6 +237,14 @@ class SimDevice:
         else:
             stream.put(ev.fired.wait)
 
+    def order_after(self, stream: Any, other: Any) -> None:
+        """After the compute stream, nothing to wait for: it runs what the host enqueues as it
+        is enqueued (its lag is when the host *sees* its events), so what it queued has run
+        (Note [backward's tensors in the compute pool] in frees.py). After a side stream: its
+        work queued so far."""
+        if other is not _HOST:
+            self.wait(stream, self.record(other))
+
     def timed_wait(self, stream: Any, ev: Any) -> Any:
         t0 = time.perf_counter()
         self.wait(stream, ev)
