@@ -79,6 +79,42 @@ def test_backward_shares_the_pool_forward_left():
     tr.end_of_backward()
 
 
+def test_sim_copies_from_pageable_memory_hold_the_host():
+    """As CUDA's driver does when it stages pageable bytes: a copy to the device from pageable
+    host memory returns once it ran; from page-locked memory it returns at once."""
+    dev = T.SimDevice(5e6)  # 1 MiB: 0.2 s
+    stream = dev.new_stream()
+    out = dev.empty(MiB, dev.current_stream())
+    src = _bytes(MiB)
+    assert not dev.is_pinned(src)
+    t0 = time.monotonic()
+    dev.copy(out, src, stream)
+    assert time.monotonic() - t0 >= 0.19
+    pinned = dev.pinned_empty(MiB)
+    pinned.copy_(_bytes(MiB, 1))
+    assert dev.is_pinned(pinned)
+    t0 = time.monotonic()
+    dev.copy(out, pinned, stream)
+    assert time.monotonic() - t0 < 0.1
+    dev.synchronize(dev.record(stream))
+    assert torch.equal(out, pinned)
+
+
+def test_pageable_sources_go_through_pinned_memory():
+    """Note [pageable sources]: a storage read back into a one-off mapping (not the pool, not
+    page-locked) is copied on the host into pinned memory first, so staging it ahead does not
+    hold the host for the copy, and its bytes arrive."""
+    dev = T.SimDevice(5e6)  # 1 MiB: 0.2 s
+    tr = T.Transfers(dev, HUGE)
+    host = _bytes(MiB)
+    t0 = time.monotonic()
+    pair = tr.to_device(host, wait=False)
+    assert time.monotonic() - t0 < 0.1
+    host.zero_()  # the one-off mapping may go at once: the copy reads the pinned bytes
+    assert torch.equal(tr.use(pair), _bytes(MiB))
+    tr.end_of_backward()
+
+
 def _chain(n=16, width=512):
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width),

@@ -66,6 +66,15 @@ class CudaDevice:
         with torch.cuda.stream(stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` is page-locked (a registered pool, torch's pinned memory)."""
+        return host.is_pinned()
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory from torch's caching host allocator, which keeps a block
+        from reuse until the copies reading it have run."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     def record_stream(self, storage: Any, stream: Any) -> None:
         torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(stream)
 

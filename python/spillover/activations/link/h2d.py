@@ -1,7 +1,18 @@
 """The host -> device side of the link's policy: bring a host block to the device after the
 copy that filled it (Note [stream ordering] in policy.py), into the allocator pool of the stream
 that uses it, and stage it ahead (Note [backward's tensors in the compute pool] in frees.py). A
-base of :class:`~.policy.Transfers`, which owns the state it reads."""
+base of :class:`~.policy.Transfers`, which owns the state it reads.
+
+Note [pageable sources]
+    CUDA copies from pageable host memory synchronously for the host: the driver stages the
+    bytes through buffers of its own and may first wait for the stream. The tier's pool is
+    registered (page-locked), but a storage read back into a one-off mapping (no room in the
+    pool, or a storage gathered from pieces: rust/tier/room.rs, gather.rs) is not, and the H2D
+    stream is ordered after the using stream's queued work (Note [backward's tensors in the
+    compute pool] in frees.py): the host would wait for the device to catch up. Such a source
+    is first copied on the host into page-locked memory of the device's (torch's caching host
+    allocator on CUDA), which the copy then reads asynchronously; the one-off mapping can go at
+    once. The simulated device makes a pageable copy block the host for the copy's time."""
 
 from __future__ import annotations
 
@@ -48,13 +59,18 @@ class ToDevice:
         dev = self.dev
         if self.host_is_device:
             if after is not None:
-                dt = after.wait()  # raises what the copy raised
-                with self._lock:
-                    self._stall += dt
+                self._host_wait(after)
             return host, None
         staged = self.staged
         assert staged is not None  # a device with a link has an H2D stream
         staged.collect()
+        if not dev.is_pinned(host):  # Note [pageable sources]
+            if after is not None:  # the bytes are read here, on the host: once they landed
+                self._host_wait(after)
+                after = None
+            pinned = dev.pinned_empty(host.numel())
+            pinned.copy_(host)
+            host = pinned
         compute = dev.current_stream()  # the stream that uses it: its pool makes it
         out = dev.empty(host.numel(), compute)
         dev.order_after(self._h2d, compute)  # queued work of `compute` may still use the block
@@ -73,6 +89,12 @@ class ToDevice:
             staged.stage(out.untyped_storage(), compute, ev)
         dev.poll()
         return out, ev
+
+    def _host_wait(self, c: Copy) -> None:
+        """The host waits for the copy ``c`` (raises what it raised); counted as a stall."""
+        dt = c.wait()
+        with self._lock:
+            self._stall += dt
 
     def use(self, staged: Tuple[torch.Tensor, Any]) -> torch.Tensor:
         """The tensor of a ``to_device(..., wait=False)`` pair, the current stream ordered

@@ -130,7 +130,9 @@ class _Clock:
 class SimDevice:
     """The CPU pretending to be a device behind a link of ``bandwidth_bytes_per_s``: device
     tensors are CPU tensors, a copy's bytes really move but it completes (and its event fires)
-    only ``latency_s + nbytes / bandwidth`` after its stream started it.
+    only ``latency_s + nbytes / bandwidth`` after its stream started it; one to the device from
+    pageable host memory (not a spillover pool, not :meth:`pinned_empty`) holds the host until
+    it ran, as CUDA's driver may.
 
     The compute stream (the calling thread) runs ``compute_lag_s`` behind the host, as a GPU's
     does when the host enqueues work faster than it runs: an event recorded on it fires that
@@ -157,6 +159,7 @@ class SimDevice:
         self._peak = 0
         self._pool_peaks: Dict[Any, int] = {}
         self._deferred: Dict[int, Any] = {}  # record_stream: storages kept for the lag
+        self._pinned: Dict[int, Any] = {}  # address -> weak ref: pinned_empty's tensors
         self._clock = _Clock()
         self._probe, self._probe_lock = True, threading.Lock()
 
@@ -167,6 +170,9 @@ class SimDevice:
         return _Worker()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """``dst.copy_(src)`` on ``stream``: done ``latency + bytes / bandwidth`` after the
+        stream starts it. From pageable host memory to the device, the host waits for it, as
+        CUDA's driver, staging pageable bytes, may (Note [pageable sources] in h2d.py)."""
         n = src.numel() * src.element_size()
         seconds = self.latency + (n / self.bandwidth if self.bandwidth else 0.0)
         errors, get_dst, get_src = stream.errors, self._hold(dst), self._hold(src)
@@ -185,6 +191,40 @@ class SimDevice:
                 errors.append(e)
 
         stream.put(op)
+        if not self.host_is_device and self._tracked(dst) and not self.is_pinned(src):
+            landed = threading.Event()
+            stream.put(landed.set)
+            landed.wait()
+
+    def _tracked(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is device memory (tracked by the probe)."""
+        with self._probe_lock:
+            entry = self._live.get(t.untyped_storage().data_ptr()) if self._probe else None
+        return entry is not None and not entry[0].expired()
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` lies in page-locked memory: a spillover pool (registered on CUDA)
+        or a tensor of :meth:`pinned_empty`."""
+        from ... import _runtime
+
+        addr = host.untyped_storage().data_ptr()
+        with self._probe_lock:
+            ref = self._pinned.get(addr)
+            if ref is not None and not ref.expired():
+                return True
+        return any(a <= addr < e for a, e in _runtime.pool_ranges())
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A host tensor in page-locked memory (CUDA: torch's pinned caching allocator)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        st = t.untyped_storage()
+        with self._probe_lock:
+            for k in [k for k, r in self._pinned.items() if r.expired()]:
+                del self._pinned[k]
+            self._pinned[st.data_ptr()] = StorageWeakRef(st)
+        return t
 
     def _hold(self, t: torch.Tensor) -> Callable[[], Optional[torch.Tensor]]:
         """How an op reaches a tensor: a device tensor weakly, as a device's queue does (its
