@@ -21,6 +21,11 @@ Note [backward's tensors in the compute pool]
       referenced elsewhere).
     - A tensor used on another stream than the one it was made on (``use`` from a side stream):
       ``record_stream`` of that stream, as CUDA's allocator asks of every cross-stream use.
+    What it costs: a copy starts once the using stream reaches the unpack (it may not write the
+    block before), so a tensor not staged ahead -- backward's first, or one whose bytes were not
+    yet in the pool when staging ran -- has its whole copy exposed, where a copy on the H2D
+    stream's own pool could run under the compute queued before it. Staging ahead is what
+    hides the copies; the memory is no longer bought with a second pool.
     The simulated device counts reserved bytes per stream pool and its compute stream lags the
     host (test_link_sim.py); its compute runs on the host as it is enqueued, so ``order_after``
     has nothing to wait for there: what it models is memory, not the H2D copy's later start.

@@ -40,6 +40,7 @@ class ToDevice:
         _h2d: Any
         _h2d_fifo: Deque[Tuple[Any, torch.Tensor]]
         _stall: float
+        _pageable: int
 
         def _wait_compute(self, stream: Any, ev: Any) -> None: ...
 
@@ -48,6 +49,11 @@ class ToDevice:
         """Device storages staged ahead that no stream has used yet: the only ones the policy
         keeps (Note [backward's tensors in the compute pool])."""
         return self.staged.held if self.staged is not None else 0
+
+    @property
+    def pageable_staged(self) -> int:
+        """Sources copied into pinned memory first (Note [pageable sources])."""
+        return self._pageable
 
     def to_device(self, host: torch.Tensor, *, after: Optional[Copy] = None,
                   wait: bool = True) -> Tuple[torch.Tensor, Any]:
@@ -71,6 +77,8 @@ class ToDevice:
             pinned = dev.pinned_empty(host.numel())
             pinned.copy_(host)
             host = pinned
+            with self._lock:
+                self._pageable += 1
         compute = dev.current_stream()  # the stream that uses it: its pool makes it
         out = dev.empty(host.numel(), compute)
         dev.order_after(self._h2d, compute)  # queued work of `compute` may still use the block

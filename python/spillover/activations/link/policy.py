@@ -169,6 +169,7 @@ class Transfers(ToDevice):
         self._timings: Deque[Any] = collections.deque()
         self._errors: List[BaseException] = []
         self._stall = 0.0
+        self._pageable = 0  # Note [pageable sources] in h2d.py
 
     # The counters are the ledger's (Note [the ledger lives in the tier]).
 
