@@ -12,7 +12,10 @@ Note [pageable sources]
     compute pool] in frees.py): the host would wait for the device to catch up. Such a source
     is first copied on the host into page-locked memory of the device's (torch's caching host
     allocator on CUDA), which the copy then reads asynchronously; the one-off mapping can go at
-    once. The simulated device makes a pageable copy block the host for the copy's time."""
+    once. That allocator keeps its blocks (sizes rounded up to a power of two) for reuse: the
+    price is page-locked host memory as large as the most such bytes in flight at once, held
+    for the process. The simulated device makes a pageable copy block the host for the copy's
+    time."""
 
 from __future__ import annotations
 
