@@ -238,12 +238,15 @@ def test_autocast_weight_casts_stay_on_the_device():
     assert s.bytes_offloaded == 1 * MiB, s
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme", "nvme-small"])
+@pytest.mark.parametrize("tier", ["host", "nvme", "nvme-small", "nvme-pieces"])
 @pytest.mark.parametrize("link", ["cpu", "sim", "sim-lagging"])
 def test_everything_released_by_the_end_of_backward(tier, link, tmp_path):
     """Right after backward (no synchronize): no source held, no copy in flight, no device
     tensor kept, the pool empty once autograd's handles are collected (a host view held for an
-    H2D copy would keep its block in use); the bytes in flight never passed the cap."""
+    H2D copy would keep its block in use); the bytes in flight never passed the cap. With
+    "nvme-pieces" every storage goes in pieces and comes back gathered into a one-off mapping,
+    which a simulated link stages through pinned memory when the source is gone (Note [pageable
+    sources])."""
     import gc
 
     torch.manual_seed(0)
@@ -256,6 +259,8 @@ def test_everything_released_by_the_end_of_backward(tier, link, tmp_path):
         kw.update(sim_link_bandwidth=bw, sim_compute_lag=lag)
     if tier == "nvme-small":  # a pool the step overflows: storages written from the tensors
         tier, kw["host_pool_bytes"] = "nvme", 4 * MiB + 7 * 4096
+    if tier == "nvme-pieces":  # each 1 MiB storage over half the pool: in pieces, gathered
+        tier, kw["host_pool_bytes"] = "nvme", MiB + 7 * 4096
     if tier == "nvme":
         kw["nvme_path"] = str(tmp_path)
     ctx = spillover.offload_context(tier, **kw)
