@@ -256,6 +256,7 @@ impl Gathered {
         };
         let mut st = self.tier.lock();
         if let Some(w) = out.as_ref().ok().and_then(View::gathered) {
+            st.gathered_alive(); // drop the dead first: a step gathers many, one at a time
             st.gathered_out.push(w);
         }
         if let Some(g) = st.chunk_mut(self.chunk) {

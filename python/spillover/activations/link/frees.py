@@ -95,14 +95,6 @@ class StagedAhead:
         self._order(staged)
 
     def _order(self, staged: List[list]) -> None:
-        newest: List[list] = []  # [stream, event]: one H2D stream's events fire in issue order
-        for _, stream, event in staged:
-            for n in newest:
-                if n[0] == stream:
-                    n[1] = event
-                    break
-            else:
-                newest.append([stream, event])
-        for stream, event in newest:
+        for _, stream, event in staged:  # a stream wait each: a few staged at most
             self.dev.wait(stream, event)
         staged.clear()  # the storages go now
