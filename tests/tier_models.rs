@@ -7,7 +7,8 @@
 //!   on CPU each view is one `get`);
 //! - a next step that differs from the one that taught the order (a resized, an extra or a
 //!   missing tensor), backward orders that are not reverse pack order;
-//! - steps abandoned halfway, read-ahead windows from 0 to the whole pool, injected I/O faults;
+//! - steps abandoned halfway, read-ahead windows from 0 to the whole pool, write holds from one
+//!   page to four pools (and the default), injected I/O faults;
 //! - storages written out from their own memory at an address 64 bytes into a page, as torch
 //!   places them (Note [written from the tensor]), beside storages copied into the pool.
 //!
@@ -27,7 +28,7 @@ use common::{pattern, pool, write};
 
 const KIB: u64 = 1 << 10;
 
-fn tier(cap: u64, window: u64, dir: &std::path::Path) -> Tier {
+fn tier(cap: u64, window: u64, hold: Option<u64>, dir: &std::path::Path) -> Tier {
     let p = pool(cap);
     let mut o = IoOptions::new([dir]);
     o.engine = EngineChoice::Threads;
@@ -38,6 +39,7 @@ fn tier(cap: u64, window: u64, dir: &std::path::Path) -> Tier {
     let s = Arc::new(Swap::open(&o, &p).unwrap());
     let mut t = TierOptions::for_pool(cap);
     t.prefetch_bytes = window;
+    t.write_hold_bytes = hold;
     Tier::new(p, Some(s), t)
 }
 
@@ -78,6 +80,9 @@ struct StepPlan {
 struct Case {
     cap_kib: u64,
     window64: u64,
+    /// The write hold in 1/64ths of the pool (None: the default, the pool and the largest
+    /// storage written from its memory so far; 0: one page, every such pack waits).
+    hold64: Option<u64>,
     model: Vec<Saved>,
     steps: Vec<StepPlan>,
 }
@@ -119,6 +124,7 @@ fn case() -> impl Strategy<Value = Case> {
     (
         prop_oneof![Just(256u64), Just(512), Just(1024)],
         prop_oneof![Just(0u64), 1u64..64, Just(64)],
+        prop_oneof![2 => Just(None), 1 => Just(Some(0u64)), 1 => (1u64..256).prop_map(Some)],
         prop::collection::vec(
             (size64(), 1u8..4, any::<bool>()).prop_map(|(size64, views, direct)| Saved {
                 size64,
@@ -129,9 +135,10 @@ fn case() -> impl Strategy<Value = Case> {
         ),
         prop::collection::vec(step_plan(), 2..5),
     )
-        .prop_map(|(cap_kib, window64, model, steps)| Case {
+        .prop_map(|(cap_kib, window64, hold64, model, steps)| Case {
             cap_kib,
             window64,
+            hold64,
             model,
             steps,
         })
@@ -288,7 +295,8 @@ fn sizes_of(model: &[Saved], change: Change) -> Vec<u64> {
 fn run(case: &Case) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let cap = case.cap_kib * KIB;
-    let t = tier(cap, cap * case.window64 / 64, dir.path());
+    let hold = case.hold64.map(|h| (cap * h / 64).max(4 * KIB));
+    let t = tier(cap, cap * case.window64 / 64, hold, dir.path());
     let swap = t.swap().unwrap().clone();
     let mut seed = 0u64;
     for plan in &case.steps {
@@ -369,6 +377,7 @@ fn a_storage_unpacked_through_views_on_the_second_step() {
     let case = Case {
         cap_kib: 1024,
         window64: 64,
+        hold64: None,
         model: (0..12)
             .map(|_| Saved {
                 size64: 8,
@@ -398,6 +407,7 @@ fn storages_written_from_their_memory_over_several_steps() {
     let case = Case {
         cap_kib: 1024,
         window64: 16,
+        hold64: None,
         model: (0..12)
             .map(|i| Saved {
                 size64: [32, 8, 16, 32][i % 4],
