@@ -40,6 +40,7 @@ HF_FAMILIES = FAMILIES[:-1]
 POLICIES = ("none", "full", "selective", "offload", "auto")
 TIERS = ("host", "nvme")
 ATTENTION = ("sdpa", "eager")
+COMPILE = (None, "model", "blocks")
 #: vocabulary sizes of real tokenizers in 32k-128k (odd ones included: 50257, 100277)
 REAL_VOCABS = (32000, 32768, 49152, 50257, 50304, 65536, 100277, 102400, 128000, 128256)
 MIB = 1 << 20
@@ -81,6 +82,9 @@ class Case:
     #: ... unless this is True: the policy is then the plain string, priced by this machine's
     #: calibration (measured on first use, cached under $XDG_CACHE_HOME/spillover)
     calibrated: bool = False
+    #: both copies compiled with aot_eager (Note [one hook for the run]): "model" (the whole
+    #: module, ``model.compile()``), "blocks" (each repeated block), or None (eager)
+    compile: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.seqs = tuple(int(s) for s in self.seqs)
@@ -96,6 +100,8 @@ class Case:
             raise ValueError(f"tier={self.tier!r}: expected one of {TIERS}")
         if self.attn not in ATTENTION:
             raise ValueError(f"attn={self.attn!r}: expected one of {ATTENTION}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"compile={self.compile!r}: expected one of {COMPILE}")
 
     @property
     def steps(self) -> int:
@@ -119,6 +125,8 @@ class Case:
         if self.policy in ("selective", "auto"):
             extra += (" calibrated" if self.calibrated else " rates=" + (
                 "default" if self.rates is None else "/".join(f"{r:.1e}" for r in self.rates)))
+        if self.compile:
+            extra += f" compile={self.compile}"
         return (f"{self.family} V={self.vocab} h={self.hidden} L={self.layers} "
                 f"heads={self.heads}/{self.kv_heads} {self.attn} drop={self.dropout} "
                 f"b={self.batch} seqs={list(self.seqs)} {self.tier} "
@@ -265,6 +273,18 @@ def build_model(case: Case):
     return model.train()
 
 
+def compile_like(case: Case, model) -> None:
+    """Compile ``model`` in place as the case says (aot_eager: the tensors inductor saves, in
+    seconds on a CPU): the whole module, or each block of its outermost ``nn.ModuleList``."""
+    torch = _torch()
+    if case.compile == "model":
+        model.compile(backend="aot_eager")
+    elif case.compile == "blocks":
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        for block in lists[0]:
+            block.compile(backend="aot_eager")
+
+
 def make_batch(case: Case, step: int) -> Dict[str, Any]:
     """The step's inputs, drawn from ``case.seed`` and ``step``: ``input_ids``, ``labels`` (BERT:
     about 15% of positions masked, -100 elsewhere), ``attention_mask`` when ``case.pad``."""
@@ -382,6 +402,10 @@ def run_case(case: Case, log=None) -> Outcome:
                 warnings.simplefilter("ignore")
                 # bitwise against HF's own loss: the loss region off (test_loss_region.py)
                 spillover.wrap(spill, policy=_policy(case), chunked_loss=False)
+        if case.compile:
+            torch._dynamo.reset()
+            compile_like(case, plain)
+            compile_like(case, spill)
         kw: Dict[str, Any] = {"min_offload_bytes": case.min_offload_bytes}
         if case.pool_bytes:
             kw["host_pool_bytes"] = case.pool_bytes
@@ -435,6 +459,8 @@ def run_case(case: Case, log=None) -> Outcome:
         torch.use_deterministic_algorithms(det)
         # Drop the step's graphs before the context, the context before its swap directory.
         plain = spill = loss_p = loss_s = ctx = None
+        if case.compile:
+            torch._dynamo.reset()
         gc.collect()
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
@@ -492,6 +518,7 @@ def draw_case(rng: random.Random, max_pool: int, min_steps: int = 3, max_steps: 
     attn = "sdpa" if family == "rmschain" or rng.random() < 0.6 else "eager"
     dropout = 0.1 if rng.random() < 0.8 else 0.0
     window = rng.randint(8, 64) if family == "mistral" and rng.random() < 0.4 else None
+    compiled = rng.choice(COMPILE[1:]) if rng.random() < 0.15 else None
     pad = window is None and rng.random() < 0.3
     # rates spread over ~2 orders of magnitude around a CPU's and a GPU host's: the planner and
     # selective's refinement make different choices
@@ -504,7 +531,8 @@ def draw_case(rng: random.Random, max_pool: int, min_steps: int = 3, max_steps: 
                 kv_heads=kv_heads, intermediate=intermediate, batch=batch, seqs=tuple(seqs),
                 tier=tier, pool_bytes=pool, min_offload_bytes=min_offload, policy=policy,
                 budget_bytes=budget, attn=attn, dropout=dropout, pad=pad, window=window,
-                seed=rng.randrange(1 << 30), rates=rates, calibrated=calibrated)
+                seed=rng.randrange(1 << 30), rates=rates, calibrated=calibrated,
+                compile=compiled)
 
 
 def worker_loop(conn, threads: int) -> None:

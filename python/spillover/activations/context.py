@@ -61,6 +61,7 @@ class OffloadContext(Hooks, Guardrails):
     def __init__(self, tier: Optional[str] = None, **overrides: Any):
         self.config = Config.load(tier=tier, **overrides)
         _runtime.configure_logging(self.config)
+        registry.install_module_hook()  # Note [one hook for the run] in registry.py
         self.tier = self._resolve_tier(self.config.tier)
         self._pools = Pools(self.config, self.tier)  # Note [growing pool] in _growth.py
         # Its leases go back when the context does (it holds nothing of the context).
@@ -151,14 +152,13 @@ class OffloadContext(Hooks, Guardrails):
             rec.marked, self._pending_marks = self._pending_marks, set()
             self._records.append(rec)
             self._last = rec
+        registry.install_module_hook()  # again: a `catch_warnings` may have taken its filter
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         registry.stack().append(registry.Active(self, rec, hooks))
-        registry.acquire_module_hook()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        registry.release_module_hook()
         stack = registry.stack()
         i = max(i for i, a in enumerate(stack) if a.ctx is self)
         _, rec, hooks = stack.pop(i)

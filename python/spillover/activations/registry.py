@@ -28,6 +28,16 @@ Note [compiled modules]
     frees nothing, never a wrong value). pack and unpack run when AOTAutograd saves and
     reloads the graph's tensors, outside the traced graph. Guarded by test_compile.py.
 
+Note [one hook for the run]
+    Dynamo guards a compiled frame on the keys of torch's global hook dicts. A hook registered
+    when a step began and removed when it ended had a new key every step, so every step
+    recompiled, and at step 9 Dynamo hit its recompile limit and ran the model uncompiled
+    (``fullgraph=True``: training stopped). So the hook is registered once per process, when
+    the first context is made, and stays; outside a step it returns at once (one thread-local
+    read per module call). torch's warning about global hooks and ``torch.compile(module)``
+    (the hook fires once more, for the wrapper, which owns no parameters) is filtered.
+    Guarded by test_compile_run.py (12 compiled steps: one graph, no recompile).
+
 Note [one context, many steps]
     One context object serves a whole training run: it is entered once per step (``with ctx:``
     around each forward), any number of times in sequence. Each entry begins a *step*: a step
@@ -46,6 +56,7 @@ Note [one context, many steps]
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -119,8 +130,10 @@ def capturing() -> bool:
 # ---- module hook: learn parameter and buffer storages of the modules a context runs ----------
 
 _hook_lock = threading.Lock()
-_hook_users = 0
 _hook_handle: Any = None
+#: torch's UserWarning at each call of a ``torch.compile(module)`` wrapper while a global module
+#: hook exists (torch/_dynamo/eval_frame.py, ``OptimizedModule.__call__``).
+_COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 def _module_pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -178,24 +191,24 @@ def _cast_of_param(t: torch.Tensor) -> bool:
     return isinstance(var, torch.nn.Parameter)
 
 
-def acquire_module_hook() -> None:
-    """One more active step needs the global module pre-hook."""
-    global _hook_users, _hook_handle
-    with _hook_lock:
-        _hook_users += 1
-        if _hook_handle is None:
-            _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(
-                _module_pre_hook
-            )
-
-
-def release_module_hook() -> None:
-    global _hook_users, _hook_handle
-    with _hook_lock:
-        _hook_users -= 1
-        if _hook_users == 0 and _hook_handle is not None:
-            _hook_handle.remove()
-            _hook_handle = None
+def install_module_hook() -> None:
+    """Register the global module pre-hook, once per process; it stays (Note [one hook for the
+    run]). Called when a context is made and at each step, so that a model compiled afterwards
+    is traced with the hook already there."""
+    global _hook_handle
+    if _hook_handle is None:
+        with _hook_lock:
+            if _hook_handle is None:
+                _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                    _module_pre_hook
+                )
+    # torch warns at every call of a torch.compile(module) wrapper while any global module hook
+    # exists, because the hook fires once more for the wrapper: ours then notes a module that
+    # owns no parameters, which changes nothing. Checked each time: a `catch_warnings` block
+    # around the first context (pytest has one per test) takes the filter away when it exits.
+    if not any(f[0] == "ignore" and getattr(f[1], "pattern", None) == _COMPILE_WARNING
+               for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
 
 
 class StepRecord:
