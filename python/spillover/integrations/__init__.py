@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from torch import nn
-
 from ..activations import OffloadContext, offload_context
+from ..recompute.blocks import check_not_double_checkpointed
 from ..stats import OffloadStats
 
 __all__ = ["StepContext", "check_not_double_checkpointed"]
@@ -95,26 +94,3 @@ class _StepCallback:
     def step_stats(self) -> List[OffloadStats]:
         """The counters of each step, in order."""
         return self.steps.step_stats
-
-
-def check_not_double_checkpointed(model: nn.Module) -> None:
-    """Raise ValueError when HuggingFace gradient checkpointing is on in ``model`` (a module
-    with ``gradient_checkpointing = True`` and a checkpoint function that is not spillover's).
-
-    ``spillover.wrap`` makes each block a recompute region; on a model whose blocks HF already
-    checkpoints, a block would be checkpointed twice (recomputed twice in backward, its inputs
-    saved twice). Needs no transformers import: HF's switch is plain attributes.
-    """
-    for name, m in model.named_modules():
-        func = getattr(m, "_gradient_checkpointing_func", None)
-        if getattr(m, "gradient_checkpointing", False) is True and not getattr(
-            func, "is_spillover", False
-        ):
-            where = f" ({name})" if name else ""
-            raise ValueError(
-                f"HuggingFace gradient checkpointing is on in this model{where}: spillover.wrap "
-                "would checkpoint its blocks a second time. Either let spillover take HF's "
-                "switch over with spillover.integrations.hf.enable(model, policy=...) (works "
-                "with Trainer(gradient_checkpointing=True)), or turn HF's off first with "
-                "model.gradient_checkpointing_disable()."
-            )

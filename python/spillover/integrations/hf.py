@@ -44,11 +44,11 @@ from torch import nn
 
 from ..activations import OffloadContext
 from ..planner import Planner
-from ..recompute.blocks import _WrappedBlock, _WrapState
+from ..recompute.blocks import _WrappedBlock, _WrapState, check_not_double_checkpointed, state_of
 from ..recompute.policies import Policy, RegionPolicy, SelectivePolicy, _Auto, resolve_policy
 from ..recompute.region import _checkpoint
 from ..suspend import forward_regions
-from . import StepContext, _StepCallback, check_not_double_checkpointed
+from . import StepContext, _StepCallback
 
 try:
     from transformers import TrainerCallback as _TrainerCallback
@@ -172,8 +172,9 @@ def _region_policy(policy: Policy, budget_bytes: Optional[Union[int, str]]) -> R
 
 
 def is_enabled(model: nn.Module) -> bool:
-    """Whether :func:`enable` is in effect on ``model`` (or on the transformers model in it)."""
-    state = model.__dict__.get("_spillover_state")
+    """Whether :func:`enable` is in effect on ``model`` or on the transformers model in it
+    (``enable(base)`` then ``get_peft_model(base)``: True for the PEFT model too)."""
+    state = state_of(model)
     return isinstance(state, _HFState) and state.attached()
 
 

@@ -22,8 +22,17 @@ from .chunked import (
     limit_chunk,
     options_for,
 )
-from .regions import FLAG, FlagRegion, LossRegion, attach, describe, detach, unsupported_reason
+from .regions import (
+    FLAG,
+    FlagRegion,
+    LossRegion,
+    attach,
+    describe,
+    detach,
+    target,
+    unsupported_reason,
+)
 
 __all__ = ["available", "chunk_rows", "options_for", "chunked_cross_entropy",
            "causal_lm_loss", "LossRegion", "FlagRegion", "attach", "detach", "describe",
-           "begin_scope", "end_scope", "limit_chunk", "unsupported_reason", "FLAG"]
+           "begin_scope", "end_scope", "limit_chunk", "unsupported_reason", "target", "FLAG"]

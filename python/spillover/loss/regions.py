@@ -12,7 +12,23 @@ Note [which HF models]
     custom loss function leave the model as it was, with one info log and the reason in
     ``spillover.explain(model)``. Only training calls change: ``labels`` given and gradients
     enabled; ``logits_to_keep`` left at 0. The output's ``loss`` is set and its ``logits`` is
-    ``None``; a caller that needs the logits in training passes ``chunked_loss=False``.
+    ``None``; a caller that needs the logits in training passes ``chunked_loss=False``. Inside
+    a PEFT wrapper the region sits on the causal LM the wrapper calls (:func:`target`), so
+    ``wrap``/``hf.enable`` before and after ``get_peft_model`` give the same model.
+
+Note [the loss region yields]
+    The region computes the loss only where the model's own forward would: for a training call
+    with labels it stands in for the head (keeps the hidden states, returns logits of zero
+    columns) and for the model's ``loss_function`` (HF's ``ForCausalLMLoss`` arguments -- the
+    labels, ``num_items_in_batch``, ``shift_labels``, ``ignore_index`` -- exactly as HF's
+    forward passes them), and takes both stand-ins off when the forward returns. It changes
+    none of the call's arguments. A forward patched by a trainer that computes its own loss
+    without the model's head call (TRL's ``add_fused_lm_head``: ``model(...,
+    fused_lm_head=True)`` runs the backbone and its own chunked log-probabilities) never calls
+    the stand-ins, so the trainer's loss runs as written; the region once moved ``labels`` out
+    of the call, and TRL's forward then failed on ``labels[:, 1:]`` (None) at its first step.
+    A forward that calls the head through the model but no loss function (no labels reached
+    it) gets a clear error naming ``chunked_loss=False``, never zero-column logits silently.
 """
 
 from __future__ import annotations
@@ -29,7 +45,7 @@ from torch import nn
 from .chunked import available, causal_lm_loss, chunk_rows, warn_missing
 
 __all__ = ["LossRegion", "FlagRegion", "attach", "detach", "describe", "unsupported_reason",
-           "FLAG"]
+           "target", "FLAG"]
 
 _log = logging.getLogger("spillover")
 
@@ -108,23 +124,27 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
 
 
 class LossRegion:
-    """The hooks that route a HF causal LM's training loss through :func:`causal_lm_loss`
-    (Note [which HF models]). An object with plain state, so ``torch.save(model)`` pickles it.
+    """The hooks that compute a HF causal LM's training loss by :func:`causal_lm_loss` where
+    the model's own forward would (Note [which HF models], Note [the loss region yields]). An
+    object with plain state, so ``torch.save(model)`` pickles it.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.handles: list = []
         self.calls = 0
-        self._pending: Optional[Tuple[Dict[str, Any], bool]] = None
-        self._hidden: Optional[torch.Tensor] = None
+        self._armed = False
         params = list(inspect.signature(type(model).forward).parameters)[1:]
         self._labels_pos = params.index("labels") if "labels" in params else None
+        self._hidden: Optional[torch.Tensor] = None
+        self._empty: Optional[torch.Tensor] = None
+        self._loss: Optional[torch.Tensor] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["handles"] = []  # hook handles are the module's, re-made by __setstate__
-        state["_pending"] = state["_hidden"] = None
+        state["_armed"] = False
+        state["_hidden"] = state["_empty"] = state["_loss"] = None
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -147,66 +167,88 @@ class LossRegion:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self._disarm()
 
-    def _capture(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.lm_head  # type: ignore[union-attr]
-        if self._pending is None:
-            # left over from a forward that raised before post() could restore the head (torch
-            # skips always_call hooks when the forward raised before returning): be the head
-            head.__dict__.pop("forward", None)
-            return head(hidden)
+    def _disarm(self) -> None:
+        """Take the head's and the loss function's stand-ins off the model (also what a forward
+        that raised left: torch skips ``always_call`` hooks when the forward raised before
+        returning)."""
+        self._armed = False
+        self.model.lm_head.__dict__.pop("forward", None)  # type: ignore[union-attr]
+        if self.model.__dict__.get("_loss_function") == self._loss_fn:  # (a bound method)
+            del self.model.__dict__["_loss_function"]
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's stand-in: keep the hidden states, return logits of no vocab columns."""
+        if not self._armed or self._hidden is not None:
+            # called outside the armed forward, or a second time in it: be the head
+            return self.model.lm_head.__class__.forward(self.model.lm_head, hidden)
         self._hidden = hidden
-        # what the forward sees as its logits until post() drops them: no vocab columns
-        return hidden.new_empty(hidden.shape[:-1] + (0,))
+        self._empty = hidden.new_empty(hidden.shape[:-1] + (0,))
+        return self._empty
+
+    def _loss_fn(self, logits: torch.Tensor, labels: Optional[torch.Tensor],
+                 vocab_size: Optional[int] = None, num_items_in_batch: Any = None,
+                 ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> torch.Tensor:
+        """The loss function's stand-in: HF's ``ForCausalLMLoss`` arguments, the chunked loss
+        over the hidden states the head was given."""
+        hidden = self._hidden
+        if logits is not self._empty or hidden is None:
+            # logits the stand-in head did not make: HF's own loss on them
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                   shift_labels, **kwargs)
+        self._hidden = None
+        weight = self.model.lm_head.weight  # type: ignore[union-attr]
+        self._loss = causal_lm_loss(hidden, weight, labels,
+                                    num_items_in_batch=num_items_in_batch,
+                                    ignore_index=ignore_index, shift_labels=shift_labels)
+        return self._loss
 
     def pre(self, model: nn.Module, args: Tuple[Any, ...],
-            kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-        self._pending = None
-        head = model.lm_head  # type: ignore[union-attr]
-        head.__dict__.pop("forward", None)  # a previous forward that raised (see _capture)
+            kwargs: Dict[str, Any]) -> None:
+        self._disarm()  # a previous forward that raised
+        self._hidden = self._empty = self._loss = None
         if not torch.is_grad_enabled() or kwargs.get("logits_to_keep", 0) not in (0, None):
-            return None
-        custom = model.__dict__.get("_loss_function")  # HF's loss_function setter
-        if custom is not None and getattr(custom, "__name__", "") != "ForCausalLMLoss":
-            return None  # a loss function set after wrap/enable: the model's own path runs it
+            return
         if torch.compiler.is_compiling():
             # torch.compile runs the chunked op eagerly anyway (a graph break); as wrap's own
             # hooks do, a compiled forward is left as the model wrote it
-            return None
+            return
+        custom = model.__dict__.get("_loss_function")  # HF's loss_function setter
+        if custom is not None and getattr(custom, "__name__", "") != "ForCausalLMLoss":
+            return  # a loss function set after wrap/enable: the model's own path runs it
         labels = kwargs.get("labels")
         pos = self._labels_pos
         if labels is None and pos is not None and len(args) > pos:
-            labels, args = args[pos], args[:pos] + (None,) + args[pos + 1:]
-        if labels is None and kwargs.get("shift_labels") is None:
-            return None
-        kwargs = dict(kwargs)
-        loss_kw = {k: kwargs.get(k) for k in ("num_items_in_batch", "shift_labels")}
-        loss_kw["ignore_index"] = kwargs.get("ignore_index", -100)
-        loss_kw["labels"] = labels
-        kwargs["labels"] = None
-        # the model's own loss never runs: HF passes shift_labels only to its loss function
-        kwargs.pop("shift_labels", None)
-        rd = kwargs.get("return_dict")
-        if rd is None:
-            rd = getattr(getattr(model, "config", None), "return_dict", True)
-        kwargs["return_dict"] = True  # a ModelOutput to put the loss in; a tuple again in post
-        self._pending = (loss_kw, rd is False)
-        self._hidden = None
-        head.forward = self._capture  # the instance attribute shadows the class's forward
-        return args, kwargs
+            labels = args[pos]
+        if labels is None:
+            return  # HF computes no loss without labels: the caller wants the logits
+        self._armed = True
+        model.lm_head.forward = self._head  # type: ignore[union-attr]
+        model.__dict__["_loss_function"] = self._loss_fn
 
     def post(self, model: nn.Module, args: Any, out: Any) -> Any:
-        pending, self._pending = self._pending, None
-        model.lm_head.__dict__.pop("forward", None)  # type: ignore[union-attr]
-        hidden, self._hidden = self._hidden, None
-        if pending is None or out is None or hidden is None:
-            return None  # not a training call, or the forward raised / never reached the head
-        loss_kw, want_tuple = pending
+        armed, empty, loss = self._armed, self._empty, self._loss
+        self._disarm()
+        self._hidden = self._empty = self._loss = None
+        if not armed or empty is None or out is None:
+            return None  # not armed, or the forward never called the head through the model
+        if loss is None:
+            # the head ran but no loss was asked for (no labels): the logits the caller gets
+            # are HF's own -- a head of zero columns is not an answer (Note [the loss region
+            # yields])
+            raise RuntimeError(
+                "spillover's loss region took the lm_head of a call that computed no loss "
+                "(grad enabled, no labels reached the model's loss function); pass "
+                "chunked_loss=False to spillover.wrap / hf.enable to keep the logits")
         self.calls += 1
-        loss = causal_lm_loss(hidden, model.lm_head.weight, **loss_kw)  # type: ignore[union-attr]
+        if isinstance(out, tuple):
+            return tuple(x for x in out if x is not empty)
         # a new output, so that its fields keep their order (loss first) in to_tuple()
-        out = dataclasses.replace(out, loss=loss, logits=None)
-        return out.to_tuple() if want_tuple else out
+        return dataclasses.replace(out, logits=None)
 
 
 class FlagRegion:
@@ -280,6 +322,21 @@ def attach(model: nn.Module, chunked_loss: bool = True) -> Tuple[Optional[LossRe
     region = LossRegion(model)
     region.install()
     return region, region.describe()
+
+
+def target(model: nn.Module) -> nn.Module:
+    """The module the loss region attaches to for ``model``: the model itself, or the
+    transformers causal LM inside a wrapper (PEFT's ``PeftModelForCausalLM``, whose forward
+    calls it), so that ``wrap``/``hf.enable`` before or after ``get_peft_model`` agree."""
+    if isinstance(getattr(model, FLAG, None), bool):
+        return model
+    names = _causal_lm_names()
+    if type(model).__name__ in names:
+        return model
+    for m in model.modules():
+        if type(m).__name__ in names:
+            return m
+    return model
 
 
 def detach(region: Optional[LossRegion]) -> None:

@@ -260,6 +260,39 @@ def _holds_blocks(lst: nn.ModuleList) -> bool:
         True for _ in lst.parameters())
 
 
+def state_of(model: nn.Module) -> Any:
+    """What :func:`wrap` or ``hf.enable`` attached to ``model``, or to the outermost module
+    inside it that has it (a PEFT wrapper made around a wrapped model); None without."""
+    for m in model.modules():
+        state = m.__dict__.get("_spillover_state")
+        if state is not None:
+            return state
+    return None
+
+
+def check_not_double_checkpointed(model: nn.Module) -> None:
+    """Raise ValueError when HuggingFace gradient checkpointing is on in ``model`` (a module
+    with ``gradient_checkpointing = True`` and a checkpoint function that is not spillover's).
+
+    ``spillover.wrap`` makes each block a recompute region; on a model whose blocks HF already
+    checkpoints, a block would be checkpointed twice (recomputed twice in backward, its inputs
+    saved twice). Needs no transformers import: HF's switch is plain attributes.
+    """
+    for name, m in model.named_modules():
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) is True and not getattr(
+            func, "is_spillover", False
+        ):
+            where = f" ({name})" if name else ""
+            raise ValueError(
+                f"HuggingFace gradient checkpointing is on in this model{where}: spillover.wrap "
+                "would checkpoint its blocks a second time. Either let spillover take HF's "
+                "switch over with spillover.integrations.hf.enable(model, policy=...) (works "
+                "with Trainer(gradient_checkpointing=True)), or turn HF's off first with "
+                "model.gradient_checkpointing_disable()."
+            )
+
+
 def wrap(
     model: nn.Module,
     policy: Policy = "selective",
@@ -302,8 +335,13 @@ def wrap(
     """
     if "_spillover_state" in model.__dict__:
         raise ValueError("this model is already wrapped; call spillover.unwrap(model) first")
-    from ..integrations import check_not_double_checkpointed
-
+    inner = state_of(model)
+    if inner is not None:  # e.g. a PEFT wrapper around a model wrap() or hf.enable() took
+        raise ValueError(
+            f"a model inside this {type(model).__name__} is already under spillover "
+            f"({'hf.enable' if type(inner).__name__ == '_HFState' else 'spillover.wrap'}): it "
+            "applies through the wrapper as it is; call spillover.unwrap / "
+            "spillover.integrations.hf.disable on that model first to change the policy")
     check_not_double_checkpointed(model)  # never HF's checkpoint and ours around one block
     if isinstance(policy, str) and policy.strip().lower() == "auto":
         pol: RegionPolicy = _Auto(Planner(budget_bytes=budget_bytes))
@@ -329,8 +367,9 @@ def wrap(
         model.register_forward_hook(state.post_forward, always_call=True),
     ]
     model.__dict__["_spillover_state"] = state
-    # after wrap's own hooks, prepended: the loss runs inside the step wrap's hooks delimit
-    state.loss_region, state.loss_line = _loss.attach(model, chunked_loss)
+    # after wrap's own hooks, prepended: the loss runs inside the step wrap's hooks delimit; on
+    # the causal LM inside a PEFT wrapper, as when wrap ran before get_peft_model
+    state.loss_region, state.loss_line = _loss.attach(_loss.target(model), chunked_loss)
     turned_off = []
     configs: Dict[int, Any] = {}
     for name, m in model.named_modules():

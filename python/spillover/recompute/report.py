@@ -7,21 +7,25 @@ from typing import Any, Optional
 from torch import nn
 
 from ..planner import Explanation, Machine, Planner
+from .blocks import state_of
 from .policies import _Auto
 
 
 def explain(target: Any, machine: Optional[Machine] = None) -> Explanation:
-    """What the last step of a wrapped model (or a :class:`Planner`) decided, per op kind, with
-    bytes and estimated costs. ``print(spillover.explain(model))`` shows a table.
+    """What the last step of a wrapped model (``spillover.wrap``, ``hf.enable``; through a
+    wrapper such as PEFT's) or of a :class:`Planner` decided, per op kind, with bytes and
+    estimated costs. ``print(spillover.explain(model))`` shows a table.
 
     Costs use this machine's calibration (measured on first use) unless ``machine`` is given.
     """
     if isinstance(target, Planner):
         return _Auto(target).explain([], machine)
-    state = target.__dict__.get("_spillover_state") if isinstance(target, nn.Module) else None
+    state = state_of(target) if isinstance(target, nn.Module) else None
     if state is None:
-        raise ValueError("spillover.explain: pass a model returned by spillover.wrap "
-                         "or a spillover.Planner")
+        raise ValueError(
+            f"spillover.explain: {type(target).__name__} is not under spillover; pass a model "
+            "given to spillover.wrap or spillover.integrations.hf.enable (or a wrapper around "
+            "one, e.g. PEFT's), or a spillover.Planner")
     exp = state.policy.explain(state.last_records(), machine)
     if getattr(state, "loss_line", None):
         exp.summary["loss region"] = state.loss_line  # spillover/loss/regions.py
