@@ -38,35 +38,37 @@ def _cleanup() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def check_dirs(dirs: Tuple[str, ...]) -> None:
-    """Refuse, before any step runs, a swap directory that cannot work."""
+def check_dirs(dirs: Tuple[str, ...], cfg: Optional[Config] = None) -> None:
+    """Refuse a swap directory that cannot work, naming how it was given (``nvme_path=`` or
+    SPILLOVER_NVME_PATH). Called when a context or an optimizer is made, before any step."""
+    given = "SPILLOVER_NVME_PATH=" if cfg is not None and cfg.sources.get("nvme_path") == "env" \
+        else "nvme_path="
+    fix = "pass nvme_path=DIR (or set SPILLOVER_NVME_PATH=DIR)"
     for d in dirs:
+        where = f"{given}{d!r}"
         if not os.path.exists(d):
-            raise ConfigError(
-                f"SPILLOVER_NVME_PATH: {d!r} does not exist; create it or point "
-                "SPILLOVER_NVME_PATH at a directory on a local NVMe drive"
-            )
+            raise ConfigError(f"{where} does not exist: create it, or {fix} with a directory "
+                              "on a local NVMe drive")
         if not os.path.isdir(d):
-            raise ConfigError(f"SPILLOVER_NVME_PATH: {d!r} is not a directory")
+            raise ConfigError(f"{where} is not a directory: {fix}")
         real = os.path.realpath(d)
         if real.split(os.sep)[1:2] in (["proc"], ["sys"], ["dev"]) and not real.startswith(
             "/dev/shm"
         ):
             raise ConfigError(
-                f"SPILLOVER_NVME_PATH: {d!r} is under /{real.split(os.sep)[1]}, a kernel "
-                "file system: choose a directory on a local drive"
+                f"{where} is under /{real.split(os.sep)[1]}, a kernel file system: {fix} "
+                "with a directory on a local drive"
             )
         st = os.stat(real)
         if st.st_mode & 0o002 and not st.st_mode & 0o1000:
             raise ConfigError(
-                f"SPILLOVER_NVME_PATH: {d!r} is world-writable without the sticky bit, so "
-                "other users could replace what is in it; use a private directory (chmod 700) "
-                "or one with the sticky bit (chmod +t)"
+                f"{where} is world-writable without the sticky bit, so other users could "
+                "replace what is in it: use a private directory (chmod 700) or one with the "
+                "sticky bit (chmod +t)"
             )
         if not os.access(d, os.W_OK | os.X_OK):
             raise ConfigError(
-                f"SPILLOVER_NVME_PATH: {d!r} is not writable by this user; fix its "
-                "permissions or choose another directory"
+                f"{where} is not writable by this user: fix its permissions, or {fix}"
             )
 
 
@@ -85,7 +87,7 @@ def swap_for(cfg: Config, pool: Any, own: bool = False) -> Any:
         s = _swaps.get(key)
         if s is None:
             dirs = cfg.nvme_path or (_default_dir(),)
-            check_dirs(dirs)
+            check_dirs(dirs, cfg)
             _runtime.log.info("opening swap files in %s", ", ".join(dirs))
             s = _native.Swap(
                 pool,

@@ -108,6 +108,30 @@ def _opt_size(value: Any, name: str) -> Optional[int]:
     return parse_size(value, name)
 
 
+def _positive(parse: Callable[[Any, str], Any], what: str) -> Callable[[Any, str], Any]:
+    """``parse``, refusing 0 (a size where nothing would work: a pool of no bytes)."""
+
+    def check(value: Any, name: str) -> Any:
+        v = parse(value, name)
+        if v == 0:
+            raise ConfigError(f"{name}={value!r}: {what} must be more than 0 bytes; "
+                              f"{_HINTS.get(name.removeprefix('SPILLOVER_').lower(), '')}")
+        return v
+
+    return check
+
+
+#: what to do instead of a size of 0, per setting
+_HINTS = {
+    "host_pool_bytes": "leave it unset for the default pool (64 MiB, grown to what steps hold), "
+                       "or give a size such as 512MiB",
+    "optim_pool_bytes": "leave it unset for what the parameters' state needs, or give a size "
+                        "such as 1GiB",
+    "io_block_bytes": "leave it unset for 1 MiB",
+    "sim_link_bandwidth": "leave it unset for no simulated device",
+}
+
+
 _PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
 _RANK_RE = re.compile(r"^\s*(local_rank|rank)\s*(?:%\s*(\d+)\s*)?$")
 
@@ -174,23 +198,23 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "tier": (_choice("host", "nvme", "auto"), "auto", "where offloaded activations go"),
     "nvme_path": (_paths, None, "swap directories, comma-separated; {local_rank}, {rank} and "
                   "{local_rank % N} are replaced per rank (default: private temp dir)"),
-    "host_pool_bytes": (_opt_size, None,
+    "host_pool_bytes": (_positive(_opt_size, "the host pool"), None,
                         "activation pool per process (default: 64 MiB, grown to what steps "
                         "hold, up to the rank's share of RAM / 4 and 8 GiB)"),
-    "optim_pool_bytes": (_opt_size, None,
+    "optim_pool_bytes": (_positive(_opt_size, "the optimizer's pool"), None,
                          "OffloadAdamW's pool per process (default: what its parameters' "
                          "state needs, at most the rank's share of RAM / 4 and 8 GiB)"),
     "min_offload_bytes": (_size, 1 << 20, "saved tensors smaller than this stay put"),
     "prefetch_bytes": (_opt_size, None, "read-ahead window (default: derived from bandwidth)"),
     "io_engine": (_choice("io_uring", "threads", "auto"), "auto", "swap I/O engine"),
     "io_queue_depth": (_posint, 32, "I/O requests kept in flight"),
-    "io_block_bytes": (_size, 1 << 20, "I/O request size"),
+    "io_block_bytes": (_positive(_size, "an I/O request"), 1 << 20, "I/O request size"),
     "allow_buffered_io": (_bool, False, "fall back to buffered I/O where O_DIRECT is refused"),
     "device_budget_bytes": (_opt_size, None, "activation memory the planner may keep on device"),
     "copy_inflight_bytes": (_opt_size, None,
                             "device->host copies in flight before pack waits (default: the "
                             "link's bandwidth x 20 ms)"),
-    "sim_link_bandwidth": (_opt_size, None,
+    "sim_link_bandwidth": (_positive(_opt_size, "a simulated link's bandwidth"), None,
                            "bytes/s of a simulated device link for CPU tensors (tests; off)"),
     "sim_compute_lag": (_seconds, 0.0,
                         "seconds the simulated device's compute stream runs behind the host "

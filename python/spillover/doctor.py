@@ -12,7 +12,7 @@ import resource
 import shutil
 import tempfile
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,6 +21,44 @@ from .config import Config, format_size
 from .errors import ConfigError, SpilloverError
 
 OK, WARN, BAD = "✓", "!", "✗"
+
+
+def effective(cfg: Config) -> Dict[str, str]:
+    """What each setting left unset resolves to on this machine, in words with the numbers."""
+    from . import _runtime
+    from .activations.link.common import default_cap_bytes
+    from .planner.tuner import DEFAULT_BUDGET_SHARE
+
+    act = _runtime.default_size("activations")
+    start = min(act, _runtime.MIN_POOL)
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+        where = "of free device memory"
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+        where = "of available RAM (a CPU host)"
+    pool = cfg.host_pool_bytes or start
+    return {
+        "SPILLOVER_NVME_PATH": f"a private directory under {tempfile.gettempdir()} (made at "
+                               "first use, removed at exit)",
+        "SPILLOVER_HOST_POOL_BYTES": f"{format_size(start)} at first, grown to what steps hold, "
+                                     f"at most {format_size(act)}",
+        "SPILLOVER_OPTIM_POOL_BYTES": "what the parameters' state needs, at most "
+                                      f"{format_size(_runtime.default_size('optim'))}",
+        "SPILLOVER_PREFETCH_BYTES": f"a quarter of the pool, at most 256 MiB ("
+                                    f"{format_size(min(pool // 4, 256 << 20))} of a "
+                                    f"{format_size(pool)} pool)",
+        "SPILLOVER_DEVICE_BUDGET_BYTES": f"none; policy='auto' plans for "
+                                         f"{DEFAULT_BUDGET_SHARE:.0%} {where} "
+                                         f"({format_size(DEFAULT_BUDGET_SHARE * free)} now)",
+        "SPILLOVER_COPY_INFLIGHT_BYTES": f"{format_size(default_cap_bytes())} (16 GB/s x 20 ms; "
+                                         "device copies only)",
+        "SPILLOVER_SIM_LINK_BANDWIDTH": "off (no simulated device)",
+        "SPILLOVER_WRITE_HOLD_BYTES": "the pool's capacity plus the largest storage written "
+                                      "from its tensor",
+    }
 
 
 class Report:
@@ -215,10 +253,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     dirs = check_dirs(r, cfg, probe_pool)
     engine = check_uring(r, probe_pool, dirs[0]) if dirs else None
     check_cuda(r)
-    print("\neffective configuration:")
+    print("\neffective configuration (the values a context and an optimizer will use):")
+    used = effective(cfg)
     for env, (_f, value, source, _h) in cfg.describe().items():
         shown = format_size(value) if env.endswith("_BYTES") and isinstance(value, int) else value
-        print(f"  {env:<30} {str(shown):<24} ({source})")
+        if value is None:
+            shown = used.get(env, "none")
+        print(f"  {env:<30} {shown}  ({source})")
     if args.probe_seconds > 0:
         print(f"\nbandwidth probe (~{args.probe_seconds:.0f} s):")
         probe_bandwidth(r, probe_pool, dirs[0] if dirs else None, engine or "threads",

@@ -194,6 +194,18 @@ def _share(n: int, whole: int) -> str:
     return f"{100.0 * n / whole:.0f}%" if whole else "-"
 
 
+def _shares(parts: List[int]) -> List[str]:
+    """Whole percentages of ``parts`` that add up to exactly 100 (largest remainders)."""
+    whole = sum(parts)
+    if not whole:
+        return ["-"] * len(parts)
+    exact = [100.0 * p / whole for p in parts]
+    out = [int(e) for e in exact]
+    for i in sorted(range(len(parts)), key=lambda i: out[i] - exact[i])[:100 - sum(out)]:
+        out[i] += 1
+    return [f"{v}%" for v in out]
+
+
 def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
                   findings: List[str], pool_limit: int = 0) -> str:
     """The text of ``ctx.report()``: where the step's device memory went (kept, and why;
@@ -201,17 +213,19 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
     tripped (``findings``). ``pool_limit``: what a default pool may grow to (Note [growing
     pool] in _growth.py)."""
     kept = s.bytes_kept
-    whole = s.bytes_packed
+    # the three shares add up to the whole: what a saved view's storage counts for is in
+    # bytes_packed once per view saved (offloaded once, kept once, then deduplicated)
+    whole = s.bytes_offloaded + kept + s.bytes_deduplicated
+    off_pc, kept_pc, dedup_pc = _shares([s.bytes_offloaded, kept, s.bytes_deduplicated])
     lines = [
         title,
-        f"  saved for backward: {s.tensors_packed} tensors, {format_size(whole)} of storage"
-        + (f" (+{s.storages_deduplicated} views of storages already saved, "
-           f"{format_size(s.bytes_deduplicated)})" if s.storages_deduplicated else ""),
-        f"  offloaded: {format_size(s.bytes_offloaded)} ({_share(s.bytes_offloaded, whole)}) "
+        f"  saved for backward: {s.tensors_packed} tensors, {format_size(whole)} of storage "
+        "counted once per tensor saved",
+        f"  offloaded: {format_size(s.bytes_offloaded)} ({off_pc}) "
         f"in {s.tensors_offloaded} storages -- host {format_size(s.bytes_offloaded_host)}, "
         f"nvme {format_size(s.bytes_offloaded_nvme)}"
         + (f"; {s.tensors_chunked} in pieces" if s.tensors_chunked else ""),
-        f"  kept on the device: {format_size(kept)} ({_share(kept, whole)}), by reason:",
+        f"  kept on the device: {format_size(kept)} ({kept_pc}), by reason:",
     ]
     reasons = [
         ("small", s.bytes_kept_small,
@@ -228,6 +242,10 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
     ]
     for name, n, why in reasons:
         lines.append(f"    {name:<12}{format_size(n):>12}  {why}")
+    lines.append(
+        f"  views of storages saved already: {format_size(s.bytes_deduplicated)} "
+        f"({dedup_pc}) in {s.storages_deduplicated} tensors, "
+        "held once (no device memory of their own)")
     lines.append(
         f"  stalls: {s.stall_seconds * 1e3:.1f} ms waiting for copies and I/O"
         f" ({s.copy_waits_forced} forced by the in-flight cap; copies in flight peaked at "

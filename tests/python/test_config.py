@@ -2,6 +2,7 @@ import pytest
 
 import spillover
 from spillover.config import Config, parse_size
+from spillover.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -66,3 +67,38 @@ def test_describe_covers_every_variable():
     d = Config.load({}).describe()
     assert set(d) == set(spillover.config.ENV_NAMES)
     assert all(src == "default" for (_f, _v, src, _h) in d.values())
+
+
+@pytest.mark.parametrize("field", ["host_pool_bytes", "optim_pool_bytes", "io_block_bytes",
+                                   "sim_link_bandwidth"])
+def test_a_size_of_zero_names_the_setting_and_the_fix(field, monkeypatch):
+    """A pool (or request, or link) of 0 bytes: a ConfigError naming the setting as it was
+    given, never a bare ValueError from deep inside (host_pool_bytes=0 once was)."""
+    for value in (0, "0", "0MiB"):
+        with pytest.raises(ConfigError, match=f"^{field}={value!r}: .* more than 0 bytes; "):
+            Config.load(**{field: value})
+    monkeypatch.setenv(f"SPILLOVER_{field.upper()}", "0")
+    with pytest.raises(ConfigError, match=f"^SPILLOVER_{field.upper()}='0': "):
+        Config.load()
+
+
+def test_host_pool_of_zero_refused_when_the_context_is_made():
+    import spillover
+
+    with pytest.raises(ConfigError, match="host_pool_bytes=0: the host pool must be more "
+                       "than 0 bytes; leave it unset for the default pool"):
+        spillover.offload_context("host", host_pool_bytes=0)
+
+
+def test_doctor_prints_the_values_it_will_use(capsys):
+    """Each setting left unset shows what it resolves to here, never ``None``."""
+    from spillover import doctor
+
+    assert doctor.main(["--probe-seconds", "0"]) in (0, 1)
+    out = capsys.readouterr().out.split("effective configuration", 1)[1]
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  SPILLOVER_")}
+    assert len(rows) == len(Config.load().describe())
+    assert not [r for r in rows.values() if " None " in r], rows
+    assert "at first, grown to what steps hold, at most" in rows["SPILLOVER_HOST_POOL_BYTES"]
+    assert "a quarter of the pool" in rows["SPILLOVER_PREFETCH_BYTES"]
+    assert rows["SPILLOVER_DEVICE_BUDGET_BYTES"].split()[1] == "none;"

@@ -2,6 +2,7 @@
 the situation it names, naming the knob, and not in a normal run; ``report()`` says where a step's
 memory went."""
 
+import re
 import time
 import warnings
 
@@ -256,3 +257,24 @@ def test_report_names_every_category(tiny_gpt, tmp_path, private_pool_bytes):
     assert spillover.format_size(s.bytes_kept_marked) in r
     total = ctx.report(total=True)
     assert total.startswith("spillover: 1 step on the nvme tier")
+
+
+def test_report_shares_add_up_and_auto_says_what_it_chose(tiny_gpt, tmp_path):
+    """Offloaded, kept and views of storages saved already: three shares of one whole, adding
+    up to 100 % (the views' bytes were counted inside the total and outside every share: 93 %
+    once); tier="auto" names the tier it chose."""
+    model, (idx, tgt) = tiny_gpt
+    ctx = spillover.offload_context("auto", min_offload_bytes=0, nvme_path=str(tmp_path),
+                                    host_pool_bytes="16MiB")
+    assert "auto tier (not chosen yet)" in ctx.report(total=True)
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(idx, tgt)
+    loss.backward()
+    s = ctx.stats()
+    assert s.storages_deduplicated > 0 and s.bytes_offloaded > 0, s
+    r = ctx.report()
+    assert r.startswith("spillover: step 1 on the auto tier (chose nvme: "), r
+    shares = [int(x) for x in re.findall(r"\((\d+)%\)", r)]
+    assert len(shares) == 3 and sum(shares) == 100, r
+    assert "views of storages saved already" in r

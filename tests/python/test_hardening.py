@@ -324,11 +324,12 @@ def test_swap_dir_removed_or_read_only_mid_run(tiny_gpt, tmp_path, change):
     kw = dict(nvme_path=str(d), min_offload_bytes=0)
     assert_bitwise(ref, gpt_step(model, batch, spillover.offload_context(
         "nvme", host_pool_bytes=(1 << 20) + 45056, **kw)))
+    # (made before the change: a context made after it is refused at construction)
+    c = spillover.offload_context("nvme", host_pool_bytes=(1 << 20) + 45056, **kw)
     if change == "removed":
         d.rmdir()
     else:
         os.chmod(d, 0o500)
-    c = spillover.offload_context("nvme", host_pool_bytes=(1 << 20) + 45056, **kw)
     assert_bitwise(ref, gpt_step(model, batch, c))
     assert c.stats().bytes_offloaded_nvme > 0
     if os.geteuid() == 0 and change == "read-only":

@@ -93,13 +93,21 @@ def test_nvme_verify_round_trip(tiny_gpt, tmp_path, verify):
     assert_bitwise(ref, gpt_step(model, batch, c))
 
 
-def test_bad_paths_fail_at_context_entry(tmp_path):
+def test_bad_paths_fail_at_construction(tmp_path, monkeypatch):
+    """Before any step, naming the way the path was given and how to fix it."""
     f = tmp_path / "file"
     f.write_text("x")
-    for path, msg in [(tmp_path / "missing", "does not exist"), (f, "not a directory")]:
-        c = spillover.offload_context("nvme", nvme_path=str(path), host_pool_bytes=5 << 20)
-        with pytest.raises(spillover.ConfigError, match=msg), c:
-            pass
+    for path, msg in [(tmp_path / "missing", "does not exist"), (f, "is not a directory")]:
+        with pytest.raises(spillover.ConfigError, match=f"^nvme_path='{path}' {msg}.*"
+                           "pass nvme_path=DIR .or set SPILLOVER_NVME_PATH=DIR."):
+            spillover.offload_context("nvme", nvme_path=str(path), host_pool_bytes=5 << 20)
+        with pytest.raises(spillover.ConfigError, match=f"^nvme_path='{path}' {msg}"):
+            spillover.OffloadAdamW([torch.nn.Parameter(torch.zeros(4))], tier="nvme",
+                                   nvme_path=str(path))
+    monkeypatch.setenv("SPILLOVER_NVME_PATH", str(tmp_path / "missing"))
+    with pytest.raises(spillover.ConfigError, match="^SPILLOVER_NVME_PATH='.*missing' does"):
+        spillover.offload_context("auto")
+    spillover.offload_context("host")  # a host tier opens no swap
 
 
 def test_injected_read_error_is_an_exception(tiny_gpt, tmp_path):

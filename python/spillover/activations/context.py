@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _runtime, suspend
+from .. import _runtime, _tiers, suspend
 from .._growth import Pools
 from ..config import Config
 from ..errors import ConfigError
@@ -63,6 +63,8 @@ class OffloadContext(Hooks, Guardrails):
         _runtime.configure_logging(self.config)
         registry.install_module_hook()  # Note [one hook for the run] in registry.py
         self.tier = self._resolve_tier(self.config.tier)
+        if self.tier != "host" and self.config.nvme_path:
+            _tiers.check_dirs(self.config.nvme_path, self.config)  # now, not at the first step
         self._pools = Pools(self.config, self.tier)  # Note [growing pool] in _growth.py
         # Its leases go back when the context does (it holds nothing of the context).
         weakref.finalize(self, self._pools.close).atexit = False
@@ -240,14 +242,24 @@ class OffloadContext(Hooks, Guardrails):
                 findings = [m for _, m in self._last.findings] if self._last else []
         if total:
             title = (f"spillover: {s.steps} step{'' if s.steps == 1 else 's'} on the "
-                     f"{self.tier} tier")
+                     f"{self._tier_words()}")
         elif self._last is None:
             title = "spillover: no step yet (enter the context around a forward)"
         else:
-            title = f"spillover: step {self._last.index} on the {self.tier} tier"
+            title = f"spillover: step {self._last.index} on the {self._tier_words()}"
         return format_report(s, title=title, min_offload_bytes=self.config.min_offload_bytes,
                              findings=findings,
                              pool_limit=self._pools.limit() if self._pool is not None else 0)
+
+    def _tier_words(self) -> str:
+        """The tier in a report's title; for ``tier="auto"``, what it chose."""
+        if self.config.tier != "auto":
+            return f"{self.tier} tier"
+        if self._pool is None:
+            return "auto tier (not chosen yet)"
+        if self.nvme:
+            return "auto tier (chose nvme: the host pool, spilling to swap files)"
+        return "auto tier (chose host: the NVMe tier could not open)"
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Offload ``tensor`` as this context's saved-tensor hook would; returns a handle for
