@@ -29,6 +29,8 @@ pub enum Error {
     Integrity { key: u64, expected: u32, found: u32 },
     /// A caller passed something unusable (a size of zero, an unknown key, ...).
     Invalid(String),
+    /// The device refused a call or a copy failed on it (`op`: what was being done).
+    Device { op: &'static str, detail: String },
     /// One of spillover's own invariants did not hold (a bug: Note [no panic across the
     /// boundary]). The call that found it fails; the tier and every other entry stay usable.
     Internal(String),
@@ -75,6 +77,7 @@ impl fmt::Display for Error {
                  {found:#010x}"
             ),
             Error::Invalid(msg) => f.write_str(msg),
+            Error::Device { op, detail } => write!(f, "device {op} failed: {detail}"),
             Error::Internal(what) => write!(
                 f,
                 "internal error in spillover: {what}. The operation that hit it failed; other \

@@ -12,6 +12,7 @@ from .activations import OffloadContext, keep, offload_context
 from .config import Config, format_size, parse_size
 from .errors import (
     ConfigError,
+    DeviceError,
     IntegrityError,
     InternalError,
     OutOfSpaceError,
@@ -30,6 +31,7 @@ __version__ = _native.__version__
 __all__ = [
     "Config",
     "ConfigError",
+    "DeviceError",
     "IntegrityError",
     "InternalError",
     "OffloadAdamW",

@@ -219,6 +219,9 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
     "sim_compute_lag": (_seconds, 0.0,
                         "seconds the simulated device's compute stream runs behind the host "
                         "(with sim_link_bandwidth; tests; 0)"),
+    "sim_call_cost": (_seconds, 0.0,
+                      "host seconds each call to the simulated device costs (with "
+                      "sim_link_bandwidth: what a driver call costs the host; tests; 0)"),
     "write_from_tensor": (_bool, True,
                           "NVMe tier, CPU tensors: write a saved storage to disk from its own "
                           "memory, held until written (off: copy it into the pool first)"),
@@ -251,6 +254,7 @@ class Config:
     copy_inflight_bytes: Optional[int] = None
     sim_link_bandwidth: Optional[int] = None
     sim_compute_lag: float = 0.0
+    sim_call_cost: float = 0.0
     write_from_tensor: bool = True
     write_hold_bytes: Optional[int] = None
     verify: bool = False

@@ -13,6 +13,7 @@ __all__ = [
     "SwapIOError",
     "OutOfSpaceError",
     "IntegrityError",
+    "DeviceError",
     "InternalError",
 ]
 
@@ -60,6 +61,12 @@ class OutOfSpaceError(SwapIOError):
 
 class IntegrityError(SpilloverError, RuntimeError):
     """A tensor read back does not match the checksum taken when it was offloaded."""
+
+
+class DeviceError(SpilloverError, RuntimeError):
+    """The device refused a call of the link, or a copy failed on it (the message names the
+    driver's error, e.g. ``CUDA_ERROR_ILLEGAL_ADDRESS``). A CUDA context that reported an
+    asynchronous error is unusable: restart the process."""
 
 
 class InternalError(SpilloverError, RuntimeError):

@@ -39,6 +39,7 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             PyErr::from_value(errors.getattr("IntegrityError")?.call1((msg,))?)
         }
         Error::Invalid(_) => PyErr::new::<pyo3::exceptions::PyValueError, _>(msg),
+        Error::Device { .. } => PyErr::from_value(errors.getattr("DeviceError")?.call1((msg,))?),
         Error::Internal(_) => PyErr::from_value(errors.getattr("InternalError")?.call1((msg,))?),
     };
     Ok(e)

@@ -6,6 +6,7 @@
 
 mod errors;
 mod inflight;
+mod link;
 mod optim;
 mod pool;
 mod swap;
@@ -27,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tier::PyView>()?;
     m.add_class::<tier::PyGathered>()?;
     m.add_class::<inflight::PyInflight>()?;
+    m.add_class::<link::PyLink>()?;
     m.add_class::<optim::PyAdamState>()?;
     m.add("STEP_RECORD_FIELDS", optim::STEP_FIELDS.to_vec())?;
     m.add("BUFFER_RECORD_FIELDS", optim::BUFFER_FIELDS.to_vec())?;

@@ -125,7 +125,7 @@ impl PyTier {
 
 #[pyclass(name = "Step", module = "spillover._native", frozen)]
 pub struct PyStep {
-    step: Step,
+    pub(super) step: Step,
 }
 
 fn step_stats<'py>(py: Python<'py>, s: StepStats) -> PyResult<Bound<'py, PyDict>> {
@@ -244,7 +244,7 @@ impl PyStep {
 
 #[pyclass(name = "Handle", module = "spillover._native", frozen)]
 pub struct PyHandle {
-    h: Handle,
+    pub(super) h: Handle,
 }
 
 #[pymethods]
@@ -270,8 +270,11 @@ impl PyHandle {
     }
 
     /// A view if the bytes are sealed and in the pool now, else None; not counted.
-    fn try_get(&self, py: Python<'_>) -> PyResult<Option<PyView>> {
-        Ok(guarded(py, || Ok(self.h.try_get()))?.map(|v| PyView { v }))
+    /// `staging=True`: also while the copy filling them is in flight (for a device copy
+    /// ordered after it, never for the host to read).
+    #[pyo3(signature = (staging=false))]
+    fn try_get(&self, py: Python<'_>, staging: bool) -> PyResult<Option<PyView>> {
+        Ok(guarded(py, || Ok(self.h.try_get(staging)))?.map(|v| PyView { v }))
     }
 
     #[getter]
@@ -310,7 +313,7 @@ impl PyHandle {
 /// `numpy.asarray(view)` makes an array whose `.base` is the view.
 #[pyclass(name = "View", module = "spillover._native", frozen)]
 pub struct PyView {
-    v: View,
+    pub(super) v: View,
 }
 
 #[pymethods]

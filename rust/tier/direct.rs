@@ -294,7 +294,7 @@ mod tests {
         );
         assert!(matches!(h.residency(), "dirty" | "writing" | "clean"));
         assert!(tier.stats().pool_in_use > 0);
-        assert_eq!(h.try_get().unwrap().as_slice(), &buf[off..off + n]);
+        assert_eq!(h.try_get(false).unwrap().as_slice(), &buf[off..off + n]);
     }
 
     #[test]
@@ -316,7 +316,7 @@ mod tests {
             !released.load(Ordering::SeqCst),
             "unwritten: the source is still needed"
         );
-        let v = h.try_get().unwrap();
+        let v = h.try_get(false).unwrap();
         assert!(v.is_borrowed(), "the source's own memory");
         assert_eq!(v.as_slice(), &buf[off..off + n]);
         drop(v);

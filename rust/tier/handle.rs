@@ -11,7 +11,8 @@ use crate::error::{Error, Result};
 use crate::pool::Block;
 
 /// A view of an entry's bytes (or of a gathered storage): keeps them where they are while it
-/// lives (Note [views hold blocks]).
+/// lives (Note [views hold blocks]). A clone holds them too.
+#[derive(Clone)]
 pub struct View {
     keep: Keep,
     ptr: *mut u8,
@@ -20,6 +21,7 @@ pub struct View {
 
 // Held only to keep the bytes alive and out of the kernel's hands; never read.
 #[allow(dead_code)]
+#[derive(Clone)]
 enum Keep {
     Block(Arc<Block>),
     Gathered(Arc<Vec<Block>>),
@@ -328,12 +330,15 @@ impl Handle {
         t.read_ahead(&mut st, s, q);
     }
 
-    /// A view when the bytes are sealed and in the pool now; no waiting, not counted.
-    pub fn try_get(&self) -> Option<View> {
+    /// A view when the bytes are sealed and in the pool now; no waiting, not counted. With
+    /// `staging`, also of a block whose copy has not landed yet: for a device copy ordered
+    /// after that copy's event (Note [stream ordering] in rust/link), never for the host to read.
+    pub fn try_get(&self, staging: bool) -> Option<View> {
         let st = self.tier().lock();
         let e = st.entries.get(&self.inner.id)?;
         match &e.res {
             Residency::Dirty(b) | Residency::Clean { block: b, .. } => Some(e.view(b)),
+            Residency::Staging(b) if staging => Some(e.view(b)),
             _ => None,
         }
     }

@@ -1,10 +1,11 @@
-"""What a GPU would see, seen on the CPU: the simulated device (transfer.SimDevice) whose
-device->host copies finish only after bytes / bandwidth, under a whole offload_context.
+"""What a GPU would see, seen on the CPU: the simulated device (rust/link/sim.rs, through
+activations/link/device.py) whose device->host copies finish only after bytes / bandwidth,
+under a whole offload_context.
 
 Note [back-pressure] and Note [source returned]: the bytes of copies in flight are capped, so the
 device memory a forward holds stays near what it keeps plus the cap; sources are released at
-unpack and at the end of backward, so nothing offloaded stays on the device after backward();
-an entry whose source is still alive is returned, not copied back.
+the end of backward, so nothing offloaded stays on the device after backward(); an entry whose
+source is still alive is returned, not copied back.
 """
 
 import gc
@@ -14,8 +15,8 @@ import torch
 from conftest import assert_bitwise, drained, gpt_step
 
 import spillover
+from spillover.activations.link import link_for
 from spillover.models import GPT, GPTConfig, synthetic_batch
-from spillover.transfer import transfers_for
 
 CPU = torch.device("cpu")
 
@@ -36,11 +37,11 @@ def sim_ctx(tier, bw, cap, **kw):
 def forward_peak(model, batch, ctx, bw, cap):
     """Peak of the simulated device's live bytes (offloaded storages still alive anywhere)
     sampled after every module's forward, then the step's backward."""
-    tr = transfers_for(CPU, sim_bandwidth=bw, cap_bytes=cap)
+    tr = link_for(CPU, sim_bandwidth=bw, cap_bytes=cap)
     peak = [0]
 
     def sample(*_):
-        peak[0] = max(peak[0], tr.dev.live_bytes())
+        peak[0] = max(peak[0], tr.probe_memory().live_bytes())
 
     hooks = [m.register_forward_hook(sample) for m in model.modules()]
     try:
@@ -86,8 +87,8 @@ def test_nothing_offloaded_stays_after_backward(gpt, tier, private_pool_bytes):
     model, batch = gpt
     bw = 5e8
     c = sim_ctx(tier, bw, 8 << 20, host_pool_bytes=private_pool_bytes)
-    tr = transfers_for(CPU, sim_bandwidth=bw, cap_bytes=8 << 20)
-    before = tr.dev.live_bytes()
+    tr = link_for(CPU, sim_bandwidth=bw, cap_bytes=8 << 20)
+    before = tr.probe_memory().live_bytes()
     model.zero_grad(set_to_none=True)
     with c:
         loss = model(*batch)
@@ -96,8 +97,8 @@ def test_nothing_offloaded_stays_after_backward(gpt, tier, private_pool_bytes):
     gc.collect()
     # No host sync, no GC pass needed for the sources: backward's end released them.
     assert tr.bytes_held == 0
-    assert tr.device_tensors_held == 0
-    assert tr.dev.live_bytes() <= before
+    assert tr.counters()["staged"] == 0
+    assert tr.probe_memory().live_bytes() <= before
     assert drained(c) == (0, 0)
 
 
@@ -105,7 +106,7 @@ def test_a_live_source_is_returned_not_copied_back():
     x = torch.randn(1 << 20, requires_grad=True)  # 4 MiB
     bw = 4e6  # one second for the copy
     c = sim_ctx("host", bw, 1 << 40, min_offload_bytes=0)
-    tr = transfers_for(CPU, sim_bandwidth=bw, cap_bytes=1 << 40)
+    tr = link_for(CPU, sim_bandwidth=bw, cap_bytes=1 << 40)
     with c:
         h = x * 2.0
         handle = c.pack(h)

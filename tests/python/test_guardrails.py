@@ -3,7 +3,6 @@ the situation it names, naming the knob, and not in a normal run; ``report()`` s
 memory went."""
 
 import re
-import time
 import warnings
 
 import pytest
@@ -13,7 +12,7 @@ from conftest import assert_bitwise, gpt_step
 import spillover
 from spillover import _runtime
 from spillover import calibrate as _calibrate
-from spillover.activations import link as _transfer
+from spillover.activations.link import device as _device
 
 #: A distinctive phrase of each guardrail's message.
 POOL_FULL = "host pool was full"
@@ -190,26 +189,25 @@ def test_eager_region_does_not_fire(caught):
 
 @pytest.fixture
 def slow_link(monkeypatch):
-    """Every wait for a device->host copy takes 150 ms longer: a link far slower than the fake
-    calibration's 1 TB/s. The CPU is reached as through a link (the simulated device's
-    asynchronous copies, no bandwidth of its own): on a plain CPU host pack copies at once and
-    nothing waits for a link (Note [host link] in activations/hooks.py)."""
-    monkeypatch.setattr(_transfer.CpuDevice, "host_is_device", False)
-    monkeypatch.setattr(_transfer, "_cache", {})  # no plain-CPU Transfers made before this
-    wait = _transfer.Copy.wait
+    """A simulated link of 1 TB/s -- what the fake calibration says -- whose every copy takes
+    150 ms longer (latency), and a cap of copies in flight so small that every pack waits for
+    the copy before it: the link runs far below its calibration. (On a plain CPU host pack
+    copies at once and nothing waits for a link: Note [host link] in activations/hooks.py.)"""
+    real = _device._native.Link
 
-    def slow(self):
-        time.sleep(0.15)
-        return wait(self) + 0.15
+    def slow(kind, **kw):
+        return real(kind, **{**kw, "latency": 0.15})
 
-    monkeypatch.setattr(_transfer.Copy, "wait", slow)
+    monkeypatch.setattr(_device._native, "Link", slow)
+    return dict(sim_link_bandwidth=1e12, copy_inflight_bytes=4096)
 
 
 def test_slower_than_calibration_fires_once(tiny_gpt, caught, monkeypatch, slow_link):
     monkeypatch.setattr(_calibrate, "load", lambda cfg=None: FAST_CALIBRATION)
     model, batch = tiny_gpt
     ref = gpt_step(model, batch)
-    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY,
+                                    **slow_link)
     for _ in range(3):
         assert_bitwise(ref, gpt_step(model, batch, ctx))
     assert ctx.stats().stall_seconds > 0.1
@@ -222,7 +220,10 @@ def test_slower_than_calibration_fires_once(tiny_gpt, caught, monkeypatch, slow_
 def test_no_calibration_no_speed_check(tiny_gpt, caught, monkeypatch, slow_link):
     monkeypatch.setattr(_calibrate, "load", lambda cfg=None: None)
     model, batch = tiny_gpt
-    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=ROOMY,
+                                    **slow_link)
+    # a device link with no bandwidth of its own (CUDA's): only a calibration gives its rate
+    monkeypatch.setattr(ctx._transfer(torch.device("cpu")), "sim_bandwidth", None)
     gpt_step(model, batch, ctx)
     assert ctx.stats().stall_seconds > 0.1
     assert not fired(caught, SLOW)

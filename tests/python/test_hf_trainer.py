@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft")
 
 import spillover  # noqa: E402
 from spillover import planner  # noqa: E402
-from spillover.context import OffloadContext  # noqa: E402
+from spillover.activations.context import OffloadContext  # noqa: E402
 from spillover.integrations import StepContext, check_not_double_checkpointed, hf  # noqa: E402
 from spillover.planner import Machine  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The ledger of copies in flight as Python sees it (``spillover._native.Inflight``, Note [the
 ledger of copies in flight] in rust/tier/inflight.rs; its property tests are tests/inflight.rs)
-and the link policy over it (Note [the ledger lives in the tier] in link/policy.py)."""
+and the device link over it (Note [sources held] in rust/link/mod.rs)."""
 
 import pytest
 import torch
@@ -43,24 +43,27 @@ def test_the_ledger_rejects_what_is_no_size():
         _native.Inflight(8).issue(-1)
 
 
-def test_the_policy_drops_the_sources_the_ledger_names():
+def test_the_link_drops_the_sources_the_ledger_names():
     """A simulated link far slower than issuing: every copy is still in flight, so the sources
-    held are exactly those the ledger holds, and the counters are the ledger's."""
-    dev = link.SimDevice(1e6)  # 1 MB/s: 64 KiB take 65 ms
+    held are exactly those the ledger holds, and the counters are the ledger's; once all
+    landed, the ledger holds none and the newest within the cap stay (Note [the newest
+    sources stay] in activations/link/device.py)."""
     n, cap = 64 << 10, 3 * (64 << 10)
-    tr = link.Transfers(dev, cap)
+    tr = link.DeviceLink(torch.device("cpu"), cap_bytes=cap, sim_bandwidth=1e6 + 1)  # 65 ms
+    tier = _native.Tier(_native.Pool(8 << 20))
+    step = tier.begin_step()
     srcs = [torch.full((n,), i, dtype=torch.uint8) for i in range(6)]
-    dsts = [torch.zeros(n, dtype=torch.uint8) for _ in srcs]
-    copies = [tr.to_host(s, d) for s, d in zip(srcs, dsts)]
-    held = {c._id for c in copies if c.source() is not None}
-    assert held == set(tr._ledger.held_ids())
+    packed = [tr.pack(step, s.untyped_storage(), n) for s in srcs]
+    copies = [c for _, c in packed]
+    held = {c.id for c in copies if c.source() is not None}
+    assert len(held) == 3 and tr.native.bytes_held == 3 * n
     assert copies[-1].source() is not None  # the newest is never a victim
-    assert tr.bytes_held <= cap and tr.peak_bytes_held >= tr.bytes_held
-    assert tr.copies == 6 and tr.forced_waits >= 1
-    assert tr.sources_released == 6 - len(held)
+    c = tr.counters()
+    assert c["copies"] == 6 and c["forced_waits"] >= 1 and c["sources_released"] == 3
     tr.synchronize()
-    assert (tr.bytes_in_flight, tr.bytes_held, tr._copies) == (0, 0, {})
-    assert all(c.source() is None for c in copies)
-    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    assert (tr.bytes_in_flight, tr.native.bytes_held) == (0, 0)
+    assert [c.source() is not None for c in copies] == [False] * 3 + [True] * 3
+    assert all(torch.equal(s, torch.from_numpy(__import__("numpy").asarray(h.get())))
+               for s, (h, _) in zip(srcs, packed))
     tr.release_sources()
-    assert tr.sources_released == 6 - len(held)  # nothing was left to release
+    assert tr.bytes_held == 0 and all(c.source() is None for c in copies)

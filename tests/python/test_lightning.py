@@ -26,7 +26,7 @@ from test_hf_trainer import (  # noqa: E402
 
 import spillover  # noqa: E402
 from spillover import planner  # noqa: E402
-from spillover.context import OffloadContext  # noqa: E402
+from spillover.activations.context import OffloadContext  # noqa: E402
 from spillover.integrations import hf  # noqa: E402
 from spillover.integrations.lightning import SpilloverCallback  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_exception_leaves_the_context():
         warnings.simplefilter("ignore")
         trainer.fit(Boom(model), train_dataloaders=loader)
     assert not cb.steps.active
-    from spillover.context import current_context
+    from spillover.activations.context import current_context
 
     assert current_context() is None
 

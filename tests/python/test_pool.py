@@ -8,7 +8,7 @@ import torch
 
 import spillover
 from spillover import _native
-from spillover.transfer import block_tensor
+from spillover.activations.link import block_tensor
 
 
 @pytest.fixture

@@ -193,7 +193,7 @@ class Guardrails:
             tr = self._transfers.get(dev)
             if tr is None:
                 continue
-            bw = getattr(tr.dev, "bandwidth", None)
+            bw = tr.sim_bandwidth
             if bw:  # a simulated link: its bandwidth is its calibration
                 d2h = h2d = bw
             else:

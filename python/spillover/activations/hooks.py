@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import PoolExhaustedError
-from .link import block_tensor, transfers_for
+from .link import link_for
 from .registry import StepRecord, StorageWeakRef, capturing, is_param
 from .stored import Packed, Stored
 from .unpack import Unpack
@@ -78,11 +78,13 @@ class Hooks(Unpack):
         return i >= 0 and addr < self._pool_ranges[i][1]
 
     def _transfer(self, device: torch.device) -> Any:
+        """The link of ``device`` (activations/link): the host link, or a device link."""
         tr = self._transfers.get(device)
         if tr is None:
-            tr = transfers_for(device, sim_bandwidth=self.config.sim_link_bandwidth,
-                               cap_bytes=self.config.copy_inflight_bytes,
-                               sim_lag=self.config.sim_compute_lag)
+            cfg = self.config
+            tr = link_for(device, sim_bandwidth=cfg.sim_link_bandwidth,
+                          cap_bytes=cfg.copy_inflight_bytes, sim_lag=cfg.sim_compute_lag,
+                          sim_call_cost=cfg.sim_call_cost)
             with self._lock:
                 self._transfer_base[device] = (tr.stall_seconds, tr.forced_waits)
                 self._transfers[device] = tr
@@ -121,11 +123,10 @@ class Hooks(Unpack):
             stored = self._pack_host(rec, storage, t, nbytes)
         else:
             tr.reap(rec.errors)
-            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             if self._chunk_above and nbytes > self._chunk_above:
-                stored = self._pack_pieces(rec, tr, src, t, nbytes)
+                stored = self._pack_pieces(rec, tr, storage, t, nbytes)
             else:
-                stored = self._pack_whole(rec, tr, src, t, nbytes)
+                stored = self._pack_whole(rec, tr, storage, t, nbytes)
         if stored is None:
             stats.add(tensors_packed=1, bytes_packed=nbytes, bytes_kept_pool_full=nbytes)
             return t
@@ -167,14 +168,18 @@ class Hooks(Unpack):
                 return Packed(stored, t)
         return None
 
-    def _put(self, rec: StepRecord, tr: Any, nbytes: int, grow: bool = True
-             ) -> Tuple[Any, Any]:
-        """A staged tier entry of ``nbytes``. When every block is staged or viewed, the copies
-        in flight are waited for (their entries become evictable) and the lease tried again;
+    def _put(self, rec: StepRecord, tr: Any, storage: Any, t: torch.Tensor, nbytes: int,
+             offset: int = 0, grow: bool = True) -> Tuple[Any, Any]:
+        """A tier entry of ``nbytes`` from ``storage`` at ``offset``, its copy started: one
+        call into the device link. When every block is staged or viewed, the copies in
+        flight are waited for (their entries become evictable) and the lease tried again;
         then (``grow``) a default pool grows (Note [growing pool] in _growth.py);
         PoolExhaustedError when none of that makes room."""
+        def put() -> Tuple[Any, Any]:
+            return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors)
+
         try:
-            return rec.step.put(nbytes)
+            return put()
         except PoolExhaustedError:
             if rec.pool_full:  # found full after waiting: waiting again frees nothing
                 raise
@@ -186,12 +191,12 @@ class Hooks(Unpack):
             tr.synchronize(rec.errors)
             rec.stats.add(stall_seconds=time.perf_counter() - t0)
             try:
-                return rec.step.put(nbytes)
+                return put()
             except PoolExhaustedError:
                 if not (grow and self._grow(rec, nbytes)):
                     self._full(rec)
                     raise
-        return rec.step.put(nbytes)
+        return put()
 
     @staticmethod
     def _full(rec: StepRecord) -> None:
@@ -258,17 +263,15 @@ class Hooks(Unpack):
         rec.stats.add(tensors_chunked=1)
         return Stored(rec, rec.step.gather(handles), nbytes, t.device, [], handles[-1].seq)
 
-    def _pack_whole(self, rec: StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
+    def _pack_whole(self, rec: StepRecord, tr: Any, storage: Any, t: torch.Tensor,
                     nbytes: int) -> Optional[Stored]:
         try:
-            handle, view = self._put(rec, tr, nbytes)
+            handle, copy = self._put(rec, tr, storage, t, nbytes)
         except PoolExhaustedError:
             return None
-        copy = tr.to_host(src, block_tensor(view), watch=t, on_landed=handle.seal,
-                          errors=rec.errors)
         return Stored(rec, handle, nbytes, t.device, [copy], handle.seq)
 
-    def _pack_pieces(self, rec: StepRecord, tr: Any, src: torch.Tensor, t: torch.Tensor,
+    def _pack_pieces(self, rec: StepRecord, tr: Any, storage: Any, t: torch.Tensor,
                      nbytes: int) -> Optional[Stored]:
         """Note [gathered storages] (rust/tier/gather.rs): a storage larger than half the pool
         goes in pieces, each an entry of its own, written out as the pool fills."""
@@ -276,12 +279,11 @@ class Hooks(Unpack):
         try:
             for off in range(0, nbytes, self._chunk_bytes):
                 n = min(self._chunk_bytes, nbytes - off)
-                handle, view = self._put(rec, tr, n, grow=False)  # one tier step for all
-                copies.append(tr.to_host(src[off : off + n], block_tensor(view), watch=t,
-                                         on_landed=handle.seal, errors=rec.errors))
+                handle, copy = self._put(rec, tr, storage, t, n, offset=off, grow=False)
+                copies.append(copy)
                 handles.append(handle)
         except PoolExhaustedError:
-            # The pieces go as their copies land (a staging view keeps its block until then).
+            # The pieces go as their copies land (the link holds their staging views).
             return None
         rec.stats.add(tensors_chunked=1)
         return Stored(rec, rec.step.gather(handles), nbytes, t.device, copies, handles[-1].seq)

@@ -9,13 +9,21 @@ Note [views share one return]
     there is a view of its block, free to repeat). Measured on the GPT benchmark's 128 MiB
     attention probabilities, each saved through two views: 1.3 s of backward's 1.45 s of
     waiting was the second gathering of each.
+
+Note [staging distance]
+    On a device, each unpack stages the next entries backward is expected to unpack (the
+    tier's learned order) onto the H2D stream: up to 4 entries, and no more bytes than
+    min(512 MiB, an eighth of the pool) -- the staged copies hold their pool views until they
+    ran, and views keep blocks from the tier's read-ahead and eviction, so a bound that ignored
+    a 64 MiB pool starved the read-ahead. Staging goes on past an entry that is not in the pool
+    (the tier's read-ahead owns it), takes entries whose D2H copy was not seen complete (the
+    H2D stream waits for its event, not the host), and the pieces of a storage in pieces.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 import torch
 
@@ -28,7 +36,7 @@ from .stored import Packed, Stored
 
 __all__ = ["Unpack"]
 
-#: H2D staging distance (CUDA and the simulated device): entries and bytes ahead of unpack.
+#: Note [staging distance]: entries and bytes staged ahead of unpack (device links).
 STAGE_AHEAD_ENTRIES = 4
 STAGE_AHEAD_BYTES = 512 << 20
 
@@ -119,6 +127,9 @@ class Unpack:
         if src is not None:  # Note [source returned]
             stats.add(unpacks_from_source=1)
             s.entry.note_used()
+            if not tr.host_is_device:
+                for c in s.copies:
+                    tr.returned(c, src)
             return src
         with s._lock:
             if s._cached is not None:  # another view of this storage already brought it back
@@ -128,7 +139,7 @@ class Unpack:
                     s._cached, s._cached_uses = None, 0
                 return raw
             staged, s.staged = s.staged, None
-            if staged is not None:
+            if staged is not None and staged is not True:
                 s.entry.note_used()
                 raw = tr.use(staged)
             else:
@@ -140,19 +151,24 @@ class Unpack:
         return raw
 
     def _bring_back(self, tr: Any, s: Stored, packed: Packed) -> torch.Tensor:
-        if s.copies:  # the tier can give the bytes back only once they have landed
-            t0 = time.perf_counter()
+        """The bytes from the tier: on a CPU host a view of the block (Note [host link]); on a
+        device copied into a new tensor of the using stream now, piece by piece for a storage
+        in pieces (Note [pieces come back piece by piece] in link/device.py)."""
+        if tr.host_is_device and s.copies:  # (the host link copies when it packs: none)
             for c in s.copies:
                 c.wait()
-            s.record.stats.add(stall_seconds=time.perf_counter() - t0)
+        where = "nvme" if self.nvme else "host"
         try:
-            view = s.entry.get()
+            if tr.host_is_device or not s.chunked:
+                views = [s.entry.get()]
+            else:
+                views = [h.get() for h in reversed(s.entry.parts)][::-1]
         except IntegrityError as e:
-            where = "nvme" if self.nvme else "host"
             raise IntegrityError(
                 f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} read "
                 f"back from the {where} tier does not match its checksum ({e})"
             ) from None
+        view = views[0]
         # A borrowed view is the tensor's own memory, its write not landed: nothing was read.
         if not s.chunked and not view.borrowed and not self._in_pool(view.address):
             _runtime.warn_once(
@@ -161,36 +177,54 @@ class Unpack:
                 f"read back a {format_size(s.nbytes)} tensor; used a temporary buffer (slower). "
                 "Raise SPILLOVER_HOST_POOL_BYTES to a few times the largest saved tensor.",
             )
-        raw, _ = tr.to_device(block_tensor(view))
-        return raw
+        if tr.host_is_device:
+            return block_tensor(view)
+        return tr.bring_back(list(zip(views, s.copies)))
 
     def _stage_ahead(self, tr: Any, s: Stored) -> None:
         """Start the H2D copies of the next entries backward is expected to unpack, a bounded
-        distance ahead, from blocks already in the pool (the tier reads the rest ahead)."""
+        distance ahead (Note [staging distance]), from blocks in the pool -- also those whose
+        D2H copy has not been seen complete (the H2D stream waits for it) and the pieces of a
+        storage in pieces; an entry not in the pool is the tier's read-ahead's, and staging
+        goes on past it."""
         rec = s.record
         ref = rec.by_seq.get(s.seq)
         if tr.host_is_device or ref is None or ref() is not s:
             return  # nothing staged on a CPU host; an entry of a pool grown past: not ahead
+        ahead_entries, ahead_bytes = self._staging_distance()
         staged, nbytes = 0, 0
-        for seq in rec.step.expected_after(s.seq, 4 * STAGE_AHEAD_ENTRIES):
-            if staged >= STAGE_AHEAD_ENTRIES or nbytes >= STAGE_AHEAD_BYTES:
+        todo: List[Tuple[Stored, List[Tuple[Any, Any]]]] = []
+        for seq in rec.step.expected_after(s.seq, 4 * ahead_entries):
+            if staged >= ahead_entries or nbytes >= ahead_bytes:
                 break
             ref = rec.by_seq.get(seq)
             c = ref() if ref is not None else None
-            if c is None or c.device != s.device or len(c.copies) != 1:
+            if c is None or c.device != s.device:
                 continue
             with c._lock:
                 if c.staged is not None:  # staged at an earlier unpack: within the distance
                     staged += 1
                     nbytes += c.nbytes
                     continue
-                if c._cached is not None:
+                if c._cached is not None or c.source() is not None:
                     continue
-                if c.copies[0].source() is not None or not c.copies[0].done():
-                    continue
-                view = c.entry.try_get()
-                if view is None:
-                    break  # still on disk or in flight: the tier's read-ahead owns it
-                c.staged = tr.to_device(block_tensor(view), wait=False)
+                parts = c.entry.parts if c.chunked else [c.entry]
+                views = [h.try_get(staging=True) for h in parts]
+                if any(v is None for v in views):
+                    continue  # on disk or being written: the tier's read-ahead owns it
+                c.staged = True  # claimed: filled below
+            todo.append((c, list(zip(views, c.copies))))
             staged += 1
             nbytes += c.nbytes
+        if not todo:
+            return
+        for (c, _), handed in zip(todo, tr.stage([parts for _, parts in todo])):
+            with c._lock:
+                c.staged = handed
+
+    def _staging_distance(self) -> Tuple[int, int]:
+        """Note [staging distance]: entries and bytes staged ahead of unpack -- 4 entries and
+        at most min(512 MiB, an eighth of the pool), so that staging never holds the views the
+        tier's read-ahead needs."""
+        pool = self._pool.capacity if self._pool is not None else STAGE_AHEAD_BYTES
+        return STAGE_AHEAD_ENTRIES, max(1, min(STAGE_AHEAD_BYTES, pool // 8))

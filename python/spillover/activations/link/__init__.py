@@ -1,7 +1,12 @@
-"""The link: device <-> host copies for the activation tier and the optimizer, one policy
-(:class:`Transfers`, policy.py, its host -> device side in h2d.py) over the primitives of each
-device kind -- CUDA (cuda.py), a simulated GPU for CPU tests (sim.py), and plain CPU, where the
-host is the device (host.py). :func:`transfers_for` gives the process's policy for a device."""
+"""The link: device <-> host copies for the activation tier. For a device with a link (CUDA,
+or the simulated device for CPU tensors in tests and benchmarks) the copies are issued from
+Rust (``spillover._native.Link``, rust/link: Notes [stream ordering], [sources held], [device
+calls] there) behind :class:`DeviceLink` (device.py); for plain CPU tensors the host is the
+device (:class:`HostLink`, host.py). :func:`link_for` gives the process's link for a device.
+
+The optimizer's staged copies use the device primitives of cuda.py (CUDA streams and events
+from torch) and sim.py (their CPU stand-in) until they move to the Rust link too.
+"""
 
 from __future__ import annotations
 
@@ -12,48 +17,50 @@ from typing import Any, Dict, Optional
 import torch
 
 from .common import block_tensor, default_cap_bytes
-from .cuda import CudaDevice
-from .host import CpuDevice
-from .policy import Copy, Transfers
-from .sim import SimDevice
+from .device import DeviceLink, LinkCopy, SimMemory
+from .host import HostLink
 
-__all__ = ["Copy", "CpuDevice", "CudaDevice", "SimDevice", "Transfers", "block_tensor",
-           "default_cap_bytes", "transfers_for"]
+__all__ = ["DeviceLink", "HostLink", "LinkCopy", "SimMemory", "block_tensor",
+           "default_cap_bytes", "link_for"]
 
-_cache: Dict[Any, Transfers] = {}
+_cache: Dict[Any, Any] = {}
 _cache_lock = threading.Lock()
+_host = HostLink()
 
 
 def _after_fork_in_child() -> None:
     global _cache_lock
-    _cache_lock = threading.Lock()  # worker threads do not survive fork; keys carry the pid
+    _cache_lock = threading.Lock()  # keys carry the pid: a child makes links of its own
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def transfers_for(device: Any, *, sim_bandwidth: Optional[float] = None,
-                  cap_bytes: Optional[int] = None,
-                  link_bandwidth: Optional[float] = None, sim_lag: float = 0.0) -> Transfers:
-    """The process's :class:`Transfers` for ``device``: CUDA for a CUDA device (default cap
-    from ``link_bandwidth``, 16 GB/s when None); for CPU tensors a :class:`SimDevice` of
-    ``sim_bandwidth`` bytes/s whose compute stream runs ``sim_lag`` seconds behind the host
-    when given, else plain CPU. ``cap_bytes`` overrides the cap."""
+def link_for(device: Any, *, sim_bandwidth: Optional[float] = None,
+             cap_bytes: Optional[int] = None, link_bandwidth: Optional[float] = None,
+             sim_lag: float = 0.0, sim_call_cost: float = 0.0) -> Any:
+    """The process's link for ``device``: a :class:`DeviceLink` over CUDA for a CUDA device
+    (default cap from ``link_bandwidth``, 16 GB/s when None); for CPU tensors a
+    :class:`DeviceLink` over the simulated device of ``sim_bandwidth`` bytes/s (its compute
+    stream ``sim_lag`` seconds behind the host, ``sim_call_cost`` host seconds per device
+    call) when given, else the :class:`HostLink`. ``cap_bytes`` overrides the cap."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    sim = sim_bandwidth if device.type == "cpu" and sim_bandwidth else None
-    lag = float(sim_lag) if sim else 0.0
-    key = (device.type, device.index, sim, lag, cap_bytes, link_bandwidth, os.getpid())
+    if device.type == "cpu" and not sim_bandwidth:
+        return _host
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"spillover: no link for device {device}")
+    sim = (float(sim_bandwidth), float(sim_lag), float(sim_call_cost)) \
+        if device.type == "cpu" else None
+    key = (device.type, device.index, sim, cap_bytes, link_bandwidth, os.getpid())
     with _cache_lock:
-        tr = _cache.get(key)
-        if tr is None:
-            if device.type == "cuda":
-                dev: Any = CudaDevice(device, link_bandwidth)
-            elif device.type == "cpu":
-                dev = SimDevice(sim, compute_lag_s=lag) if sim else CpuDevice()
+        link = _cache.get(key)
+        if link is None:
+            if sim is not None:
+                link = DeviceLink(device, cap_bytes=cap_bytes, sim_bandwidth=sim[0],
+                                  sim_lag=sim[1], sim_call_cost=sim[2])
             else:
-                raise ValueError(f"spillover: no transfers for device {device}")
-            tr = _cache[key] = Transfers(dev, cap_bytes)
-        return tr
-
+                link = DeviceLink(device, cap_bytes=cap_bytes, link_bandwidth=link_bandwidth)
+            _cache[key] = link
+        return link

@@ -1,23 +1,36 @@
 """The host link: plain CPU tensors, where the "device" is the host (Note [host link] in
-activations/hooks.py). Its copies into the tier are one call into Rust (``Step.put_from``); as
-a primitive device for :class:`~.policy.Transfers` (tests, the optimizer) it copies on a worker
-thread."""
+activations/hooks.py). Pack copies the bytes into the tier in one call into Rust
+(``Step.put_from``) and unpack views the block: no copy in flight, nothing held, nothing to
+wait for. This object answers the link's questions for that case."""
 
 from __future__ import annotations
 
-from .common import MiB
-from .sim import SimDevice
+from typing import Any, List, Optional
 
-__all__ = ["CpuDevice"]
+__all__ = ["HostLink"]
 
 
-class CpuDevice(SimDevice):
-    """Plain CPU: copies on a worker thread (``copy_`` releases the GIL), done when it is; the
-    host block is the "device" tensor (``to_device`` is zero-copy)."""
+class HostLink:
+    """The link of plain CPU tensors: nothing in flight, ever."""
 
     host_is_device = True
+    sim_bandwidth = None
+    bytes_in_flight = 0
+    bytes_held = 0
+    forced_waits = 0
+    stall_seconds = 0.0
 
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.default_cap, self._probe = 256 * MiB, False
+    def reap(self, errors: Optional[List[BaseException]] = None) -> None:
+        pass
 
+    def synchronize(self, errors: Optional[List[BaseException]] = None) -> None:
+        pass
+
+    def release_sources(self) -> None:
+        pass
+
+    def end_of_backward(self) -> None:
+        pass
+
+    def counters(self) -> Any:
+        return {}

@@ -1,0 +1,504 @@
+//! The device link: copies between device memory and the host pool, issued from Rust on the
+//! streams of one device ([`device::Device`]: CUDA through the driver API, or the simulated
+//! device), one call per saved tensor from Python.
+//!
+//! # Note [stream ordering]
+//! - Device to host (pack): the link's D2H stream waits for an event recorded on the compute
+//!   stream handed over (the user's current stream), then copies, then records the copy's
+//!   event. Never a host wait: forward runs on while the copy drains.
+//! - Host to device, urgent (an unpack whose bytes were not staged): the copy is queued on the
+//!   compute stream itself, after the work queued there and before the node that needs it;
+//!   an event after it keeps the host block until it ran. The tensor it fills was made from
+//!   that stream's allocator pool, so nothing else orders it. A copy the using stream needs
+//!   now does not queue behind look-ahead on the H2D stream.
+//! - Host to device, staged ahead: the H2D stream waits once per batch for the compute
+//!   stream's queued work (the blocks are from the compute stream's pool, and queued work may
+//!   still use them: Note [backward's tensors in the compute pool] in activations/link), then
+//!   copies each and records its event; the using stream waits for that event at the unpack
+//!   (`use_staged`), or before the tensor is let go unused (`drop_staged`).
+//! - Bytes whose D2H copy has not been observed complete are brought back after it: the
+//!   stream that copies them waits for the D2H event (`after`), never the host.
+//!
+//! # Note [sources held]
+//! A copy reads its source after `d2h` returned. The source (a torch tensor) is Python's to
+//! keep; the link's ledger ([`crate::tier::Inflight`]) says how long: until the copy is
+//! observed complete ([`Link::poll`]), or until the compute stream the source was made on has
+//! been made to wait for the copy (the victims `d2h` returns past the cap, and
+//! [`Link::release_all`]) -- then the caching allocator can hand the source's block only to
+//! work ordered after the copy. The host blocks a copy writes or reads (a tier entry's staging
+//! view, a pool view) are held here (`hold`) until its event was seen.
+//!
+//! # Note [device calls]
+//! What a pack costs the device API: record (compute), wait (D2H stream), copy, record (D2H)
+//! = 4 calls, plus the waits its victims need past the cap and the queries of [`Link::poll`]
+//! (one for every copy landed and one for the first that has not). An urgent unpack: a
+//! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
+//! complete). A staged unpack: per batch a record and a wait, per entry a copy and a record,
+//! and the using stream's wait at its unpack. `Device::calls` counts them; the link's
+//! `calls` property reads it.
+
+pub mod checksum;
+pub mod cuda;
+pub mod device;
+pub mod sim;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+pub use device::{Device, Dir, Event, Keep, Stream};
+
+use crate::error::{Error, Result};
+use crate::tier::{Inflight, Issued};
+
+/// What runs once a device-to-host copy has landed (the tier entry's seal, the verify check).
+pub type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// A copy observed complete by [`Link::poll`]: its id and what it (or its landing) raised.
+#[derive(Debug)]
+pub struct Landed {
+    pub id: u64,
+    pub error: Option<Error>,
+}
+
+struct D2h {
+    ev: Event,
+    compute: Stream,
+    nbytes: u64,
+    hold: Option<Keep>,
+    landing: Option<Landing>,
+}
+
+struct H2d {
+    ev: Event,
+    hold: Option<Keep>,
+}
+
+struct Staged {
+    hold: Option<Keep>,
+    settled: bool,
+}
+
+#[derive(Default, Debug, Clone, Copy)]
+pub struct LinkStats {
+    pub copies_to_host: u64,
+    pub copies_to_device: u64,
+    pub staged: u64,
+    pub urgent: u64,
+    pub after_waits: u64,
+    pub host_wait_seconds: f64,
+}
+
+struct State {
+    ledger: Inflight,
+    d2h: BTreeMap<u64, D2h>,
+    h2d: VecDeque<H2d>,
+    staged: HashMap<Event, Staged>,
+    free: Vec<Event>,
+    stats: LinkStats,
+}
+
+/// The link of one device (Notes [stream ordering], [sources held], [device calls]).
+pub struct Link {
+    dev: Arc<dyn Device>,
+    d2h: Stream,
+    h2d: Stream,
+    st: Mutex<State>,
+}
+
+impl Link {
+    /// A link over `dev`, its held sources capped at `cap_bytes` (Note [back-pressure] in the
+    /// ledger): makes its two streams.
+    pub fn new(dev: Arc<dyn Device>, cap_bytes: u64) -> Result<Link> {
+        dev.bind_thread()?;
+        let d2h = dev.new_stream()?;
+        let h2d = dev.new_stream()?;
+        Ok(Link {
+            dev,
+            d2h,
+            h2d,
+            st: Mutex::new(State {
+                ledger: Inflight::new(cap_bytes),
+                d2h: BTreeMap::new(),
+                h2d: VecDeque::new(),
+                staged: HashMap::new(),
+                free: Vec::new(),
+                stats: LinkStats::default(),
+            }),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn event(&self, st: &mut State) -> Result<Event> {
+        match st.free.pop() {
+            Some(ev) => Ok(ev),
+            None => self.dev.new_event(),
+        }
+    }
+
+    /// Start copying `nbytes` of device memory at `src` into host memory at `dst` on the D2H
+    /// stream, after the work queued so far on `compute`. `hold` is kept until the copy is
+    /// seen complete, then `landing` runs (in [`Link::poll`] or a wait). Returns the ledger's
+    /// decision: the copy's id, and the copies whose sources the caller drops now (the compute
+    /// stream already waits for them: Note [sources held]).
+    ///
+    /// # Safety
+    /// `src` is device memory of `nbytes` the caller keeps alive as the ledger says (Note
+    /// [sources held]), or `keep_src` holds it; `dst` is host memory of `nbytes` that `hold`
+    /// keeps alive and nothing else writes until the copy landed.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn d2h(
+        &self,
+        src: u64,
+        dst: u64,
+        nbytes: u64,
+        compute: Stream,
+        hold: Option<Keep>,
+        keep_src: Option<Keep>,
+        landing: Option<Landing>,
+    ) -> Result<Issued> {
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        let after = self.event(&mut st)?;
+        self.dev.record(after, compute)?;
+        self.dev.wait(self.d2h, after)?;
+        st.free.push(after); // a wait takes the event's state when it is queued
+                             // SAFETY: the caller's contract.
+        unsafe {
+            self.dev
+                .copy(dst, src, nbytes, Dir::ToHost, self.d2h, keep_src)?
+        };
+        let ev = self.event(&mut st)?;
+        self.dev.record(ev, self.d2h)?;
+        let issued = st.ledger.issue(nbytes);
+        st.stats.copies_to_host += 1;
+        st.d2h.insert(
+            issued.id,
+            D2h {
+                ev,
+                compute,
+                nbytes,
+                hold,
+                landing,
+            },
+        );
+        self.order_victims(&mut st, &issued.victims)?;
+        Ok(issued)
+    }
+
+    /// The compute streams of `ids` wait for their copies (the newest per stream: a copy
+    /// stream finishes in order). A copy already seen landed needs nothing.
+    fn order_victims(&self, st: &mut State, ids: &[u64]) -> Result<()> {
+        let mut newest: Vec<(Stream, Event)> = Vec::new();
+        for id in ids {
+            if let Some(c) = st.d2h.get(id) {
+                match newest.iter_mut().find(|(s, _)| *s == c.compute) {
+                    Some(slot) => slot.1 = c.ev,
+                    None => newest.push((c.compute, c.ev)),
+                }
+            }
+        }
+        for (stream, ev) in newest {
+            let t0 = Instant::now();
+            self.dev.wait(stream, ev)?;
+            st.stats.host_wait_seconds += t0.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// Every held source is released: the compute streams wait for those copies. Returns
+    /// their ids (oldest first) for the caller to drop the sources.
+    pub fn release_all(&self) -> Result<Vec<u64>> {
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        let ids = st.ledger.release_all();
+        self.order_victims(&mut st, &ids)?;
+        Ok(ids)
+    }
+
+    /// Observe the copies that have landed (oldest first, up to the first that has not: a
+    /// copy stream finishes in order), run their landings, let go of what finished
+    /// host-to-device copies held.
+    pub fn poll(&self) -> Result<Vec<Landed>> {
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        let mut done: Vec<(u64, D2h, Option<Error>)> = Vec::new();
+        while let Some((&id, c)) = st.d2h.first_key_value() {
+            let error = match self.dev.query(c.ev) {
+                Ok(false) => break,
+                Ok(true) => None,
+                Err(e) => Some(e),
+            };
+            let Some(c) = st.d2h.remove(&id) else { break };
+            st.ledger.landed(id);
+            st.free.push(c.ev);
+            done.push((id, c, error));
+        }
+        self.poll_h2d(&mut st);
+        drop(st);
+        Ok(finish(done))
+    }
+
+    fn poll_h2d(&self, st: &mut State) {
+        while let Some(h) = st.h2d.front() {
+            if !matches!(self.dev.query(h.ev), Ok(true)) {
+                break;
+            }
+            if let Some(h) = st.h2d.pop_front() {
+                st.free.push(h.ev);
+                drop(h.hold);
+            }
+        }
+    }
+
+    /// Block the host until copy `id` has landed (and every copy before it); then poll.
+    /// Returns the seconds waited and what the poll observed. A copy already observed: 0 s.
+    pub fn wait_copy(&self, id: u64) -> Result<(f64, Vec<Landed>)> {
+        self.dev.bind_thread()?;
+        let ev = self.lock().d2h.get(&id).map(|c| c.ev);
+        let t0 = Instant::now();
+        if let Some(ev) = ev {
+            // an error of the copy is the poll's to report, with its id
+            let _ = self.dev.synchronize(ev);
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let landed = self.poll()?;
+        self.lock().stats.host_wait_seconds += dt;
+        Ok((if ev.is_some() { dt } else { 0.0 }, landed))
+    }
+
+    /// Bring `nbytes` from host memory `src` into device memory `dst` now, on `compute`
+    /// (Note [stream ordering]: urgent), after the D2H copy `after` when it was not seen
+    /// complete. `hold` keeps `src` until the copy ran.
+    ///
+    /// # Safety
+    /// `dst` is device memory of `nbytes` made from `compute`'s pool (or held by `keep`);
+    /// `src` is host memory of `nbytes` that `hold` keeps alive.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn to_device(
+        &self,
+        dst: u64,
+        src: u64,
+        nbytes: u64,
+        compute: Stream,
+        after: Option<u64>,
+        hold: Option<Keep>,
+        keep: Option<Keep>,
+    ) -> Result<()> {
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        if let Some(ev) = after.and_then(|id| st.d2h.get(&id).map(|c| c.ev)) {
+            self.dev.wait(compute, ev)?;
+            st.stats.after_waits += 1;
+        }
+        let t0 = Instant::now();
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.dev
+                .copy(dst, src, nbytes, Dir::ToDevice, compute, keep)?
+        };
+        // the host's time in the call: a simulated compute stream (the host) runs the copy
+        st.stats.host_wait_seconds += t0.elapsed().as_secs_f64();
+        let ev = self.event(&mut st)?;
+        self.dev.record(ev, compute)?;
+        st.h2d.push_back(H2d { ev, hold });
+        st.stats.copies_to_device += 1;
+        st.stats.urgent += 1;
+        Ok(())
+    }
+
+    /// Stage copies ahead on the H2D stream (Note [stream ordering]): each `(dst, src, nbytes,
+    /// after, hold, keep)` as for [`Link::to_device`]. Returns one event per copy, for
+    /// [`Link::use_staged`] or [`Link::drop_staged`] (exactly one of them, once).
+    ///
+    /// # Safety
+    /// As [`Link::to_device`] for each item.
+    pub unsafe fn stage(&self, compute: Stream, items: Vec<StageItem>) -> Result<Vec<Event>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        let before = self.event(&mut st)?;
+        self.dev.record(before, compute)?;
+        self.dev.wait(self.h2d, before)?;
+        st.free.push(before);
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            if let Some(ev) = it.after.and_then(|id| st.d2h.get(&id).map(|c| c.ev)) {
+                self.dev.wait(self.h2d, ev)?;
+                st.stats.after_waits += 1;
+            }
+            // SAFETY: the caller's contract.
+            unsafe {
+                self.dev
+                    .copy(it.dst, it.src, it.nbytes, Dir::ToDevice, self.h2d, it.keep)?
+            };
+            let ev = self.event(&mut st)?;
+            self.dev.record(ev, self.h2d)?;
+            st.staged.insert(
+                ev,
+                Staged {
+                    hold: it.hold,
+                    settled: false,
+                },
+            );
+            st.stats.copies_to_device += 1;
+            st.stats.staged += 1;
+            out.push(ev);
+        }
+        Ok(out)
+    }
+
+    /// A staged copy's tensor is used on `stream` from now: the stream waits for the copy.
+    pub fn use_staged(&self, ev: Event, stream: Stream) -> Result<()> {
+        self.settle(ev, stream)
+    }
+
+    /// A staged copy's tensor is let go unused: the stream that made it waits for the copy
+    /// first (its block would otherwise go to that stream's next allocation under the copy).
+    pub fn drop_staged(&self, ev: Event, made_on: Stream) -> Result<()> {
+        self.settle(ev, made_on)
+    }
+
+    fn settle(&self, ev: Event, stream: Stream) -> Result<()> {
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        let Some(s) = st.staged.get_mut(&ev) else {
+            return Err(Error::Invalid(format!("event {ev} is no staged copy's")));
+        };
+        if s.settled {
+            return Ok(());
+        }
+        s.settled = true;
+        let t0 = Instant::now();
+        let r = self.dev.wait(stream, ev);
+        st.stats.host_wait_seconds += t0.elapsed().as_secs_f64();
+        self.reap_staged(&mut st);
+        r
+    }
+
+    /// Staged copies used (or dropped) and seen complete: their holds and events go.
+    fn reap_staged(&self, st: &mut State) {
+        let settled: Vec<Event> = st
+            .staged
+            .iter()
+            .filter(|(_, s)| s.settled)
+            .map(|(&e, _)| e)
+            .collect();
+        for ev in settled {
+            if matches!(self.dev.query(ev), Ok(true)) {
+                if let Some(s) = st.staged.remove(&ev) {
+                    drop(s.hold);
+                    st.free.push(ev);
+                }
+            }
+        }
+    }
+
+    /// Wait for every copy in flight either way (tests, measurements, a full pool), then
+    /// poll. What the copies raised comes back with their ids.
+    pub fn synchronize(&self) -> Result<Vec<Landed>> {
+        self.dev.bind_thread()?;
+        let evs: Vec<Event> = {
+            let st = self.lock();
+            let mut v: Vec<Event> = st.d2h.values().map(|c| c.ev).collect();
+            v.extend(st.h2d.iter().map(|h| h.ev));
+            v.extend(st.staged.keys().copied());
+            v
+        };
+        let t0 = Instant::now();
+        for ev in evs {
+            let _ = self.dev.synchronize(ev); // errors come back through the poll
+        }
+        let landed = self.poll()?;
+        let mut st = self.lock();
+        st.stats.host_wait_seconds += t0.elapsed().as_secs_f64();
+        self.reap_staged(&mut st);
+        Ok(landed)
+    }
+
+    /// The ledger's counters and the link's (a snapshot).
+    pub fn counters(&self) -> (LedgerCounters, LinkStats) {
+        let st = self.lock();
+        let l = &st.ledger;
+        (
+            LedgerCounters {
+                cap_bytes: l.cap_bytes(),
+                bytes_in_flight: l.bytes_in_flight(),
+                peak_bytes_in_flight: l.peak_bytes_in_flight(),
+                bytes_held: l.bytes_held(),
+                peak_bytes_held: l.peak_bytes_held(),
+                copies: l.copies(),
+                forced_waits: l.forced_waits(),
+                sources_released: l.sources_released(),
+                in_flight: l.in_flight() as u64,
+                staged: st.staged.values().filter(|s| !s.settled).count() as u64,
+            },
+            st.stats,
+        )
+    }
+
+    /// Whether copy `id` is in flight (not yet seen complete).
+    pub fn in_flight(&self, id: u64) -> bool {
+        self.lock().d2h.contains_key(&id)
+    }
+
+    /// Whether the source of copy `id` is still the ledger's to hold.
+    pub fn held(&self, id: u64) -> bool {
+        self.lock().ledger.is_held(id)
+    }
+
+    /// The bytes of copy `id` while in flight.
+    pub fn nbytes(&self, id: u64) -> Option<u64> {
+        self.lock().d2h.get(&id).map(|c| c.nbytes)
+    }
+}
+
+/// One copy of [`Link::stage`].
+pub struct StageItem {
+    pub dst: u64,
+    pub src: u64,
+    pub nbytes: u64,
+    pub after: Option<u64>,
+    pub hold: Option<Keep>,
+    pub keep: Option<Keep>,
+}
+
+/// The ledger's counters (Note [the ledger of copies in flight]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LedgerCounters {
+    pub cap_bytes: u64,
+    pub bytes_in_flight: u64,
+    pub peak_bytes_in_flight: u64,
+    pub bytes_held: u64,
+    pub peak_bytes_held: u64,
+    pub copies: u64,
+    pub forced_waits: u64,
+    pub sources_released: u64,
+    pub in_flight: u64,
+    pub staged: u64,
+}
+
+/// Run the landings of copies seen complete (outside the link's lock: a seal takes the tier's),
+/// after dropping what they held.
+fn finish(done: Vec<(u64, D2h, Option<Error>)>) -> Vec<Landed> {
+    done.into_iter()
+        .map(|(id, c, error)| {
+            // the staging view goes first: the tier writes behind only blocks nobody views
+            drop(c.hold);
+            let error = match error {
+                Some(e) => Some(e),
+                None => c.landing.and_then(|f| f().err()),
+            };
+            Landed { id, error }
+        })
+        .collect()
+}

@@ -1,0 +1,468 @@
+//! The simulated device: the CPU pretending to be a GPU behind a link, for tests and benchmarks
+//! on machines without one (Note [the simulated device]).
+//!
+//! # Note [the simulated device]
+//! "Device memory" is host memory (CPU tensors); what is modelled is time and order:
+//! - every stream the device makes is a worker thread running its queue in order; a copy on it
+//!   finishes `latency + bytes / bandwidth` after the stream started it, and reads its source
+//!   at the end (the late reader a GPU may be);
+//! - stream 0 is the compute stream, and the compute stream is the host: work the host queues
+//!   there (a copy, a wait) runs at once on the calling thread, so a copy on it holds the host
+//!   for its time, as an exposed copy holds a GPU's compute. Its events fire `compute_lag`
+//!   after they were recorded: the compute stream of a GPU runs behind a host that queues work
+//!   faster than it runs, and a host that waits to *see* such an event waits the lag (another
+//!   stream ordered after it does not: the work before it has run, on the host);
+//! - each call to the device costs the host `call_cost` (spun, not slept): the driver's host
+//!   time per call, so that a link's host cost per tensor shows on a CPU (zero by default);
+//! - faults can be injected ([`SimDevice::inject`]): a failed copy (its stream's next event
+//!   carries the error), a device-to-host copy that reads bytes other than its source's (the
+//!   source overwritten before the copy ran), and a host-to-device copy whose bytes land only
+//!   after its event fired (a tensor read before its copy landed), for the verify mode's tests.
+//!
+//! What a copy reads or writes stays alive until it ran because the copy holds it (`Keep`):
+//! the simulator reads memory through raw pointers, and freeing it under a queued copy would
+//! read freed memory rather than show a race (the races are injected instead).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::device::{Device, Dir, Event, Keep, Stream};
+use crate::error::{Error, Result};
+
+/// The compute stream's handle in the simulator: the host.
+pub const COMPUTE: Stream = 0;
+
+/// How the simulated device behaves (Note [the simulated device]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimOptions {
+    /// Bytes per second of a copy (None: copies take no time).
+    pub bandwidth: Option<f64>,
+    /// Seconds every copy takes besides its bytes.
+    pub latency: f64,
+    /// Seconds the compute stream runs behind the host.
+    pub compute_lag: f64,
+    /// Host seconds each call to the device costs.
+    pub call_cost: f64,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            bandwidth: None,
+            latency: 0.0,
+            compute_lag: 0.0,
+            call_cost: 0.0,
+        }
+    }
+}
+
+/// A fault to inject into the next copies (Note [the simulated device]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The copy fails; its stream's next event carries the error.
+    Fail,
+    /// A device-to-host copy reads one byte other than its source's (flipped).
+    StaleSource,
+    /// A host-to-device copy's bytes land 50 ms after its event fired.
+    LateLanding,
+}
+
+#[derive(Default)]
+struct EvState {
+    /// Records so far, and how many of them have fired.
+    recorded: u64,
+    fired: u64,
+    /// When the latest record fires, for a record on the compute stream.
+    due: Option<Instant>,
+    error: Option<String>,
+}
+
+struct SimEvent {
+    st: Mutex<EvState>,
+    cv: Condvar,
+}
+
+impl SimEvent {
+    fn lock(&self) -> MutexGuard<'_, EvState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fire(&self, seq: u64, error: Option<String>) {
+        let mut st = self.lock();
+        st.fired = st.fired.max(seq);
+        if error.is_some() {
+            st.error = error;
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Block until record `seq` fired (or its due time passed, on the compute stream).
+    fn wait_for(&self, seq: u64, due: Option<Instant>) {
+        if let Some(due) = due {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            return;
+        }
+        let mut st = self.lock();
+        while st.fired < seq {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+enum Op {
+    Copy {
+        dst: u64,
+        src: u64,
+        nbytes: u64,
+        seconds: f64,
+        fault: Option<Fault>,
+        keep: Option<Keep>,
+    },
+    Record {
+        ev: Arc<SimEvent>,
+        seq: u64,
+    },
+    Wait {
+        ev: Arc<SimEvent>,
+        seq: u64,
+        due: Option<Instant>,
+    },
+    Stop,
+}
+
+struct Worker {
+    tx: Sender<Op>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn run_worker(rx: std::sync::mpsc::Receiver<Op>) {
+    let mut error: Option<String> = None;
+    while let Ok(op) = rx.recv() {
+        match op {
+            Op::Copy {
+                dst,
+                src,
+                nbytes,
+                seconds,
+                fault,
+                keep,
+            } => {
+                if seconds > 0.0 {
+                    std::thread::sleep(Duration::from_secs_f64(seconds));
+                }
+                match fault {
+                    Some(Fault::Fail) => {
+                        error = Some("simulated copy failure (injected)".into());
+                        drop(keep);
+                    }
+                    Some(Fault::LateLanding) => {
+                        // the bytes arrive after the event: a reader that trusted it sees the
+                        // old contents (the thread holds what the copy reads and writes)
+                        std::thread::spawn(move || {
+                            std::thread::sleep(Duration::from_millis(50));
+                            // SAFETY: as for an on-time copy: `keep`, moved here, holds both
+                            // ranges alive (Device::copy's contract).
+                            unsafe { raw_copy(dst, src, nbytes) };
+                            drop(keep);
+                        });
+                    }
+                    other => {
+                        // SAFETY: Device::copy's contract: both ranges valid until the copy
+                        // ran, or held by `keep`, dropped only below.
+                        unsafe { raw_copy(dst, src, nbytes) };
+                        if other == Some(Fault::StaleSource) && nbytes > 0 {
+                            // SAFETY: `dst` is valid for `nbytes` > 0 bytes (as above).
+                            unsafe { *(dst as *mut u8) ^= 0x5a };
+                        }
+                        drop(keep);
+                    }
+                }
+            }
+            Op::Record { ev, seq } => ev.fire(seq, error.take()),
+            Op::Wait { ev, seq, due } => ev.wait_for(seq, due),
+            Op::Stop => return,
+        }
+    }
+}
+
+/// # Safety
+/// `src` and `dst` are valid for `nbytes` bytes and do not overlap.
+unsafe fn raw_copy(dst: u64, src: u64, nbytes: u64) {
+    if nbytes == 0 {
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, nbytes as usize);
+    }
+}
+
+/// The simulated device (Note [the simulated device]).
+pub struct SimDevice {
+    opts: SimOptions,
+    streams: Mutex<Vec<Worker>>,
+    events: Mutex<Vec<Arc<SimEvent>>>,
+    faults: Mutex<VecDeque<(Fault, Dir)>>,
+    calls: AtomicU64,
+}
+
+impl SimDevice {
+    pub fn new(opts: SimOptions) -> Result<SimDevice> {
+        if let Some(bw) = opts.bandwidth {
+            if bw.is_nan() || bw <= 0.0 {
+                return Err(Error::Invalid(format!(
+                    "simulated bandwidth must be > 0 bytes/s, got {bw}"
+                )));
+            }
+        }
+        for (name, v) in [
+            ("latency", opts.latency),
+            ("compute_lag", opts.compute_lag),
+            ("call_cost", opts.call_cost),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(Error::Invalid(format!(
+                    "simulated {name} must be a number of seconds >= 0, got {v}"
+                )));
+            }
+        }
+        Ok(SimDevice {
+            opts,
+            streams: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
+            faults: Mutex::new(VecDeque::new()),
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    pub fn options(&self) -> SimOptions {
+        self.opts
+    }
+
+    /// Inject `fault` into the next copy going `dir` (faults queue up, oldest first).
+    pub fn inject(&self, fault: Fault, dir: Dir) {
+        lock(&self.faults).push_back((fault, dir));
+    }
+
+    fn call(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.opts.call_cost > 0.0 {
+            let until = Instant::now() + Duration::from_secs_f64(self.opts.call_cost);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    fn event(&self, ev: Event) -> Result<Arc<SimEvent>> {
+        let events = lock(&self.events);
+        events
+            .get(ev as usize)
+            .cloned()
+            .ok_or_else(|| Error::Invalid(format!("unknown simulated event {ev}")))
+    }
+
+    fn send(&self, stream: Stream, op: Op) -> Result<()> {
+        let streams = lock(&self.streams);
+        let w = streams
+            .get((stream as usize).wrapping_sub(1))
+            .ok_or_else(|| Error::Invalid(format!("unknown simulated stream {stream}")))?;
+        w.tx.send(op)
+            .map_err(|_| Error::Internal(format!("simulated stream {stream} has stopped")))
+    }
+
+    fn take_fault(&self, dir: Dir) -> Option<Fault> {
+        let mut faults = lock(&self.faults);
+        let i = faults.iter().position(|&(_, d)| d == dir)?;
+        faults.remove(i).map(|(f, _)| f)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Drop for SimDevice {
+    fn drop(&mut self) {
+        let mut streams = lock(&self.streams);
+        for w in streams.iter() {
+            let _ = w.tx.send(Op::Stop);
+        }
+        for w in streams.iter_mut() {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Device for SimDevice {
+    fn kind(&self) -> &'static str {
+        "sim"
+    }
+
+    fn new_stream(&self) -> Result<Stream> {
+        self.call();
+        let (tx, rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name("spillover-sim-stream".into())
+            .spawn(move || run_worker(rx))
+            .map_err(|e| Error::Internal(format!("could not start a simulated stream: {e}")))?;
+        let mut streams = lock(&self.streams);
+        streams.push(Worker {
+            tx,
+            thread: Some(thread),
+        });
+        Ok(streams.len() as Stream) // 1-based: 0 is the compute stream
+    }
+
+    fn new_event(&self) -> Result<Event> {
+        self.call();
+        let mut events = lock(&self.events);
+        events.push(Arc::new(SimEvent {
+            st: Mutex::new(EvState::default()),
+            cv: Condvar::new(),
+        }));
+        Ok((events.len() - 1) as Event)
+    }
+
+    fn record(&self, ev: Event, stream: Stream) -> Result<()> {
+        self.call();
+        let e = self.event(ev)?;
+        let mut st = e.lock();
+        st.recorded += 1;
+        st.error = None; // a new record: what failed before it is the old record's
+        let seq = st.recorded;
+        if stream == COMPUTE {
+            if self.opts.compute_lag > 0.0 {
+                st.due = Some(Instant::now() + Duration::from_secs_f64(self.opts.compute_lag));
+            } else {
+                st.due = None;
+                st.fired = seq;
+            }
+            return Ok(());
+        }
+        st.due = None;
+        drop(st);
+        self.send(stream, Op::Record { ev: e, seq })
+    }
+
+    fn query(&self, ev: Event) -> Result<bool> {
+        self.call();
+        let e = self.event(ev)?;
+        let mut st = e.lock();
+        if let Some(due) = st.due {
+            if Instant::now() >= due {
+                st.fired = st.recorded;
+                st.due = None;
+            }
+        }
+        if st.fired < st.recorded {
+            return Ok(false);
+        }
+        match &st.error {
+            Some(msg) => Err(Error::Device {
+                op: "copy",
+                detail: msg.clone(),
+            }),
+            None => Ok(true),
+        }
+    }
+
+    fn synchronize(&self, ev: Event) -> Result<()> {
+        self.call();
+        let e = self.event(ev)?;
+        let (seq, due) = {
+            let st = e.lock();
+            (st.recorded, st.due)
+        };
+        e.wait_for(seq, due);
+        let mut st = e.lock();
+        if due.is_some() {
+            st.fired = st.fired.max(seq);
+        }
+        match &st.error {
+            Some(msg) => Err(Error::Device {
+                op: "copy",
+                detail: msg.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn wait(&self, stream: Stream, ev: Event) -> Result<()> {
+        self.call();
+        let e = self.event(ev)?;
+        let (seq, due) = {
+            let st = e.lock();
+            (st.recorded, st.due)
+        };
+        if stream == COMPUTE {
+            e.wait_for(seq, due); // the compute stream is the host
+            return Ok(());
+        }
+        if due.is_some() {
+            // recorded on the compute stream: the host has run that work already (its lag is
+            // only when the host *sees* the event), so a stream ordered after it need not wait
+            return Ok(());
+        }
+        self.send(stream, Op::Wait { ev: e, seq, due })
+    }
+
+    unsafe fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        nbytes: u64,
+        dir: Dir,
+        stream: Stream,
+        keep: Option<Keep>,
+    ) -> Result<()> {
+        self.call();
+        let seconds = self.opts.latency + self.opts.bandwidth.map_or(0.0, |bw| nbytes as f64 / bw);
+        let fault = self.take_fault(dir);
+        if stream == COMPUTE {
+            // the host is the compute stream: the copy holds it for its time
+            if seconds > 0.0 {
+                std::thread::sleep(Duration::from_secs_f64(seconds));
+            }
+            if fault == Some(Fault::Fail) {
+                return Err(Error::Device {
+                    op: "copy",
+                    detail: "simulated copy failure (injected)".into(),
+                });
+            }
+            // SAFETY: the caller's contract (both ranges valid now: the copy runs at once).
+            unsafe { raw_copy(dst, src, nbytes) };
+            if fault == Some(Fault::StaleSource) && nbytes > 0 {
+                // SAFETY: `dst` is valid for `nbytes` > 0 bytes.
+                unsafe { *(dst as *mut u8) ^= 0x5a };
+            }
+            drop(keep);
+            return Ok(());
+        }
+        self.send(
+            stream,
+            Op::Copy {
+                dst,
+                src,
+                nbytes,
+                seconds,
+                fault,
+                keep,
+            },
+        )
+    }
+
+    fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+}

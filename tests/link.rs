@@ -1,0 +1,317 @@
+//! The device link over the simulated device (rust/link): copies land bitwise and only after
+//! their bytes over the bandwidth, the ledger's victims, urgent and staged copies back, the
+//! calls each costs (Note [device calls]), and injected faults.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use spillover_core::link::sim::{Fault, SimDevice, SimOptions, COMPUTE};
+use spillover_core::link::{Device, Dir, Link, StageItem};
+
+fn sim(opts: SimOptions) -> Arc<SimDevice> {
+    Arc::new(SimDevice::new(opts).unwrap())
+}
+
+fn link(dev: &Arc<SimDevice>, cap: u64) -> Link {
+    Link::new(dev.clone(), cap).unwrap()
+}
+
+fn addr(v: &[u8]) -> u64 {
+    v.as_ptr() as u64
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+fn poll_until_landed(l: &Link, id: u64) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut seen = Vec::new();
+    while l.in_flight(id) {
+        for x in l.poll().unwrap() {
+            assert!(x.error.is_none(), "{:?}", x.error);
+            seen.push(x.id);
+        }
+        assert!(Instant::now() < deadline, "copy {id} never landed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    seen
+}
+
+#[test]
+fn a_copy_there_and_back_is_bitwise_and_lands_after_its_bytes() {
+    let dev = sim(SimOptions {
+        bandwidth: Some(10e6), // 1 MB: 0.1 s
+        ..Default::default()
+    });
+    let l = link(&dev, u64::MAX);
+    let src = pattern(1 << 20, 7);
+    let dst = vec![0u8; 1 << 20];
+    let landed = Arc::new(AtomicUsize::new(0));
+    let seen = landed.clone();
+    let t0 = Instant::now();
+    // SAFETY: both buffers outlive the copy (the test waits for it below).
+    let issued = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst),
+            src.len() as u64,
+            COMPUTE,
+            None,
+            None,
+            Some(Box::new(move || {
+                seen.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })),
+        )
+    }
+    .unwrap();
+    assert!(issued.victims.is_empty());
+    assert!(
+        l.poll().unwrap().is_empty(),
+        "landed before its bytes moved"
+    );
+    assert_eq!(poll_until_landed(&l, issued.id), vec![issued.id]);
+    assert!(t0.elapsed() >= Duration::from_millis(90));
+    assert_eq!(dst, src);
+    assert_eq!(landed.load(Ordering::SeqCst), 1);
+    assert!(l.poll().unwrap().is_empty(), "a copy lands once");
+    // back, urgent: on the compute stream (the host), done when the call returns
+    let back = vec![0u8; 1 << 20];
+    // SAFETY: both buffers outlive the copy, which runs on the calling thread.
+    unsafe {
+        l.to_device(
+            addr(&back),
+            addr(&dst),
+            dst.len() as u64,
+            COMPUTE,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap();
+    assert_eq!(back, src);
+}
+
+#[test]
+fn a_pack_costs_four_device_calls_and_an_urgent_unpack_two() {
+    let dev = sim(SimOptions::default());
+    let l = link(&dev, u64::MAX);
+    let src = pattern(4096, 1);
+    let dst = vec![0u8; 4096];
+    // the first packs also make the link's events (pooled from then on)
+    for _ in 0..2 {
+        // SAFETY: both buffers outlive the copy (synchronized below).
+        unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }.unwrap();
+    }
+    l.synchronize().unwrap();
+    let before = dev.calls();
+    // SAFETY: both buffers outlive the copy (synchronized below).
+    let id = unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }
+        .unwrap()
+        .id;
+    assert_eq!(dev.calls() - before, 4, "Note [device calls]");
+    l.synchronize().unwrap();
+    assert!(!l.in_flight(id));
+    let back = vec![0u8; 4096];
+    let before = dev.calls();
+    // SAFETY: as above.
+    unsafe { l.to_device(addr(&back), addr(&dst), 4096, COMPUTE, None, None, None) }.unwrap();
+    assert_eq!(dev.calls() - before, 2);
+}
+
+#[test]
+fn past_the_cap_the_oldest_sources_are_released_after_the_compute_stream_waits() {
+    let dev = sim(SimOptions {
+        bandwidth: Some(20e6), // 1 MiB: ~50 ms
+        ..Default::default()
+    });
+    let l = link(&dev, 2 << 20);
+    let srcs: Vec<Vec<u8>> = (0..4).map(|i| pattern(1 << 20, i)).collect();
+    let dsts: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 1 << 20]).collect();
+    let mut victims = Vec::new();
+    for (s, d) in srcs.iter().zip(&dsts) {
+        // SAFETY: both buffers outlive the copies (synchronized below).
+        let i = unsafe { l.d2h(addr(s), addr(d), 1 << 20, COMPUTE, None, None, None) }.unwrap();
+        victims.push(i.victims);
+    }
+    assert_eq!(victims, vec![vec![], vec![], vec![0], vec![1]]);
+    // the compute stream (the host) waited for copy 0 before the third pack returned
+    let (ledger, stats) = l.counters();
+    assert!(
+        ledger.bytes_held <= 2 << 20 && ledger.forced_waits == 2,
+        "{ledger:?}"
+    );
+    assert!(stats.host_wait_seconds > 0.05, "{stats:?}");
+    l.synchronize().unwrap();
+    assert_eq!(dsts, srcs);
+}
+
+#[test]
+fn staged_copies_wait_for_their_d2h_copy_and_are_used_or_dropped() {
+    let dev = sim(SimOptions {
+        bandwidth: Some(50e6),
+        ..Default::default()
+    });
+    let l = link(&dev, u64::MAX);
+    let src = pattern(1 << 20, 3);
+    let host = vec![0u8; 1 << 20];
+    // SAFETY: both buffers outlive the copy.
+    let id = unsafe { l.d2h(addr(&src), addr(&host), 1 << 20, COMPUTE, None, None, None) }
+        .unwrap()
+        .id;
+    let a = vec![0u8; 1 << 20];
+    let b = vec![0u8; 1 << 20];
+    let items = vec![
+        StageItem {
+            dst: addr(&a),
+            src: addr(&host),
+            nbytes: 1 << 20,
+            after: Some(id), // its bytes are not in the host block yet: the H2D stream waits
+            hold: None,
+            keep: None,
+        },
+        StageItem {
+            dst: addr(&b),
+            src: addr(&host),
+            nbytes: 1 << 20,
+            after: Some(id),
+            hold: None,
+            keep: None,
+        },
+    ];
+    // SAFETY: all buffers outlive the copies (used below, synchronized at the end).
+    let evs = unsafe { l.stage(COMPUTE, items) }.unwrap();
+    assert_eq!(evs.len(), 2);
+    l.use_staged(evs[0], COMPUTE).unwrap(); // the host (compute) waits for the copy
+    assert_eq!(a, src);
+    l.drop_staged(evs[1], COMPUTE).unwrap();
+    assert_eq!(b, src);
+    l.synchronize().unwrap();
+    assert_eq!(l.counters().0.staged, 0);
+    assert!(l.use_staged(12345, COMPUTE).is_err());
+}
+
+#[test]
+fn a_failed_copy_is_reported_with_its_id() {
+    let dev = sim(SimOptions::default());
+    let l = link(&dev, u64::MAX);
+    let src = pattern(4096, 9);
+    let dst = vec![0u8; 4096];
+    dev.inject(Fault::Fail, Dir::ToHost);
+    // SAFETY: both buffers outlive the copies.
+    let bad = unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }
+        .unwrap()
+        .id;
+    let landed = l.synchronize().unwrap();
+    assert_eq!(landed.len(), 1);
+    assert_eq!(landed[0].id, bad);
+    assert!(landed[0].error.is_some());
+    // the next copy is fine
+    // SAFETY: as above.
+    let ok = unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }
+        .unwrap()
+        .id;
+    let landed = l.synchronize().unwrap();
+    assert_eq!(landed.len(), 1);
+    assert_eq!(landed[0].id, ok);
+    assert!(landed[0].error.is_none());
+    assert_eq!(dst, src);
+}
+
+#[test]
+fn injected_races_change_the_bytes_as_a_race_would() {
+    let dev = sim(SimOptions::default());
+    let l = link(&dev, u64::MAX);
+    let src = pattern(4096, 5);
+    let dst = vec![0u8; 4096];
+    dev.inject(Fault::StaleSource, Dir::ToHost);
+    // SAFETY: both buffers outlive the copy.
+    unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }.unwrap();
+    l.synchronize().unwrap();
+    assert_ne!(dst, src);
+    // a staged copy whose bytes land after its event: used at once, it reads the old bytes
+    let out = vec![0u8; 4096];
+    dev.inject(Fault::LateLanding, Dir::ToDevice);
+    let item = StageItem {
+        dst: addr(&out),
+        src: addr(&src),
+        nbytes: 4096,
+        after: None,
+        hold: None,
+        keep: None,
+    };
+    // SAFETY: the buffers outlive the late write (the test sleeps past it before returning).
+    let ev = unsafe { l.stage(COMPUTE, vec![item]) }.unwrap()[0];
+    l.use_staged(ev, COMPUTE).unwrap();
+    assert_eq!(out, vec![0u8; 4096], "read before the late bytes landed");
+    std::thread::sleep(Duration::from_millis(120));
+    assert_eq!(out, src);
+}
+
+#[test]
+fn the_compute_stream_lags_the_host() {
+    let dev = sim(SimOptions {
+        compute_lag: 0.1,
+        ..Default::default()
+    });
+    let ev = dev.new_event().unwrap();
+    dev.record(ev, COMPUTE).unwrap();
+    assert!(!dev.query(ev).unwrap());
+    let t0 = Instant::now();
+    dev.synchronize(ev).unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(90));
+    assert!(dev.query(ev).unwrap());
+}
+
+#[test]
+fn each_call_costs_the_host_what_it_is_told() {
+    let dev = sim(SimOptions {
+        call_cost: 200e-6,
+        ..Default::default()
+    });
+    let ev = dev.new_event().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..50 {
+        dev.record(ev, COMPUTE).unwrap();
+    }
+    assert!(t0.elapsed() >= Duration::from_millis(10));
+}
+
+#[test]
+fn bad_options_are_refused() {
+    for opts in [
+        SimOptions {
+            bandwidth: Some(0.0),
+            ..Default::default()
+        },
+        SimOptions {
+            compute_lag: -1.0,
+            ..Default::default()
+        },
+        SimOptions {
+            call_cost: f64::NAN,
+            ..Default::default()
+        },
+    ] {
+        assert!(SimDevice::new(opts).is_err(), "{opts:?}");
+    }
+}
+
+#[test]
+fn cuda_is_refused_cleanly_without_a_driver() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return; // a GPU host: the driver is there (benches/gpu covers it)
+    }
+    match spillover_core::link::cuda::CudaDevice::open(0) {
+        Ok(_) => panic!("a CUDA device without /dev/nvidiactl"),
+        Err(e) => assert!(
+            e.to_string().contains("device load failed") || e.to_string().contains("device cu"),
+            "{e}"
+        ),
+    }
+}
