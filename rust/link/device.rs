@@ -75,6 +75,12 @@ pub trait Device: Send + Sync {
     /// Calls made to the device so far (streams, events, copies, queries, waits).
     fn calls(&self) -> u64;
 
+    /// Copies that failed so far, where the device can tell without a query (the simulator); a
+    /// device whose errors are sticky (CUDA: every later query reports them) says 0.
+    fn failed_copies(&self) -> u64 {
+        0
+    }
+
     /// Make the calling thread ready to call the device (CUDA: the device's context current).
     fn bind_thread(&self) -> Result<()> {
         Ok(())

@@ -29,9 +29,13 @@
 //! view, a pool view) are held here (`hold`) until its event was seen.
 //!
 //! # Note [device calls]
-//! What a pack costs the device API: record (compute), wait (D2H stream), copy, record (D2H)
-//! = 4 calls, plus the waits its victims need past the cap and the queries of [`Link::poll`]
-//! (one for every copy landed and one for the first that has not). An urgent unpack: a
+//! What a pack costs the device API: record (compute), wait (D2H stream), copy = 3 calls, and
+//! the record of the D2H event after it: at once for a copy of 1 MiB or more, else shared by
+//! every 8 copies (recorded sooner when one of them is needed: a victim's wait, a copy back
+//! ordered after it, a host wait) -- plus the waits its victims need past the cap and the
+//! queries of [`Link::poll`]
+//! (one when every copy in flight landed, else one per copy landed and one for the first that
+//! has not). An urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
 //! complete). A staged unpack: per batch a record and a wait, per entry a copy and a record,
 //! and the using stream's wait at its unpack. `Device::calls` counts them; the link's
@@ -62,7 +66,9 @@ pub struct Landed {
 }
 
 struct D2h {
-    ev: Event,
+    /// The event recorded after it on the D2H stream (shared with the copies before it that
+    /// had none: Note [device calls]); None until one is.
+    ev: Option<Event>,
     compute: Stream,
     nbytes: u64,
     hold: Option<Keep>,
@@ -93,10 +99,23 @@ struct State {
     ledger: Inflight,
     d2h: BTreeMap<u64, D2h>,
     h2d: VecDeque<H2d>,
+    /// Staged copies by their event, and their events in issue order (one H2D stream).
     staged: HashMap<Event, Staged>,
+    staged_order: VecDeque<Event>,
     free: Vec<Event>,
     stats: LinkStats,
+    /// `Device::failed_copies` at the last poll.
+    failed_seen: u64,
+    /// Copies issued after the last event recorded on the D2H stream, oldest first.
+    unevented: Vec<u64>,
+    /// How many copies in flight share each D2H event.
+    ev_refs: HashMap<Event, u32>,
 }
+
+/// Note [device calls]: a D2H copy of this many bytes gets an event of its own at once ...
+const EVENT_BYTES: u64 = 1 << 20;
+/// ... and smaller copies share one recorded after every this many.
+const EVENT_EVERY: usize = 8;
 
 /// The link of one device (Notes [stream ordering], [sources held], [device calls]).
 pub struct Link {
@@ -122,8 +141,12 @@ impl Link {
                 d2h: BTreeMap::new(),
                 h2d: VecDeque::new(),
                 staged: HashMap::new(),
+                staged_order: VecDeque::new(),
                 free: Vec::new(),
                 stats: LinkStats::default(),
+                failed_seen: 0,
+                unevented: Vec::new(),
+                ev_refs: HashMap::new(),
             }),
         })
     }
@@ -175,34 +198,86 @@ impl Link {
             self.dev
                 .copy(dst, src, nbytes, Dir::ToHost, self.d2h, keep_src)?
         };
-        let ev = self.event(&mut st)?;
-        self.dev.record(ev, self.d2h)?;
         let issued = st.ledger.issue(nbytes);
         st.stats.copies_to_host += 1;
         st.d2h.insert(
             issued.id,
             D2h {
-                ev,
+                ev: None,
                 compute,
                 nbytes,
                 hold,
                 landing,
             },
         );
+        st.unevented.push(issued.id);
+        if nbytes >= EVENT_BYTES || st.unevented.len() >= EVENT_EVERY {
+            self.record_d2h(&mut st)?;
+        }
         self.order_victims(&mut st, &issued.victims)?;
         Ok(issued)
+    }
+
+    /// Record an event on the D2H stream for the copies that have none (Note [device calls]).
+    fn record_d2h(&self, st: &mut State) -> Result<()> {
+        if st.unevented.is_empty() {
+            return Ok(());
+        }
+        let ev = self.event(st)?;
+        self.dev.record(ev, self.d2h)?;
+        let ids = std::mem::take(&mut st.unevented);
+        let mut n = 0;
+        for id in ids {
+            if let Some(c) = st.d2h.get_mut(&id) {
+                c.ev = Some(ev);
+                n += 1;
+            }
+        }
+        st.ev_refs.insert(ev, n);
+        Ok(())
+    }
+
+    /// The D2H event after copy `id` (recording one if it has none); None once it landed.
+    fn d2h_event(&self, st: &mut State, id: u64) -> Result<Option<Event>> {
+        match st.d2h.get(&id).map(|c| c.ev) {
+            None => Ok(None),
+            Some(Some(ev)) => Ok(Some(ev)),
+            Some(None) => {
+                self.record_d2h(st)?;
+                Ok(st.d2h.get(&id).and_then(|c| c.ev))
+            }
+        }
+    }
+
+    /// A copy that landed lets go of its share of its event.
+    fn unref(st: &mut State, ev: Event) {
+        let gone = match st.ev_refs.get_mut(&ev) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            _ => true,
+        };
+        if gone {
+            st.ev_refs.remove(&ev);
+            st.free.push(ev);
+        }
     }
 
     /// The compute streams of `ids` wait for their copies (the newest per stream: a copy
     /// stream finishes in order). A copy already seen landed needs nothing.
     fn order_victims(&self, st: &mut State, ids: &[u64]) -> Result<()> {
         let mut newest: Vec<(Stream, Event)> = Vec::new();
-        for id in ids {
-            if let Some(c) = st.d2h.get(id) {
-                match newest.iter_mut().find(|(s, _)| *s == c.compute) {
-                    Some(slot) => slot.1 = c.ev,
-                    None => newest.push((c.compute, c.ev)),
-                }
+        for &id in ids {
+            let Some(compute) = st.d2h.get(&id).map(|c| c.compute) else {
+                continue;
+            };
+            let Some(ev) = self.d2h_event(st, id)? else {
+                continue;
+            };
+            match newest.iter_mut().find(|(s, _)| *s == compute) {
+                Some(slot) => slot.1 = ev,
+                None => newest.push((compute, ev)),
             }
         }
         for (stream, ev) in newest {
@@ -224,24 +299,43 @@ impl Link {
     }
 
     /// Observe the copies that have landed (oldest first, up to the first that has not: a
-    /// copy stream finishes in order), run their landings, let go of what finished
+    /// copy stream finishes in order; all of them with one query when the newest has and no
+    /// copy failed since the last poll), run their landings, let go of what finished
     /// host-to-device copies held.
     pub fn poll(&self) -> Result<Vec<Landed>> {
         self.dev.bind_thread()?;
         let mut st = self.lock();
         let mut done: Vec<(u64, D2h, Option<Error>)> = Vec::new();
+        // the newest landed, and no copy failed since the last poll: all landed, one query
+        let failed = self.dev.failed_copies();
+        let newest = st.d2h.values().rev().find_map(|c| c.ev);
+        let all = st.d2h.len() > 1
+            && failed == st.failed_seen
+            && newest.is_some_and(|ev| matches!(self.dev.query(ev), Ok(true)));
+        st.failed_seen = failed;
+        let mut seen: Option<(Event, bool)> = None; // the last event queried, and its answer
         while let Some((&id, c)) = st.d2h.first_key_value() {
-            let error = match self.dev.query(c.ev) {
+            let Some(ev) = c.ev else { break }; // no event after it yet: cannot be seen
+            let fired = match seen {
+                Some((e, f)) if e == ev => Ok(f),
+                _ if all => Ok(true),
+                _ => self.dev.query(ev),
+            };
+            let error = match fired {
                 Ok(false) => break,
-                Ok(true) => None,
+                Ok(true) => {
+                    seen = Some((ev, true));
+                    None
+                }
                 Err(e) => Some(e),
             };
             let Some(c) = st.d2h.remove(&id) else { break };
             st.ledger.landed(id);
-            st.free.push(c.ev);
+            Link::unref(&mut st, ev);
             done.push((id, c, error));
         }
         self.poll_h2d(&mut st);
+        self.reap_staged(&mut st);
         drop(st);
         Ok(finish(done))
     }
@@ -262,7 +356,10 @@ impl Link {
     /// Returns the seconds waited and what the poll observed. A copy already observed: 0 s.
     pub fn wait_copy(&self, id: u64) -> Result<(f64, Vec<Landed>)> {
         self.dev.bind_thread()?;
-        let ev = self.lock().d2h.get(&id).map(|c| c.ev);
+        let ev = {
+            let mut st = self.lock();
+            self.d2h_event(&mut st, id)?
+        };
         let t0 = Instant::now();
         if let Some(ev) = ev {
             // an error of the copy is the poll's to report, with its id
@@ -294,7 +391,10 @@ impl Link {
     ) -> Result<()> {
         self.dev.bind_thread()?;
         let mut st = self.lock();
-        if let Some(ev) = after.and_then(|id| st.d2h.get(&id).map(|c| c.ev)) {
+        if let Some(ev) = match after {
+            Some(id) => self.d2h_event(&mut st, id)?,
+            None => None,
+        } {
             self.dev.wait(compute, ev)?;
             st.stats.after_waits += 1;
         }
@@ -332,7 +432,10 @@ impl Link {
         st.free.push(before);
         let mut out = Vec::with_capacity(items.len());
         for it in items {
-            if let Some(ev) = it.after.and_then(|id| st.d2h.get(&id).map(|c| c.ev)) {
+            if let Some(ev) = match it.after {
+                Some(id) => self.d2h_event(&mut st, id)?,
+                None => None,
+            } {
                 self.dev.wait(self.h2d, ev)?;
                 st.stats.after_waits += 1;
             }
@@ -343,6 +446,7 @@ impl Link {
             };
             let ev = self.event(&mut st)?;
             self.dev.record(ev, self.h2d)?;
+            st.staged_order.push_back(ev);
             st.staged.insert(
                 ev,
                 Staged {
@@ -381,26 +485,35 @@ impl Link {
         let t0 = Instant::now();
         let r = self.dev.wait(stream, ev);
         st.stats.host_wait_seconds += t0.elapsed().as_secs_f64();
-        self.reap_staged(&mut st);
         r
     }
 
-    /// Staged copies used (or dropped) and seen complete: their holds and events go.
+    /// Staged copies used (or dropped) and seen complete: their holds and events go. One H2D
+    /// stream runs them in order: when the newest has run, all have (one query).
     fn reap_staged(&self, st: &mut State) {
-        let settled: Vec<Event> = st
-            .staged
-            .iter()
-            .filter(|(_, s)| s.settled)
-            .map(|(&e, _)| e)
-            .collect();
-        for ev in settled {
-            if matches!(self.dev.query(ev), Ok(true)) {
+        if !st.staged.values().any(|s| s.settled) {
+            return;
+        }
+        let all = st
+            .staged_order
+            .back()
+            .is_some_and(|&ev| matches!(self.dev.query(ev), Ok(true)));
+        let mut kept = VecDeque::with_capacity(st.staged_order.len());
+        let mut running = false;
+        while let Some(ev) = st.staged_order.pop_front() {
+            let settled = st.staged.get(&ev).is_some_and(|s| s.settled);
+            let done = all || (!running && matches!(self.dev.query(ev), Ok(true)));
+            running |= !done;
+            if done && settled {
                 if let Some(s) = st.staged.remove(&ev) {
                     drop(s.hold);
                     st.free.push(ev);
                 }
+            } else {
+                kept.push_back(ev);
             }
         }
+        st.staged_order = kept;
     }
 
     /// Wait for every copy in flight either way (tests, measurements, a full pool), then
@@ -408,8 +521,10 @@ impl Link {
     pub fn synchronize(&self) -> Result<Vec<Landed>> {
         self.dev.bind_thread()?;
         let evs: Vec<Event> = {
-            let st = self.lock();
-            let mut v: Vec<Event> = st.d2h.values().map(|c| c.ev).collect();
+            let mut st = self.lock();
+            self.record_d2h(&mut st)?;
+            let mut v: Vec<Event> = st.d2h.values().filter_map(|c| c.ev).collect();
+            v.dedup();
             v.extend(st.h2d.iter().map(|h| h.ev));
             v.extend(st.staged.keys().copied());
             v

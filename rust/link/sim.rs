@@ -140,12 +140,43 @@ enum Op {
 
 struct Worker {
     tx: Sender<Op>,
+    /// Ops sent and not yet run: at 0 the stream is idle, and an op that takes no time runs
+    /// on the caller's thread (no hop to the worker: a free link's copies cost the host what
+    /// a memcpy costs, not two thread wake-ups).
+    pending: Arc<AtomicU64>,
+    /// A failed copy's error, for the stream's next event (shared: an idle stream's record
+    /// runs on the caller's thread).
+    error: Arc<Mutex<Option<String>>>,
     thread: Option<JoinHandle<()>>,
 }
 
-fn run_worker(rx: std::sync::mpsc::Receiver<Op>) {
-    let mut error: Option<String> = None;
+fn run_worker(
+    rx: std::sync::mpsc::Receiver<Op>,
+    pending: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    error: Arc<Mutex<Option<String>>>,
+) {
     while let Ok(op) = rx.recv() {
+        let stop = matches!(op, Op::Stop);
+        if matches!(
+            op,
+            Op::Copy {
+                fault: Some(Fault::Fail),
+                ..
+            }
+        ) {
+            failed.fetch_add(1, Ordering::AcqRel);
+        }
+        run_op(op, &error);
+        pending.fetch_sub(1, Ordering::AcqRel);
+        if stop {
+            return;
+        }
+    }
+}
+
+fn run_op(op: Op, error: &Mutex<Option<String>>) {
+    {
         match op {
             Op::Copy {
                 dst,
@@ -160,7 +191,7 @@ fn run_worker(rx: std::sync::mpsc::Receiver<Op>) {
                 }
                 match fault {
                     Some(Fault::Fail) => {
-                        error = Some("simulated copy failure (injected)".into());
+                        *lock(error) = Some("simulated copy failure (injected)".into());
                         drop(keep);
                     }
                     Some(Fault::LateLanding) => {
@@ -186,9 +217,9 @@ fn run_worker(rx: std::sync::mpsc::Receiver<Op>) {
                     }
                 }
             }
-            Op::Record { ev, seq } => ev.fire(seq, error.take()),
+            Op::Record { ev, seq } => ev.fire(seq, lock(error).take()),
             Op::Wait { ev, seq, due } => ev.wait_for(seq, due),
-            Op::Stop => return,
+            Op::Stop => {}
         }
     }
 }
@@ -212,6 +243,7 @@ pub struct SimDevice {
     events: Mutex<Vec<Arc<SimEvent>>>,
     faults: Mutex<VecDeque<(Fault, Dir)>>,
     calls: AtomicU64,
+    failed: Arc<AtomicU64>,
 }
 
 impl SimDevice {
@@ -240,6 +272,7 @@ impl SimDevice {
             events: Mutex::new(Vec::new()),
             faults: Mutex::new(VecDeque::new()),
             calls: AtomicU64::new(0),
+            failed: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -271,12 +304,28 @@ impl SimDevice {
     }
 
     fn send(&self, stream: Stream, op: Op) -> Result<()> {
-        let streams = lock(&self.streams);
-        let w = streams
-            .get((stream as usize).wrapping_sub(1))
-            .ok_or_else(|| Error::Invalid(format!("unknown simulated stream {stream}")))?;
-        w.tx.send(op)
-            .map_err(|_| Error::Internal(format!("simulated stream {stream} has stopped")))
+        let (tx, pending, error) = {
+            let streams = lock(&self.streams);
+            let w = streams
+                .get((stream as usize).wrapping_sub(1))
+                .ok_or_else(|| Error::Invalid(format!("unknown simulated stream {stream}")))?;
+            (w.tx.clone(), w.pending.clone(), w.error.clone())
+        };
+        let instant = match &op {
+            Op::Copy { seconds, fault, .. } => *seconds == 0.0 && fault.is_none(),
+            Op::Record { .. } => true,
+            Op::Wait { ev, seq, due } => due.is_none() && ev.lock().fired >= *seq,
+            Op::Stop => false,
+        };
+        if instant && pending.load(Ordering::Acquire) == 0 {
+            run_op(op, &error);
+            return Ok(());
+        }
+        pending.fetch_add(1, Ordering::AcqRel);
+        tx.send(op).map_err(|_| {
+            pending.fetch_sub(1, Ordering::AcqRel);
+            Error::Internal(format!("simulated stream {stream} has stopped"))
+        })
     }
 
     fn take_fault(&self, dir: Dir) -> Option<Fault> {
@@ -294,6 +343,7 @@ impl Drop for SimDevice {
     fn drop(&mut self) {
         let mut streams = lock(&self.streams);
         for w in streams.iter() {
+            w.pending.fetch_add(1, Ordering::AcqRel);
             let _ = w.tx.send(Op::Stop);
         }
         for w in streams.iter_mut() {
@@ -312,13 +362,21 @@ impl Device for SimDevice {
     fn new_stream(&self) -> Result<Stream> {
         self.call();
         let (tx, rx) = channel();
+        let pending = Arc::new(AtomicU64::new(0));
+        let error = Arc::new(Mutex::new(None));
+        let (p, e) = (pending.clone(), error.clone());
         let thread = std::thread::Builder::new()
             .name("spillover-sim-stream".into())
-            .spawn(move || run_worker(rx))
+            .spawn({
+                let failed = self.failed.clone();
+                move || run_worker(rx, p, failed, e)
+            })
             .map_err(|e| Error::Internal(format!("could not start a simulated stream: {e}")))?;
         let mut streams = lock(&self.streams);
         streams.push(Worker {
             tx,
+            pending,
+            error,
             thread: Some(thread),
         });
         Ok(streams.len() as Stream) // 1-based: 0 is the compute stream
@@ -435,6 +493,7 @@ impl Device for SimDevice {
                 std::thread::sleep(Duration::from_secs_f64(seconds));
             }
             if fault == Some(Fault::Fail) {
+                self.failed.fetch_add(1, Ordering::AcqRel);
                 return Err(Error::Device {
                     op: "copy",
                     detail: "simulated copy failure (injected)".into(),
@@ -464,5 +523,9 @@ impl Device for SimDevice {
 
     fn calls(&self) -> u64 {
         self.calls.load(Ordering::Relaxed)
+    }
+
+    fn failed_copies(&self) -> u64 {
+        self.failed.load(Ordering::Acquire)
     }
 }

@@ -18,6 +18,8 @@ Note [staging distance]
     a 64 MiB pool starved the read-ahead. Staging goes on past an entry that is not in the pool
     (the tier's read-ahead owns it), takes entries whose D2H copy was not seen complete (the
     H2D stream waits for its event, not the host), and the pieces of a storage in pieces.
+    It refills in batches, once half the distance has been used: the H2D stream is ordered
+    after the compute stream's queued work once per batch (two device calls), not per entry.
 """
 
 from __future__ import annotations
@@ -216,7 +218,12 @@ class Unpack:
             todo.append((c, list(zip(views, c.copies))))
             staged += 1
             nbytes += c.nbytes
-        if not todo:
+        if not todo or (staged - len(todo)) * 2 >= ahead_entries:
+            # Note [staging distance]: refill only once half the distance is used, in one
+            # batch (one ordering of the H2D stream after the compute stream for all of it)
+            for c, _ in todo:
+                with c._lock:
+                    c.staged = None
             return
         for (c, _), handed in zip(todo, tr.stage([parts for _, parts in todo])):
             with c._lock:

@@ -26,6 +26,29 @@ Note [the newest sources stay]
     source as its copy landed sent it over and back (the review's G6). A returned source used
     on another stream than the one it was made on is ``record_stream``-ed there.
 
+Note [polls]
+    Each poll queries the device for every copy that landed and for the first that has not (a
+    call each: Note [device calls] in rust/link). Pack and unpack poll at most every 100 us:
+    what lands between two polls waits for the next one -- its source kept a little longer,
+    its entry sealed a little later -- which costs nothing a step can see, where a poll per
+    pack doubled the device calls of a pack of small tensors. ``synchronize``, ``wait`` and
+    ``done()`` poll at once.
+
+Note [errors go to their owner]
+    One link serves every context of the process. An error of a copy whose step was abandoned
+    (its forward raised: a full disk, a failed write) must not come out of another context's
+    next pack: each step hands its own list to ``pack`` and reaps only that one; an abandoned
+    step's list goes with it. Errors of copies started without a list go to whoever reaps next.
+
+Note [in-place after pack]
+    Under saved_tensors_hooks autograd no longer checks that a saved tensor was not modified in
+    place before backward, and an asynchronous copy could read a half-modified tensor. So the
+    saved tensor is watched: its version counter is compared when the copy is seen complete
+    (``LinkCopy.modified``), and again at unpack while it is alive; either mismatch raises the
+    error autograd itself would raise. The watch is a weak reference: a strong one would close
+    a cycle through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor)
+    that gc cannot see.
+
 Note [pieces come back piece by piece]
     A storage offloaded in pieces (larger than half an NVMe pool, or than one host arena) comes
     back as one device tensor whose slices are filled from each piece's pool block, staged like a
@@ -46,6 +69,9 @@ from ... import _native
 from .common import default_cap_bytes, use_count
 
 __all__ = ["DeviceLink", "LinkCopy"]
+
+#: Note [polls]: the least time between two polls of the copies in flight from pack and unpack.
+POLL_SECONDS = 100e-6
 
 
 class LinkCopy:
@@ -126,6 +152,7 @@ class DeviceLink:
         self._errors: List[BaseException] = []  # errors of copies no step owns
         self._staged: List[list] = []  # [storage, stream made on, event]: not used yet
         self._stall = 0.0
+        self._last_poll = 0.0
         #: device memory on the simulated device, for tests (``probe_memory``); None: off
         self.memory: Optional[SimMemory] = None
 
@@ -258,9 +285,13 @@ class DeviceLink:
                 errs[:] = [e for e in errs if e is not error]
 
     def reap(self, errors: Optional[List[BaseException]] = None) -> None:
-        """Poll; raise the first error nobody has seen yet of a copy started with this
-        ``errors`` list, or of one without a list (Note [errors go to their owner])."""
-        self.poll()
+        """Poll (at most every ``POLL_SECONDS``: Note [polls]); raise the first error nobody
+        has seen yet of a copy started with this ``errors`` list, or of one without a list
+        (Note [errors go to their owner])."""
+        now = time.perf_counter()
+        if now - self._last_poll >= POLL_SECONDS:
+            self._last_poll = now
+            self.poll()
         self._raise(errors)
 
     def _raise(self, errors: Optional[List[BaseException]]) -> None:
@@ -311,6 +342,29 @@ class DeviceLink:
     a forward come back to backward without crossing the link twice, where dropping each
     source as its copy landed sent it over and back (the review's G6). A returned source used
     on another stream than the one it was made on is ``record_stream``-ed there.
+
+Note [polls]
+    Each poll queries the device for every copy that landed and for the first that has not (a
+    call each: Note [device calls] in rust/link). Pack and unpack poll at most every 100 us:
+    what lands between two polls waits for the next one -- its source kept a little longer,
+    its entry sealed a little later -- which costs nothing a step can see, where a poll per
+    pack doubled the device calls of a pack of small tensors. ``synchronize``, ``wait`` and
+    ``done()`` poll at once.
+
+Note [errors go to their owner]
+    One link serves every context of the process. An error of a copy whose step was abandoned
+    (its forward raised: a full disk, a failed write) must not come out of another context's
+    next pack: each step hands its own list to ``pack`` and reaps only that one; an abandoned
+    step's list goes with it. Errors of copies started without a list go to whoever reaps next.
+
+Note [in-place after pack]
+    Under saved_tensors_hooks autograd no longer checks that a saved tensor was not modified in
+    place before backward, and an asynchronous copy could read a half-modified tensor. So the
+    saved tensor is watched: its version counter is compared when the copy is seen complete
+    (``LinkCopy.modified``), and again at unpack while it is alive; either mismatch raises the
+    error autograd itself would raise. The watch is a weak reference: a strong one would close
+    a cycle through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor)
+    that gc cannot see.
 
 Note [pieces come back piece by piece]) in one
         new tensor of the current stream, copied on it now (urgent)."""
