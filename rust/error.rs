@@ -29,6 +29,9 @@ pub enum Error {
     Integrity { key: u64, expected: u32, found: u32 },
     /// A caller passed something unusable (a size of zero, an unknown key, ...).
     Invalid(String),
+    /// Verify mode: the bytes a device-to-host copy landed do not match the checksum taken on
+    /// the device, in stream order, before the copy (Note [device checksum]).
+    Landed { id: u64, device: u32, host: u32 },
     /// The device refused a call or a copy failed on it (`op`: what was being done).
     Device { op: &'static str, detail: String },
     /// One of spillover's own invariants did not hold (a bug: Note [no panic across the
@@ -77,6 +80,12 @@ impl fmt::Display for Error {
                  {found:#010x}"
             ),
             Error::Invalid(msg) => f.write_str(msg),
+            Error::Landed { id, device, host } => write!(
+                f,
+                "copy {id}: the bytes that landed on the host (checksum {host:#010x}) are not \
+                 those on the device before the copy ({device:#010x}): the source was written \
+                 before its copy read it"
+            ),
             Error::Device { op, detail } => write!(f, "device {op} failed: {detail}"),
             Error::Internal(what) => write!(
                 f,

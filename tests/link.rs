@@ -66,6 +66,7 @@ fn a_copy_there_and_back_is_bitwise_and_lands_after_its_bytes() {
                 seen.fetch_add(1, Ordering::SeqCst);
                 Ok(())
             })),
+            None,
         )
     }
     .unwrap();
@@ -106,14 +107,37 @@ fn a_pack_costs_three_device_calls_and_an_urgent_unpack_two() {
     // the first packs also make the link's events (pooled from then on)
     for _ in 0..2 {
         // SAFETY: both buffers outlive the copy (synchronized below).
-        unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }.unwrap();
+        unsafe {
+            l.d2h(
+                addr(&src),
+                addr(&dst),
+                4096,
+                COMPUTE,
+                None,
+                None,
+                None,
+                None,
+            )
+        }
+        .unwrap();
     }
     l.synchronize().unwrap();
     let before = dev.calls();
     // SAFETY: both buffers outlive the copy (synchronized below).
-    let id = unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }
-        .unwrap()
-        .id;
+    let id = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst),
+            4096,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap()
+    .id;
     // record (compute), wait (D2H), copy; its event is recorded with the next ones'
     assert_eq!(dev.calls() - before, 3, "Note [device calls]");
     let big = pattern(1 << 20, 2);
@@ -126,6 +150,7 @@ fn a_pack_costs_three_device_calls_and_an_urgent_unpack_two() {
             addr(&big_dst),
             1 << 20,
             COMPUTE,
+            None,
             None,
             None,
             None,
@@ -158,7 +183,8 @@ fn past_the_cap_the_oldest_sources_are_released_after_the_compute_stream_waits()
     let mut victims = Vec::new();
     for (s, d) in srcs.iter().zip(&dsts) {
         // SAFETY: both buffers outlive the copies (synchronized below).
-        let i = unsafe { l.d2h(addr(s), addr(d), 1 << 20, COMPUTE, None, None, None) }.unwrap();
+        let i =
+            unsafe { l.d2h(addr(s), addr(d), 1 << 20, COMPUTE, None, None, None, None) }.unwrap();
         victims.push(i.victims);
     }
     assert_eq!(victims, vec![vec![], vec![], vec![0], vec![1]]);
@@ -183,9 +209,20 @@ fn staged_copies_wait_for_their_d2h_copy_and_are_used_or_dropped() {
     let src = pattern(1 << 20, 3);
     let host = vec![0u8; 1 << 20];
     // SAFETY: both buffers outlive the copy.
-    let id = unsafe { l.d2h(addr(&src), addr(&host), 1 << 20, COMPUTE, None, None, None) }
-        .unwrap()
-        .id;
+    let id = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&host),
+            1 << 20,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap()
+    .id;
     let a = vec![0u8; 1 << 20];
     let b = vec![0u8; 1 << 20];
     let items = vec![
@@ -226,18 +263,40 @@ fn a_failed_copy_is_reported_with_its_id() {
     let dst = vec![0u8; 4096];
     dev.inject(Fault::Fail, Dir::ToHost);
     // SAFETY: both buffers outlive the copies.
-    let bad = unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }
-        .unwrap()
-        .id;
+    let bad = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst),
+            4096,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap()
+    .id;
     let landed = l.synchronize().unwrap();
     assert_eq!(landed.len(), 1);
     assert_eq!(landed[0].id, bad);
     assert!(landed[0].error.is_some());
     // the next copy is fine
     // SAFETY: as above.
-    let ok = unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }
-        .unwrap()
-        .id;
+    let ok = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst),
+            4096,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap()
+    .id;
     let landed = l.synchronize().unwrap();
     assert_eq!(landed.len(), 1);
     assert_eq!(landed[0].id, ok);
@@ -253,7 +312,19 @@ fn injected_races_change_the_bytes_as_a_race_would() {
     let dst = vec![0u8; 4096];
     dev.inject(Fault::StaleSource, Dir::ToHost);
     // SAFETY: both buffers outlive the copy.
-    unsafe { l.d2h(addr(&src), addr(&dst), 4096, COMPUTE, None, None, None) }.unwrap();
+    unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst),
+            4096,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap();
     l.synchronize().unwrap();
     assert_ne!(dst, src);
     // a staged copy whose bytes land after its event: used at once, it reads the old bytes
@@ -336,4 +407,68 @@ fn cuda_is_refused_cleanly_without_a_driver() {
             "{e}"
         ),
     }
+}
+
+#[test]
+fn verify_mode_catches_a_source_written_before_its_copy_read_it() {
+    use spillover_core::link::checksum::checksum;
+    use spillover_core::link::Verify;
+
+    let dev = sim(SimOptions::default());
+    let l = link(&dev, u64::MAX);
+    let src = pattern(10_000, 3);
+    let dst = vec![0u8; 10_000];
+    let cs: u64 = checksum(&src) as u64; // the device's checksum, taken before the copy
+    let verify = |host: &Vec<u8>| {
+        Some(Verify {
+            checksum: &cs as *const u64 as u64,
+            host: addr(host),
+            len: 10_000,
+            keep: None,
+        })
+    };
+    // SAFETY: every buffer outlives the copies (synchronized below).
+    let ok = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst),
+            10_000,
+            COMPUTE,
+            None,
+            None,
+            None,
+            verify(&dst),
+        )
+    }
+    .unwrap()
+    .id;
+    let landed = l.synchronize().unwrap();
+    assert_eq!((landed[0].id, landed[0].error.is_none()), (ok, true));
+    dev.inject(Fault::StaleSource, Dir::ToHost);
+    let dst2 = vec![0u8; 10_000];
+    // SAFETY: as above.
+    let bad = unsafe {
+        l.d2h(
+            addr(&src),
+            addr(&dst2),
+            10_000,
+            COMPUTE,
+            None,
+            None,
+            None,
+            verify(&dst2),
+        )
+    }
+    .unwrap()
+    .id;
+    let landed = l.synchronize().unwrap();
+    assert_eq!(landed[0].id, bad);
+    let e = landed[0]
+        .error
+        .as_ref()
+        .expect("the stale bytes are caught");
+    assert!(
+        e.to_string().contains("written before its copy read it"),
+        "{e}"
+    );
 }

@@ -4,7 +4,7 @@
 //! The crate never links CUDA: one abi3 wheel serves every torch and CUDA version and builds
 //! and tests on a machine without a GPU. When a link for a CUDA device is made, the driver
 //! library torch already loaded (`libcuda.so.1`, found by the dynamic loader as torch found
-//! it) is opened with `libloading` and the fifteen entry points the link uses are looked up
+//! it) is opened with `libloading` and the sixteen entry points the link uses are looked up
 //! once. Why `libloading` and not `cudarc`: the link needs a dozen driver calls on handles
 //! torch made (its streams, its context), not a second CUDA runtime with its own context and
 //! allocator management; `cudarc`'s dynamic loading would bring bindings for the whole driver
@@ -44,6 +44,7 @@ struct Api {
     memcpy_dtoh: unsafe extern "C" fn(*mut c_void, u64, usize, *mut c_void) -> CuResult,
     memcpy_htod: unsafe extern "C" fn(u64, *const c_void, usize, *mut c_void) -> CuResult,
     error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    mem_alloc_host: unsafe extern "C" fn(*mut *mut c_void, usize) -> CuResult,
     init: unsafe extern "C" fn(c_uint) -> CuResult,
 }
 
@@ -99,6 +100,7 @@ impl CudaDevice {
             memcpy_dtoh: sym(&lib, "cuMemcpyDtoHAsync_v2")?,
             memcpy_htod: sym(&lib, "cuMemcpyHtoDAsync_v2")?,
             error_name: sym(&lib, "cuGetErrorName")?,
+            mem_alloc_host: sym(&lib, "cuMemAllocHost_v2")?,
             init: sym(&lib, "cuInit")?,
         };
         let mut dev = CudaDevice {
@@ -253,6 +255,16 @@ impl Device for CudaDevice {
             },
             r,
         )
+    }
+
+    fn host_alloc(&self, nbytes: usize) -> Result<u64> {
+        self.counted();
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; the context is current (bind_thread).
+        self.check("cuMemAllocHost", unsafe {
+            (self.api.mem_alloc_host)(&mut p, nbytes)
+        })?;
+        Ok(p as u64)
     }
 
     fn calls(&self) -> u64 {

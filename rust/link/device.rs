@@ -72,6 +72,13 @@ pub trait Device: Send + Sync {
         keep: Option<Keep>,
     ) -> Result<()>;
 
+    /// Host memory of `nbytes` that copies to and from the device may use asynchronously
+    /// (CUDA: page-locked; never freed: the link keeps it for the process).
+    fn host_alloc(&self, nbytes: usize) -> Result<u64> {
+        let v: &'static mut [u64] = Box::leak(vec![0u64; nbytes.div_ceil(8)].into_boxed_slice());
+        Ok(v.as_mut_ptr() as u64)
+    }
+
     /// Calls made to the device so far (streams, events, copies, queries, waits).
     fn calls(&self) -> u64;
 

@@ -65,6 +65,25 @@ pub struct Landed {
     pub error: Option<Error>,
 }
 
+/// Verify mode (Note [device checksum]): where the device's checksum of a copy's source is,
+/// and the host bytes it must match once the copy landed.
+pub struct Verify {
+    /// Device address of the source's checksum (an int64 the caller computed on the compute
+    /// stream before the copy; `keep` holds it on the simulated device).
+    pub checksum: u64,
+    /// The host bytes the copy writes (held by the copy's `hold`).
+    pub host: u64,
+    pub len: u64,
+    pub keep: Option<Keep>,
+}
+
+struct Checked {
+    slot: u64,
+    host: u64,
+    len: u64,
+    device: Option<u32>,
+}
+
 struct D2h {
     /// The event recorded after it on the D2H stream (shared with the copies before it that
     /// had none: Note [device calls]); None until one is.
@@ -73,6 +92,7 @@ struct D2h {
     nbytes: u64,
     hold: Option<Keep>,
     landing: Option<Landing>,
+    verify: Option<Checked>,
 }
 
 struct H2d {
@@ -110,7 +130,12 @@ struct State {
     unevented: Vec<u64>,
     /// How many copies in flight share each D2H event.
     ev_refs: HashMap<Event, u32>,
+    /// Verify mode: free 8-byte host slots the devices' checksums are copied into.
+    free_slots: Vec<u64>,
 }
+
+/// Checksum slots allocated at once (64 KiB of host memory).
+const SLOTS_PER_SLAB: u64 = 8192;
 
 /// Note [device calls]: a D2H copy of this many bytes gets an event of its own at once ...
 const EVENT_BYTES: u64 = 1 << 20;
@@ -147,6 +172,7 @@ impl Link {
                 failed_seen: 0,
                 unevented: Vec::new(),
                 ev_refs: HashMap::new(),
+                free_slots: Vec::new(),
             }),
         })
     }
@@ -186,6 +212,7 @@ impl Link {
         hold: Option<Keep>,
         keep_src: Option<Keep>,
         landing: Option<Landing>,
+        verify: Option<Verify>,
     ) -> Result<Issued> {
         self.dev.bind_thread()?;
         let mut st = self.lock();
@@ -198,6 +225,24 @@ impl Link {
             self.dev
                 .copy(dst, src, nbytes, Dir::ToHost, self.d2h, keep_src)?
         };
+        let checked = match verify {
+            None => None,
+            Some(v) => {
+                let slot = self.slot(&mut st)?;
+                // SAFETY: `slot` is 8 bytes of the link's host memory, free until this copy
+                // lands; `v.checksum` is the caller's 8-byte device value, held as `src` is.
+                unsafe {
+                    self.dev
+                        .copy(slot, v.checksum, 8, Dir::ToHost, self.d2h, v.keep)?
+                };
+                Some(Checked {
+                    slot,
+                    host: v.host,
+                    len: v.len,
+                    device: None,
+                })
+            }
+        };
         let issued = st.ledger.issue(nbytes);
         st.stats.copies_to_host += 1;
         st.d2h.insert(
@@ -208,6 +253,7 @@ impl Link {
                 nbytes,
                 hold,
                 landing,
+                verify: checked,
             },
         );
         st.unevented.push(issued.id);
@@ -216,6 +262,17 @@ impl Link {
         }
         self.order_victims(&mut st, &issued.victims)?;
         Ok(issued)
+    }
+
+    /// An 8-byte host slot for a device checksum (Note [device checksum]).
+    fn slot(&self, st: &mut State) -> Result<u64> {
+        if let Some(s) = st.free_slots.pop() {
+            return Ok(s);
+        }
+        let base = self.dev.host_alloc((SLOTS_PER_SLAB * 8) as usize)?;
+        st.free_slots
+            .extend((1..SLOTS_PER_SLAB).rev().map(|i| base + i * 8));
+        Ok(base)
     }
 
     /// Record an event on the D2H stream for the copies that have none (Note [device calls]).
@@ -329,9 +386,18 @@ impl Link {
                 }
                 Err(e) => Some(e),
             };
-            let Some(c) = st.d2h.remove(&id) else { break };
+            let Some(mut c) = st.d2h.remove(&id) else {
+                break;
+            };
             st.ledger.landed(id);
             Link::unref(&mut st, ev);
+            if let Some(v) = c.verify.as_mut() {
+                // SAFETY: the slot's 8 bytes were written by the checksum's copy, which ran
+                // before the event just seen; nothing else writes a slot until it is freed.
+                let value = unsafe { std::ptr::read_unaligned(v.slot as *const u64) };
+                v.device = Some(value as u32);
+                st.free_slots.push(v.slot);
+            }
             done.push((id, c, error));
         }
         self.poll_h2d(&mut st);
@@ -603,15 +669,30 @@ pub struct LedgerCounters {
 }
 
 /// Run the landings of copies seen complete (outside the link's lock: a seal takes the tier's),
-/// after dropping what they held.
+/// after checking the host bytes against the device's checksum (verify mode) and dropping what
+/// they held. A copy whose bytes do not match is not sealed: its entry goes with its step.
 fn finish(done: Vec<(u64, D2h, Option<Error>)>) -> Vec<Landed> {
     done.into_iter()
         .map(|(id, c, error)| {
+            let mismatch = match (&error, &c.verify) {
+                (None, Some(v)) => {
+                    // SAFETY: `hold` keeps the `len` bytes at `host` alive; the copy writing
+                    // them has run (its event fired).
+                    let bytes =
+                        unsafe { std::slice::from_raw_parts(v.host as *const u8, v.len as usize) };
+                    let host = checksum::checksum(bytes);
+                    match v.device {
+                        Some(device) if device != host => Some(Error::Landed { id, device, host }),
+                        _ => None,
+                    }
+                }
+                _ => None,
+            };
             // the staging view goes first: the tier writes behind only blocks nobody views
             drop(c.hold);
-            let error = match error {
-                Some(e) => Some(e),
-                None => c.landing.and_then(|f| f().err()),
+            let error = match (error, mismatch) {
+                (Some(e), _) | (None, Some(e)) => Some(e),
+                (None, None) => c.landing.and_then(|f| f().err()),
             };
             Landed { id, error }
         })

@@ -499,6 +499,21 @@ impl Device for SimDevice {
                     detail: "simulated copy failure (injected)".into(),
                 });
             }
+            if fault == Some(Fault::LateLanding) {
+                // a copy the reader is not ordered after: its bytes arrive after the read
+                run_op(
+                    Op::Copy {
+                        dst,
+                        src,
+                        nbytes,
+                        seconds: 0.0,
+                        fault,
+                        keep,
+                    },
+                    &Mutex::new(None),
+                );
+                return Ok(());
+            }
             // SAFETY: the caller's contract (both ranges valid now: the copy runs at once).
             unsafe { raw_copy(dst, src, nbytes) };
             if fault == Some(Fault::StaleSource) && nbytes > 0 {

@@ -35,7 +35,7 @@ fn build(py: Python<'_>, err: &Error) -> PyResult<PyErr> {
             let cls = errors.getattr("SwapIOError")?;
             PyErr::from_value(cls.call1((source.raw_os_error().unwrap_or(0), msg))?)
         }
-        Error::Integrity { .. } => {
+        Error::Integrity { .. } | Error::Landed { .. } => {
             PyErr::from_value(errors.getattr("IntegrityError")?.call1((msg,))?)
         }
         Error::Invalid(_) => PyErr::new::<pyo3::exceptions::PyValueError, _>(msg),

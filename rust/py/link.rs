@@ -18,7 +18,7 @@ use super::errors::{guarded, to_py};
 use super::tier::{PyHandle, PyStep, PyView};
 use crate::link::cuda::CudaDevice;
 use crate::link::sim::{Fault, SimDevice, SimOptions};
-use crate::link::{Device, Dir, Keep, Landed, Link, StageItem};
+use crate::link::{Device, Dir, Keep, Landed, Link, StageItem, Verify};
 
 /// Copies seen complete: `(id, error or None)` each.
 type LandedList = Vec<(u64, Option<Py<PyAny>>)>;
@@ -107,9 +107,12 @@ impl PyLink {
     /// Pack one storage (or one piece of it): lease `nbytes` from `step` (making room; raises
     /// PoolExhaustedError), copy them from device address `address` after the work queued on
     /// `stream`, seal the entry once they landed. `owner`: the source storage (held by the
-    /// copy on the simulated device). Returns `(handle, copy id, victims)`: drop the victims'
-    /// sources now (Note [sources held]).
-    #[pyo3(signature = (step, address, nbytes, stream, owner=None))]
+    /// copy on the simulated device). `checksum`: verify mode, `(device address of the int64
+    /// checksum of the source taken before the copy, its tensor)`; the landed bytes are
+    /// checked against it (IntegrityError through `poll`). Returns `(handle, copy id,
+    /// victims)`: drop the victims' sources now (Note [sources held]).
+    #[pyo3(signature = (step, address, nbytes, stream, owner=None, checksum=None))]
+    #[allow(clippy::too_many_arguments)]
     fn pack(
         &self,
         py: Python<'_>,
@@ -118,16 +121,27 @@ impl PyLink {
         nbytes: u64,
         stream: u64,
         owner: Option<Bound<'_, PyAny>>,
+        checksum: Option<(usize, Bound<'_, PyAny>)>,
     ) -> PyResult<(PyHandle, u64, Vec<u64>)> {
         let src = nonzero(address, "source")?;
-        let keep = if self.sim.is_some() {
-            keep_of(owner)
-        } else {
-            None
+        let sim = self.sim.is_some();
+        let keep = if sim { keep_of(owner) } else { None };
+        let checksum = match checksum {
+            Some((a, o)) => Some((
+                nonzero(a, "checksum")?,
+                if sim { keep_of(Some(o)) } else { None },
+            )),
+            None => None,
         };
         let (h, issued) = guarded(py, || {
             let (h, view) = step.step.put(nbytes)?;
             let dst = view.as_ptr() as u64;
+            let verify = checksum.map(|(a, k)| Verify {
+                checksum: a,
+                host: dst,
+                len: nbytes,
+                keep: k,
+            });
             let seal = h.clone();
             // SAFETY: `src` is device memory of the caller's storage, held as the ledger says
             // (and by `keep` on the simulated device); `dst` is the staging view just leased,
@@ -141,6 +155,7 @@ impl PyLink {
                     Some(Box::new(view)),
                     keep,
                     Some(Box::new(move || seal.seal())),
+                    verify,
                 )
             }?;
             Ok((h, issued))

@@ -41,6 +41,7 @@ from . import registry
 from .guardrails import Guardrails
 from .hooks import Hooks
 from .registry import StepRecord
+from .verify import DeviceChecks
 
 __all__ = ["offload_context", "OffloadContext", "keep", "current_context"]
 
@@ -84,6 +85,7 @@ class OffloadContext(Hooks, Guardrails):
         self._in_backward = False
         self._bwd_records: Dict[int, StepRecord] = {}  # records unpacked in this backward
         self._calibration: Any = None  # loaded once: dict, or False when there is none
+        self._checks = DeviceChecks()  # Note [verify on the device]
         self._lock = threading.Lock()
 
     @staticmethod
@@ -290,6 +292,7 @@ class OffloadContext(Hooks, Guardrails):
         of the tier (tests, measurements). Raises the first I/O error one of them hit."""
         for tr in list(self._transfers.values()):
             tr.synchronize()  # waits for every copy; raises errors no step owns
+        self._checks.check()
         with self._lock:  # then the first of this context's steps' (Note [errors go to ...])
             error = next((rec.errors.pop(0) for rec in self._records if rec.errors), None)
         if error is not None:

@@ -175,8 +175,14 @@ class Hooks(Unpack):
         flight are waited for (their entries become evictable) and the lease tried again;
         then (``grow``) a default pool grows (Note [growing pool] in _growth.py);
         PoolExhaustedError when none of that makes room."""
+        what = ""
+        if self.config.verify:  # Note [verify on the device]
+            what = (f"a saved tensor of shape {list(t.shape)} and dtype {t.dtype} in step "
+                    f"{rec.index} on the {self.tier} tier")
+
         def put() -> Tuple[Any, Any]:
-            return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors)
+            return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors,
+                           verify=what)
 
         try:
             return put()

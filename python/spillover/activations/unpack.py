@@ -52,6 +52,7 @@ class Unpack:
         _transfers: Dict[Any, Any]
         _in_backward: bool
         _bwd_records: Dict[int, StepRecord]
+        _checks: Any
 
         @property
         def _pool(self) -> Any: ...
@@ -112,6 +113,7 @@ class Unpack:
             recs, self._bwd_records = list(self._bwd_records.values()), {}
         for tr in list(self._transfers.values()):
             tr.end_of_backward()
+        self._checks.check()  # Note [verify on the device]: one synchronisation per backward
         for rec in recs:
             self._check_pool(rec)  # packs of regions recomputed in backward count too
             self._check_compiled(rec)
@@ -146,6 +148,11 @@ class Unpack:
                 raw = tr.use(staged)
             else:
                 raw = self._bring_back(tr, s, packed)
+            if not tr.host_is_device and s.copies and s.copies[0].packed_sum is not None:
+                off = 0  # Note [verify on the device], check 2: piece by piece
+                for c in s.copies:
+                    self._checks.returned(raw[off : off + c.nbytes], c.packed_sum, c.what)
+                    off += c.nbytes
             if s.views > 1 and (not tr.host_is_device or s.chunked):
                 # Note [views share one return]
                 s._cached, s._cached_uses = raw, 1

@@ -66,6 +66,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ... import _native
+from ...errors import IntegrityError
+from ..verify import device_checksum
 from .common import default_cap_bytes, use_count
 
 __all__ = ["DeviceLink", "LinkCopy"]
@@ -79,8 +81,8 @@ class LinkCopy:
     seen complete, what it raised. ``done()`` never blocks; ``wait()`` returns the seconds it
     blocked and raises what the copy or its seal raised."""
 
-    __slots__ = ("id", "nbytes", "modified", "stream", "_link", "_src", "_watch", "_version",
-                 "_sink", "_landed", "_error", "_given", "__weakref__")
+    __slots__ = ("id", "nbytes", "modified", "stream", "packed_sum", "what", "_link", "_src",
+                 "_watch", "_version", "_sink", "_landed", "_error", "_given", "__weakref__")
 
     def __init__(self, link: DeviceLink, cid: int, nbytes: int, src: Any, stream: int,
                  watch: Optional[torch.Tensor], sink: Optional[List[BaseException]]):
@@ -98,6 +100,9 @@ class LinkCopy:
         self._landed = False
         self._error: Optional[BaseException] = None
         self._given = False  # its source was handed to backward (Note [source returned])
+        #: verify mode: the source's checksum on the device, and what the copy is, for errors
+        self.packed_sum: Optional[torch.Tensor] = None
+        self.what = ""
 
     def source(self) -> Optional[torch.Tensor]:
         """The whole source storage, as a uint8 tensor, while it is held; else None."""
@@ -202,14 +207,24 @@ class DeviceLink:
 
     def pack(self, step: Any, storage: Any, nbytes: int, *, offset: int = 0,
              watch: Optional[torch.Tensor] = None,
-             errors: Optional[List[BaseException]] = None) -> Tuple[Any, LinkCopy]:
+             errors: Optional[List[BaseException]] = None,
+             verify: str = "") -> Tuple[Any, LinkCopy]:
         """Lease ``nbytes`` from ``step`` and copy them from ``storage`` (a device storage)
         at ``offset``: one call into Rust. Returns (tier handle, copy). Raises
-        PoolExhaustedError when the tier has no room now."""
+        PoolExhaustedError when the tier has no room now. ``verify``: what the copy is (its
+        tensor's shape, dtype, step, tier), to check it (Note [verify on the device])."""
         stream = self.stream()
+        checksum = None
+        if verify:
+            src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                storage, offset, (nbytes,))
+            cs = device_checksum(src)
+            checksum = (cs.data_ptr(), cs)
         handle, cid, victims = self.native.pack(step, storage.data_ptr() + offset, nbytes,
-                                                stream, storage if self.sim else None)
+                                                stream, storage if self.sim else None, checksum)
         c = LinkCopy(self, cid, nbytes, storage, stream, watch, errors)
+        if checksum is not None:
+            c.packed_sum, c.what = checksum[1], verify
         with self._lock:
             self._copies[cid] = c
             for v in victims:  # the compute stream waits for them already
@@ -244,6 +259,9 @@ class DeviceLink:
                     c.modified = w._version != c._version
                 c._watch = None
                 if error is not None:
+                    if c.what and isinstance(error, IntegrityError):
+                        error = IntegrityError(f"{c.what}: {error} (check 1 of Note [verify on "
+                                               "the device])")
                     c._error = error
                     (c._sink if c._sink is not None else self._errors).append(error)
                 c._landed = True
