@@ -34,11 +34,23 @@ Note [growing pool]
     the old default: what is mapped now is not what the pool can hold by the time it matters.
     Measured (2-layer MLP, 12 MiB offloaded, 24 GiB host): RSS +6066 MiB after the first step
     and still there after ``del ctx`` before; about +104 MiB now, the pool's 64 MiB given back.
+
+Note [growth off the critical path]
+    Mapping, pre-faulting and registering a pool with CUDA takes seconds for GiBs, and growing
+    inside a pack put that in the middle of a forward, at whatever step first needed the room
+    (variable sequence lengths: any step). So once the current pool is three quarters full (seen
+    at the end of a forward, and after every eighth of the pool offloaded), the next generation -- twice the pool, or what
+    the context's live entries need, capped as above -- is mapped, pre-faulted and registered on
+    a background thread, and becomes current at the next growth (mid-step, or at the next entry);
+    a growth that comes before it is done waits for it (it is further along than a mapping
+    started then), and one it could not make (no room, an error) goes the old way.
+    Under CUDA graph capture nothing is prepared or made current.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import threading
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -75,6 +87,12 @@ class Pools:
         self.gens: List[Generation] = []
         self.need = 0  # the most live entries held at the end of a forward since the last growth
         self.closed = False
+        # Note [growth off the critical path]: the next generation, being made (a thread) or
+        # made (a pool, or the error that stopped it)
+        self._next_thread: Optional[threading.Thread] = None
+        self._next: Any = None
+        self._next_lock = threading.Lock()
+        self.prepared = 0  # generations made ahead, for the stats and the tests
 
     @property
     def pool(self) -> Any:
@@ -91,9 +109,9 @@ class Pools:
         else:
             self._add(_runtime.host_pool(self.config), leased=False)
 
-    def _add(self, pool: Any, leased: bool) -> None:
+    def _add(self, pool: Any, leased: bool, registered: bool = False) -> None:
         try:
-            if torch.cuda.is_available():
+            if torch.cuda.is_available() and not registered:
                 _runtime.register_with_cuda(pool)
             tier = self._open_tier(pool, leased)
         except BaseException:
@@ -127,19 +145,95 @@ class Pools:
             total += st["bytes_in_pool"] + st["bytes_on_disk_only"]
         return total
 
-    def note_forward_end(self) -> None:
+    def note_forward_end(self, prepare: bool = True) -> None:
         if self.growable and self.gens:
-            self.need = max(self.need, self.held())
+            held = self.held()
+            self.need = max(self.need, held)
+            if prepare and self.need > self.pool.capacity:
+                # a growth at the next entry, to what the forwards held: made from now on
+                self.maybe_prepare(held, size=_runtime.sized_for(self.need))
+            elif prepare:
+                self.maybe_prepare(held)
+
+    def maybe_prepare(self, held: Optional[int] = None, size: Optional[int] = None) -> None:
+        """Note [growth off the critical path]: past three quarters of the pool, start making
+        the next generation (``size``, else what a growth mid-step would take) on a background
+        thread, once at a time."""
+        if not self.growable or not self.gens or self.closed or self._next_thread is not None:
+            return
+        cap = self.pool.capacity
+        with self._next_lock:
+            nxt = self._next
+            if nxt is not None and not isinstance(nxt, BaseException) and (
+                    size is None or nxt.capacity == min(size, self._room())):
+                return  # made already, waiting for its growth
+            self._next = None
+        if nxt is not None and not isinstance(nxt, BaseException):
+            _runtime.return_pool(nxt)  # not the size the next growth wants
+        held = self.held() if held is None else held
+        if held * 4 < cap * 3:
+            return
+        size = min(size or max(2 * cap, _runtime.sized_for(held)), self._room())
+        if size <= cap:
+            return
+        t = threading.Thread(target=self._make_next, args=(size,), daemon=True,
+                             name="spillover-pool-growth")
+        self._next_thread = t
+        t.start()
+
+    def _make_next(self, size: int) -> None:
+        made: Any
+        try:
+            made = _runtime.lease_pool(size)
+            if torch.cuda.is_available():
+                _runtime.register_with_cuda(made)
+        except BaseException as e:  # noqa: BLE001 -- kept, and the growth goes the old way
+            made = e
+        with self._next_lock:
+            if self.closed and not isinstance(made, BaseException):
+                _runtime.return_pool(made)  # the context went meanwhile
+            else:
+                self._next = made
+            self._next_thread = None
+
+    def _take_next(self, need: int) -> bool:
+        """The generation made ahead becomes current when it holds ``need`` (one being made is
+        waited for: it is further along than a growth started now would be)."""
+        t = self._next_thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        with self._next_lock:
+            nxt = self._next
+            if nxt is None:
+                return False
+            self._next = None
+        if isinstance(nxt, BaseException):
+            _runtime.log.info("activation pool not grown ahead: %s", nxt)
+            return False
+        if nxt.capacity < need or nxt.capacity <= self.pool.capacity:
+            _runtime.return_pool(nxt)
+            return False
+        self._add(nxt, leased=True, registered=True)
+        self.prepared += 1
+        _runtime.log.info("activation pool grown to %s (made ahead)", format_size(nxt.capacity))
+        return True
 
     def grow_mid_step(self, nbytes: int) -> bool:
-        """A lease of ``nbytes`` found no room: a larger pool becomes current. False when the
-        pool cannot grow (an explicit size, at the cap, no room on the node)."""
+        """A lease of ``nbytes`` found no room: a larger pool becomes current (the one made
+        ahead when it is ready). False when the pool cannot grow (an explicit size, at the cap,
+        no room on the node)."""
         cur = self.pool.capacity
-        return self._grow(max(2 * cur, _runtime.sized_for(self.held() + nbytes)))
+        need = self.held() + nbytes
+        if self._take_next(need):
+            return True
+        return self._grow(max(2 * cur, _runtime.sized_for(need)))
 
     def grow_between_steps(self) -> bool:
-        """At entry: a pool for what the last forwards held, when that is more than the pool."""
+        """At entry: a pool for what the last forwards held, when that is more than the pool
+        (the one made ahead when it is ready and large enough)."""
         need, self.need = self.need, 0
+        if need and need > self.pool.capacity and self._take_next(need):
+            return True
         return bool(need) and self._grow(_runtime.sized_for(need))
 
     def _grow(self, want: int) -> bool:
@@ -180,7 +274,8 @@ class Pools:
         _runtime.settle()
 
     def close(self) -> None:
-        """Every lease given back (the context is gone: no step of it can use them)."""
+        """Every lease given back (the context is gone: no step of it can use them), the one
+        made ahead too (or by its thread, once done). Never blocks: a finalizer runs it."""
         if self.closed:
             return
         self.closed = True
@@ -188,6 +283,10 @@ class Pools:
         for g in gens:
             if g.leased:
                 _runtime.return_pool(g.pool)
+        with self._next_lock:  # a thread still making one gives it back itself
+            nxt, self._next = self._next, None
+        if nxt is not None and not isinstance(nxt, BaseException):
+            _runtime.return_pool(nxt)
 
     def limit(self) -> int:
         """The user's size, or the most a growing pool may reach (the default's cap)."""

@@ -206,7 +206,7 @@ def test_graph_capture_queries_no_event(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("an event was queried under capture")
 
-    monkeypatch.setattr(registry, "capturing", lambda: True)
+    monkeypatch.setattr(registry, "capturing", lambda device=None: True)
     monkeypatch.setattr(DeviceLink, "reap", refuse)
     monkeypatch.setattr(DeviceLink, "stall_seconds", property(refuse))
     with ctx:
@@ -272,3 +272,13 @@ def test_a_failed_copy_raises_in_the_step_that_owns_it():
     loss.backward()
     assert torch.equal(x.grad, torch.autograd.grad((x * 2).sigmoid().sum(), x)[0])
     del y
+
+
+def test_a_first_step_under_graph_capture_says_to_enter_once_eagerly(monkeypatch):
+    """Note [graph capture]: the first step would map and register the pool."""
+    from spillover.activations import registry
+
+    monkeypatch.setattr(registry, "capturing", lambda device=None: True)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=8 * MiB)
+    with pytest.raises(RuntimeError, match="Enter the context once eagerly"), ctx:
+        pass

@@ -4,6 +4,17 @@ object -- its steps, their counters and reports, the pools they use --; the hook
 hooks.py, which steps are active and what each step records in registry.py, the device copies
 in link/, the guardrails in guardrails.py.
 
+Note [graph capture]
+    Under CUDA graph capture nothing may be queried, synchronized, mapped or registered, and a
+    copy into host memory would bake that memory's address into the graph. So pack passes
+    tensors through (kept on the device, counted as unsupported), entering and leaving a step
+    queries no event, a context never makes, grows or lets go of a pool during a capture, and:
+    - a context whose first step would run under capture raises, saying to enter it once
+      eagerly first (its pool is made and registered then);
+    - an unpack under capture of a tensor offloaded by an eager forward raises: bringing it
+      back would capture a copy from a host block the graph would read at every replay.
+    ``capturing`` asks the tensor's device, not only the current one.
+
 Who owns what
     The Rust tier (``spillover._native.Tier``, rust/tier) owns every offloaded block: where its
     bytes are (pool, disk, in flight), write-behind, eviction and read-ahead. The link of each
@@ -131,10 +142,18 @@ class OffloadContext(Hooks, Guardrails):
                 "`with ctx:` per step -- or use a second offload_context(...) for a nested "
                 "region"
             )
+        captured = registry.capturing()
         with self._grow_lock:  # Note [growing pool] in _growth.py
             if self._pool is None:
+                if captured:  # Note [graph capture]
+                    raise RuntimeError(
+                        "offload_context: the first step of a context cannot run under CUDA "
+                        "graph capture: it maps its host pool and registers it with CUDA, which "
+                        "a capture forbids. Enter the context once eagerly (one step outside "
+                        "the capture, e.g. the warm-up steps CUDA graphs need anyway), then "
+                        "capture")
                 self._open()
-            else:
+            elif not captured:  # under capture no pool is made or let go (Note [graph capture])
                 with self._lock:
                     busy = [r.tier for r in self._records if r.active]  # other threads' steps
                 self._pools.retire(busy)
@@ -144,7 +163,7 @@ class OffloadContext(Hooks, Guardrails):
         self._pool_starts = [a for a, _ in self._pool_ranges]
         others = self._pool_others()
         with self._lock:
-            now = {} if registry.capturing() else self._transfer_now()  # no event queried
+            now = {} if captured else self._transfer_now()  # no event queried
             if self._last is not None and self._last.tr_end is None:
                 self._last.tr_end = now
             self._fold(keep_last=False)  # a new latest step begins
@@ -169,7 +188,7 @@ class OffloadContext(Hooks, Guardrails):
         if not suspend._forget(hooks):  # Note [no offload] in suspend.py
             hooks.__exit__(*exc)
         rec.active = False
-        self._pools.note_forward_end()
+        self._pools.note_forward_end(prepare=not registry.capturing())
         rec.dedup.clear()
         rec.marked.clear()
         rec.kept.clear()

@@ -132,6 +132,10 @@ class Hooks(Unpack):
             return t
         rec.dedup[key] = (weakref.ref(stored), StorageWeakRef(storage))
         rec.stored.add(stored)
+        rec.packs += nbytes
+        if rec.packs * 8 >= self._pool.capacity:  # Note [growth off the critical path]
+            rec.packs = 0
+            self._pools.maybe_prepare()
         rec.devices.add(device)
         stats.add(tensors_packed=1, bytes_packed=nbytes, tensors_offloaded=1)
         if not tr.host_is_device:  # only a device's H2D copies are staged ahead
@@ -146,7 +150,7 @@ class Hooks(Unpack):
         if nbytes < self.config.min_offload_bytes or nbytes == 0:
             return "bytes_kept_small"
         kind = key[0]
-        if kind == "cuda" and capturing():
+        if kind == "cuda" and capturing(t.device):
             return "bytes_kept_unsupported"
         if is_param(rec, t, storage):
             return "bytes_kept_parameter"

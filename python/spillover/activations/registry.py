@@ -122,9 +122,16 @@ def storage_key(t: torch.Tensor) -> Tuple[str, int, int]:
     return (t.device.type, t.device.index or 0, t.untyped_storage().data_ptr())
 
 
-def capturing() -> bool:
-    """Under CUDA graph capture nothing may be queried or copied out: pack passes through."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def capturing(device: Optional[torch.device] = None) -> bool:
+    """Whether the current stream of ``device`` (default: the current CUDA device) is being
+    captured into a CUDA graph: nothing may be queried or copied out then (Note [graph
+    capture] in context.py)."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return False
+    if device is None or device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device.index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 # ---- module hook: learn parameter and buffer storages of the modules a context runs ----------
@@ -217,7 +224,8 @@ class StepRecord:
 
     __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
                  "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
-                 "node", "compiled", "checked", "findings", "errors", "pool_full", "__weakref__")
+                 "node", "compiled", "checked", "findings", "errors", "pool_full", "packs",
+                 "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
@@ -244,6 +252,7 @@ class StepRecord:
         #: errors of this step's copies nobody waited for (Note [errors go to their owner])
         self.errors: List[BaseException] = []
         self.pool_full = False  # a pool without swap found full after waiting (hooks._full)
+        self.packs = 0  # bytes offloaded since the pool's fill was last looked at
 
     def begin(self, tier: Any) -> None:
         """Go on in a new tier step over ``tier`` (the first, or a grown pool's: Note [growing

@@ -30,7 +30,7 @@ class Stored:
     device->host copies that fill it."""
 
     __slots__ = ("record", "entry", "nbytes", "device", "copies", "seq", "views", "staged",
-                 "chunked", "_lock", "_cached", "_cached_uses", "__weakref__")
+                 "chunked", "_lock", "_cached", "_cached_uses", "_cached_stream", "__weakref__")
 
     def __init__(self, record: Any, entry: Any, nbytes: int, device: torch.device,
                  copies: List[Any], seq: int):
@@ -46,6 +46,7 @@ class Stored:
         self._lock = threading.Lock()
         self._cached: Optional[torch.Tensor] = None  # device bytes shared by several views
         self._cached_uses = 0
+        self._cached_stream: Any = None  # the stream it was brought back on
 
     @property
     def modified(self) -> bool:

@@ -33,7 +33,7 @@ from .. import _runtime
 from ..config import Config, format_size
 from ..errors import IntegrityError
 from .link import block_tensor
-from .registry import StepRecord
+from .registry import StepRecord, capturing
 from .stored import Packed, Stored
 
 __all__ = ["Unpack"]
@@ -77,6 +77,13 @@ class Unpack:
         if isinstance(packed, torch.Tensor):
             return packed
         s = packed.stored
+        if s.device.type == "cuda" and capturing(s.device):  # Note [graph capture]
+            raise RuntimeError(
+                f"offload_context: a saved tensor of shape {list(packed.size)} offloaded by an "
+                "eager forward is unpacked under CUDA graph capture; its copy back would read a "
+                "host block at every replay of the graph. Capture forward and backward "
+                "together (pack passes tensors through under capture), or run this backward "
+                "eagerly")
         rec = s.record
         node = self._note_backward(rec)
         if node is not None:
@@ -141,6 +148,8 @@ class Unpack:
                 s._cached_uses += 1
                 if s._cached_uses >= s.views:
                     s._cached, s._cached_uses = None, 0
+                if not tr.host_is_device:
+                    tr.share(raw, s._cached_stream)
                 return raw
             staged, s.staged = s.staged, None
             if staged is not None and staged is not True:
@@ -156,6 +165,7 @@ class Unpack:
             if s.views > 1 and (not tr.host_is_device or s.chunked):
                 # Note [views share one return]
                 s._cached, s._cached_uses = raw, 1
+                s._cached_stream = None if tr.host_is_device else tr.stream()
         self._stage_ahead(tr, s)
         return raw
 

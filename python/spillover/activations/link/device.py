@@ -344,6 +344,18 @@ class DeviceLink:
 
     # -- host -> device -------------------------------------------------------------------
 
+    def share(self, t: torch.Tensor, made_on: Optional[int]) -> None:
+        """``t``, brought back on stream ``made_on``, is handed out again (another view of its
+        storage): used on another stream, that stream waits for ``made_on``'s work so far and
+        the allocator keeps the block for it (``record_stream``)."""
+        if self.sim or made_on is None:
+            return
+        stream = self.stream()
+        if stream != made_on:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(torch.cuda.ExternalStream(made_on, device=self.device))
+            t.record_stream(current)
+
     def _empty(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.memory is not None:

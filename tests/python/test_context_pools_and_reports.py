@@ -1,8 +1,8 @@
-"""Issue 20, found running real model code: parameters recognised by identity, not by an address
+"""Found running real model code: parameters recognised by identity, not by an address
 remembered for ever (Note [parameters by identity] in activations/registry.py); a default pool that
 grows from small and leaves with its context (Note [growing pool] in _growth.py); report() counting
 what a recompute policy keeps (Note [kept by a policy]). Guardrails said once:
-test_issue20_warnings.py."""
+test_warn_once.py."""
 
 from __future__ import annotations
 
@@ -286,3 +286,35 @@ def test_op_outputs_a_region_keeps_are_counted_once():
     assert s.bytes_offloaded_host == 0, s  # x and w are leaves; h is the policy's
     assert s.bytes_kept_parameter == 4 * MiB, s  # x, the region's input (w is not one)
     assert s.storages_deduplicated == 2, s  # h, saved twice by mul: held by the region
+
+
+def test_the_next_pool_is_made_off_the_critical_path(default_pool, monkeypatch):
+    """Note [growth off the critical path]: a default pool three quarters full has its next
+    generation mapped (and on CUDA registered) on a background thread, and the growth that
+    follows takes it without mapping anything on the thread that packs."""
+    import threading
+
+    leases = []
+    real = _runtime.lease_pool
+
+    def spy(capacity):
+        leases.append((threading.current_thread().name, capacity))
+        return real(capacity)
+
+    monkeypatch.setattr(_runtime, "lease_pool", spy)
+    torch.manual_seed(0)
+    xs = [torch.randn(MiB // 4, requires_grad=True) for _ in range(96)]  # 96 MiB, 1 MiB each
+    ctx = spillover.offload_context("host", min_offload_bytes=0)
+    for _ in range(2):
+        with ctx:
+            loss = sum((x * 2).sigmoid().sum() for x in xs)
+        loss.backward()
+        s = ctx.stats()
+        assert s.bytes_kept_pool_full == 0 and s.tensors_offloaded == 96, s
+        assert all(torch.equal(x.grad, torch.autograd.grad((x * 2).sigmoid().sum(), x)[0])
+                   for x in xs[:3])
+        for x in xs:
+            x.grad = None
+    grown = [(name, cap) for name, cap in leases if cap > default_pool]
+    assert grown and all(name == "spillover-pool-growth" for name, _ in grown), leases
+    assert ctx._pools.prepared >= 1

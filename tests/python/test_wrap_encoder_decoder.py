@@ -1,4 +1,4 @@
-"""Issue 20, spillover.wrap on real model code: encoder-decoder models (every block list is
+"""spillover.wrap on real model code: encoder-decoder models (every block list is
 wrapped, gradients bitwise equal to the plain run with dropout on, caches kept out of regions),
 torch.save / torch.load of a wrapped model, and explain() before the first step."""
 

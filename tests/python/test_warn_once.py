@@ -1,4 +1,4 @@
-"""Issue 20: every guardrail printed twice (a RuntimeWarning and a log line). ``warn_once`` says
+"""Every guardrail was once printed twice (a RuntimeWarning and a log line). ``warn_once`` says
 it once: as a warning, or on the ``spillover`` logger when the warnings filters ignore it."""
 
 from __future__ import annotations
