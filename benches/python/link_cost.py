@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 import spillover
+
 try:  # the link's device-call counter (absent before the link moved to Rust)
     from spillover.activations.link import link_for
 except ImportError:  # an older spillover: timings only, through the public API

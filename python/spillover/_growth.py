@@ -38,12 +38,13 @@ Note [growing pool]
 Note [growth off the critical path]
     Mapping, pre-faulting and registering a pool with CUDA takes seconds for GiBs, and growing
     inside a pack put that in the middle of a forward, at whatever step first needed the room
-    (variable sequence lengths: any step). So once the current pool is three quarters full (seen
-    at the end of a forward, and after every eighth of the pool offloaded), the next generation -- twice the pool, or what
-    the context's live entries need, capped as above -- is mapped, pre-faulted and registered on
-    a background thread, and becomes current at the next growth (mid-step, or at the next entry);
-    a growth that comes before it is done waits for it (it is further along than a mapping
-    started then), and one it could not make (no room, an error) goes the old way.
+    (variable sequence lengths: any step). So once the current pool is three quarters full
+    (seen at the end of a forward, and after every eighth of the pool offloaded), the next
+    generation -- twice the pool, or what the context's live entries need, capped as above --
+    is mapped, pre-faulted and registered on a background thread, and becomes current at the
+    next growth (mid-step, or at the next entry); a growth that comes before it is done waits
+    for it (it is further along than a mapping started then), and one it could not make (no
+    room, an error) goes the old way.
     Under CUDA graph capture nothing is prepared or made current.
 """
 
