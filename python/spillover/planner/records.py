@@ -24,7 +24,8 @@ def output_tensors(out: Any) -> List[torch.Tensor]:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (what keeping them pins)."""
+    """Bytes of the distinct storages behind ``tensors`` (what keeping them pins; storages
+    named as in Note [storage names], recompute/ops.py)."""
     seen = set()
     total = 0
     for t in tensors:
@@ -32,7 +33,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
             continue
         try:
             st = t.untyped_storage()
-            key = (t.device, st.data_ptr())
+            key = (t.device, st._cdata)
         except (RuntimeError, NotImplementedError):  # fake (compile) or storage-less subclasses
             total += t.numel() * t.element_size()
             continue

@@ -246,13 +246,13 @@ class _SaveMode(TorchDispatchMode):
             why = None  # fused attention with dropout_p=0 draws nothing
         if why == "mutates an input":
             self._invalidate(info.written_tensors(args, kwargs))
-        # One storage key (ops.skey, inlined) per input tensor, reused for the alias check and
-        # the readers.
+        # One storage key (ops.skey, inlined: Note [storage names] in ops.py) per input
+        # tensor, reused for the alias check and the readers.
         producer = self.producer
         ins = []
         for a in info.tensors(args, kwargs):
             try:
-                k = (a.device, a.untyped_storage().data_ptr())
+                k = (a.device, a.untyped_storage()._cdata)
             except (RuntimeError, NotImplementedError):  # no storage torch lets us see
                 continue
             ins.append(k)
@@ -270,7 +270,7 @@ class _SaveMode(TorchDispatchMode):
                     continue
                 try:
                     st = t.untyped_storage()
-                    k = (t.device, st.data_ptr())
+                    k = (t.device, st._cdata)
                 except (RuntimeError, NotImplementedError):
                     nbytes += t.numel() * t.element_size()
                     continue

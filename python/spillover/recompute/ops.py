@@ -174,9 +174,19 @@ def tensor_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[torch.Ten
     return out
 
 
+# Note [storage names]
+#     A storage is named by its StorageImpl (``untyped_storage()._cdata``), not by its data
+#     pointer: both are equal for a tensor and its views and unique among live storages, but
+#     every fake tensor's data pointer is 0 (``spillover.estimate`` runs the regions on fake
+#     tensors, and would see every output as a view of every input). Like an address, the
+#     name may be reused once its storage is freed (the save mode keeps the latest producer).
+#     Guarded by tests/python/test_estimate.py::test_regions_record_on_fake_tensors.
+
+
 def skey(t: torch.Tensor) -> Tuple[Any, int]:
-    """Which storage ``t`` views (equal for a tensor and its views)."""
-    return (t.device, t.untyped_storage().data_ptr())
+    """Which storage ``t`` views (equal for a tensor and its views; Note [storage
+    names])."""
+    return (t.device, t.untyped_storage()._cdata)
 
 
 def producer_of(producer: Dict[Tuple[Any, int], int], t: torch.Tensor) -> Optional[int]:
