@@ -20,6 +20,7 @@ from .errors import (
     SpilloverError,
     SwapIOError,
 )
+from .estimate import Estimate, estimate
 from .optim import OffloadAdamW
 from .planner import Planner
 from .recompute import SelectivePolicy, checkpoint, explain, unwrap, wrap
@@ -32,6 +33,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DeviceError",
+    "Estimate",
     "IntegrityError",
     "InternalError",
     "OffloadAdamW",
@@ -44,6 +46,7 @@ __all__ = [
     "Planner",
     "SelectivePolicy",
     "checkpoint",
+    "estimate",
     "explain",
     "format_size",
     "keep",

@@ -14,6 +14,7 @@ Note [never saved]
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -213,7 +214,16 @@ def input_bytes(args: Tuple[Any, ...]) -> int:
     return storage_bytes(ts)
 
 
+#: The device regions name in their records while ``spillover.estimate`` traces a GPU's step on
+#: fake CPU tensors (Note [fake device] in spillover/estimate/trace.py); None: the tensors'.
+DEVICE_OVERRIDE = threading.local()
+
+
 def device_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+    """The device a region runs on, as its record names it."""
+    override = getattr(DEVICE_OVERRIDE, "name", None)
+    if override is not None:
+        return override
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):
             d = a.device

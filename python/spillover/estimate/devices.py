@@ -1,0 +1,226 @@
+"""The devices an estimate can be made for: this machine's CPU (measured), an H100 or an H200
+(published figures), or figures given explicitly.
+
+Note [device figures]
+    ``"cpu"`` is this machine, as the planner sees it: the calibration's matmul FLOP/s and
+    elementwise bandwidth (:mod:`spillover.calibrate`, cached on disk), its pool copy rate as
+    the "link", its NVMe rates, and host costs measured here once per process: seconds per
+    dispatched op (a chain of tiny ops, forward and backward), per op of a wrapped region on top
+    of that, and per offloaded tensor (pack and unpack of a 4 KiB tensor, whose copy is
+    nothing). Where the calibration already has ``host_seconds_per_op`` /
+    ``host_seconds_per_offload`` they are used. Its memory is the RAM available now.
+
+    ``"h100"`` and ``"h200"`` are SXM parts with the memory ``torch.cuda`` reports
+    (``total_memory``: 81,559 MiB and 143,771 MiB), and *achievable* rates, not peak ones:
+    bf16/fp16 matmuls at 650 TFLOP/s (66 % of the dense peak, what large training GEMMs reach),
+    fp32 at 50 TFLOP/s (torch's default: no TF32), HBM at 80 % of its peak (3.35 and 4.8 TB/s),
+    PCIe 5 x16 at 50 GB/s each way (pinned memory), one data-centre NVMe drive (Gen4: 6.5 GB/s
+    read, 3.5 GB/s write, 3.84 TB, rated 1 drive write per day), 8 us of host time per
+    dispatched op (eager PyTorch on a server CPU) and 25 us per offloaded tensor, and 32 MiB of
+    cuBLAS workspace (Hopper's). None of these was measured on a GPU here: pass ``device=dict(
+    ...)`` (:func:`device_spec`) with your own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import threading
+import time
+from typing import Any, Dict, Mapping, Optional, Union
+
+import psutil
+import torch
+
+from ..config import parse_size
+from ..planner.machine import Machine
+
+__all__ = ["Device", "device_spec", "DEVICES"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What an estimate needs of a device (Note [device figures]). Rates in bytes or FLOPs per
+    second; ``kind`` "cpu" (the device is the host: the pool counts as its memory) or "cuda"."""
+
+    name: str
+    kind: str
+    memory_bytes: int
+    matmul_flops: Mapping[str, float]
+    memory_bytes_per_s: float  # memory-bound ops: bytes read + written per second
+    link_bytes_per_s: float  # device <-> pinned host, each way (CPU: a copy into the pool)
+    nvme_write_bytes_per_s: Optional[float]
+    nvme_read_bytes_per_s: Optional[float]
+    host_memory_bytes: int
+    host_seconds_per_op: float  # dispatching one op (eager)
+    host_seconds_per_region_op: float  # more per op inside a wrapped region (save / replay)
+    host_seconds_per_offload: float  # pack + unpack of one offloaded tensor
+    workspace_bytes: int = 0  # allocated once by the first matmul (cuBLAS)
+    rounding: int = 1  # allocations rounded up to this (CUDA's caching allocator: 512)
+    copy_inflight_bytes: int = 256 * MiB  # Note [the newest sources stay] in activations/link
+    nvme_drive_bytes: Optional[int] = None
+    nvme_drive_writes_per_day: float = 1.0
+
+    def flops_per_s(self, dtype: str) -> float:
+        f = self.matmul_flops
+        return f.get(dtype) or f.get("float32") or max(f.values())
+
+    def machine(self) -> Machine:
+        """The planner's :class:`~spillover.planner.Machine` with these rates."""
+        kw: Dict[str, Any] = dict(
+            matmul_flops=dict(self.matmul_flops),
+            elementwise_bytes_per_s=self.memory_bytes_per_s,
+            d2h_bytes_per_s=self.link_bytes_per_s,
+            h2d_bytes_per_s=self.link_bytes_per_s,
+            nvme_write_bytes_per_s=self.nvme_write_bytes_per_s,
+            nvme_read_bytes_per_s=self.nvme_read_bytes_per_s,
+        )
+        fields = {f.name for f in dataclasses.fields(Machine)}
+        if "host_seconds_per_offload" in fields:  # the planner's host costs, where it has them
+            kw["host_seconds_per_offload"] = self.host_seconds_per_offload
+            kw["host_seconds_per_op"] = self.host_seconds_per_region_op
+        return Machine(**kw)
+
+    def replace(self, **kw: Any) -> Device:
+        return dataclasses.replace(self, **kw)
+
+
+def _gpu(name: str, memory_mib: int, hbm_tb_s: float) -> Device:
+    return Device(
+        name=name, kind="cuda", memory_bytes=memory_mib * MiB,
+        matmul_flops={"bfloat16": 650e12, "float16": 650e12, "float32": 50e12},
+        memory_bytes_per_s=0.8 * hbm_tb_s * 1e12, link_bytes_per_s=50e9,
+        nvme_write_bytes_per_s=3.5e9, nvme_read_bytes_per_s=6.5e9,
+        host_memory_bytes=2048 * GiB // 8,  # a quarter TiB per GPU of an 8-GPU node
+        host_seconds_per_op=8e-6, host_seconds_per_region_op=4e-6,
+        host_seconds_per_offload=25e-6, workspace_bytes=32 * MiB, rounding=512,
+        copy_inflight_bytes=1000 * MiB, nvme_drive_bytes=3840 * 10**9,
+    )
+
+
+#: Note [device figures]
+DEVICES: Dict[str, Device] = {
+    "h100": _gpu("h100", 81559, 3.35),
+    "h200": _gpu("h200", 143771, 4.8),
+}
+
+
+_cpu_lock = threading.Lock()
+_cpu: Optional[Device] = None
+
+
+def _measure_host_costs() -> Dict[str, float]:
+    """Host seconds per dispatched op, per op of a wrapped region on top of it, and per
+    offloaded tensor (Note [device figures]): medians of interleaved rounds."""
+    from ..activations import offload_context
+    from ..recompute.region import checkpoint
+    from ..suspend import no_offload
+
+    n, rounds = 100, 5
+    x = torch.randn(1024, requires_grad=True)  # 4 KiB: its copy is nothing
+    ctx = offload_context("host", min_offload_bytes=0, host_pool_bytes=64 * MiB)
+
+    def chain(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(n):
+            h = h.sin()
+        return h
+
+    def plain() -> None:
+        chain(x).sum().backward()
+
+    def offloaded() -> None:
+        with ctx:
+            y = chain(x).sum()
+        y.backward()
+
+    def wrapped() -> None:
+        checkpoint(chain, x, policy="full").sum().backward()
+
+    fns = {"plain": plain, "offloaded": offloaded, "wrapped": wrapped}
+    times: Dict[str, list] = {k: [] for k in fns}
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False), no_offload():
+        for r in range(rounds + 1):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                if r:
+                    times[k].append(time.perf_counter() - t0)
+                x.grad = None
+    base = statistics.median(times["plain"])
+    # forward n sins + backward n (sin's backward: cos and mul) + the sum: ~3n + 2 ops
+    per_op = base / (3 * n + 2)
+    return {
+        "host_seconds_per_op": per_op,
+        "host_seconds_per_offload": max(0.0, (statistics.median(times["offloaded"]) - base) / n),
+        "host_seconds_per_region_op": max(
+            0.0, (statistics.median(times["wrapped"]) - 2 * base) / (2 * n)),
+    }
+
+
+def cpu_device() -> Device:
+    """This machine's CPU (Note [device figures]): measured once per process."""
+    global _cpu
+    with _cpu_lock:
+        if _cpu is not None:
+            return _cpu
+        from .. import calibrate
+
+        with torch.random.fork_rng(devices=[]):
+            cal = calibrate.calibrate(device="cpu")
+            d = cal["devices"]["cpu"]
+            host = _measure_host_costs()
+        if d.get("host_seconds_per_offload") is not None:
+            host["host_seconds_per_offload"] = float(d["host_seconds_per_offload"])
+        if d.get("host_seconds_per_op") is not None:
+            host["host_seconds_per_region_op"] = float(d["host_seconds_per_op"])
+        avail = psutil.virtual_memory().available
+        _cpu = Device(
+            name="cpu", kind="cpu", memory_bytes=avail,
+            matmul_flops=dict(d["matmul_flops"]),
+            memory_bytes_per_s=float(d["elementwise_bytes_per_s"]),
+            link_bytes_per_s=min(float(d["d2h_bytes_per_s"]), float(d["h2d_bytes_per_s"])),
+            nvme_write_bytes_per_s=cal.get("nvme_write_bytes_per_s"),
+            nvme_read_bytes_per_s=cal.get("nvme_read_bytes_per_s"),
+            host_memory_bytes=avail, **host,
+        )
+        return _cpu
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Device)}
+
+
+def device_spec(device: Union[str, Device, Mapping[str, Any]] = "cpu") -> Device:
+    """The :class:`Device` for ``device``: ``"cpu"`` (this machine, measured), ``"h100"``,
+    ``"h200"``, a :class:`Device`, or a dict of figures: ``{"base": "h100", "memory_bytes":
+    "94GiB", "link_bytes_per_s": 25e9, ...}`` (fields of :class:`Device`; sizes accept units;
+    ``base`` defaults to ``"h100"``). ValueError naming the choices otherwise."""
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, str):
+        name = device.strip().lower()
+        if name == "cpu":
+            return cpu_device()
+        if name in DEVICES:
+            return DEVICES[name]
+        raise ValueError(
+            f"spillover.estimate: device={device!r}: expected 'cpu' (this machine), "
+            f"{', '.join(repr(k) for k in DEVICES)}, or a dict of figures such as "
+            "{'base': 'h100', 'memory_bytes': '94GiB'} (see spillover.estimate.Device)")
+    if isinstance(device, Mapping):
+        figures = dict(device)
+        base = device_spec(figures.pop("base", "h100"))
+        bad = [k for k in figures if k not in _FIELDS]
+        if bad:
+            raise ValueError(
+                f"spillover.estimate: unknown device figure(s) {', '.join(map(repr, bad))}; "
+                f"known: {', '.join(sorted(_FIELDS))}")
+        for k in ("memory_bytes", "host_memory_bytes", "workspace_bytes",
+                  "copy_inflight_bytes", "nvme_drive_bytes"):
+            if isinstance(figures.get(k), str):
+                figures[k] = parse_size(figures[k])
+        return base.replace(**figures)
+    raise TypeError(f"spillover.estimate: device={device!r}: expected a name, a dict of "
+                    "figures or a spillover.estimate.Device")

@@ -1,0 +1,539 @@
+"""A stand-in for ``offload_context`` on fake tensors: what the context does to device memory,
+host memory, the NVMe drive and the clock, without a pool, a link or a file.
+
+:class:`SimContext` answers what the regions and the planner ask of a context (``tier``,
+``nvme``, ``pool_limit``, ``pack``, ``unpack``, ``kept``, ``keep``) and installs saved-tensor
+hooks as the real one does, so that ``wrap``'s policies and the planner run under it unchanged.
+
+Note [simulated offload]
+    What each tier does to the device's memory, as activations/ implements it:
+
+    - Every context keeps a saved tensor where it is when its storage is under
+      ``min_offload_bytes``, a parameter or buffer (or a view of one), or a storage a policy
+      holds; a storage saved through several views is offloaded once (Note [views share one
+      return] in activations/unpack.py).
+    - On a GPU (``Device.kind == "cuda"``) a packed tensor's source stays on the device while
+      the sources held fit ``copy_inflight_bytes``, newest first (Note [the newest sources
+      stay] in activations/link/device.py); an older one is dropped as newer copies come. An
+      unpack returns a source still held; else a new device tensor, made when the entry is
+      staged ahead: each unpack stages up to 4 entries and min(512 MiB, pool / 8) bytes of
+      those backward needs next (Note [staging distance]). The host tier keeps a tensor on the
+      device when its pool is full (a default pool grows first, to its cap, Note [growing
+      pool] in _growth.py).
+    - On a CPU host (the pool is the device's memory, counted in full by the caller) the host
+      tier copies a storage into the pool (its source goes as soon as nothing else holds it)
+      and unpack returns a view of the block (no new memory); a storage larger than half the
+      pool stays. The NVMe tier writes a storage out from its own memory (Note [written from
+      the tensor] in rust/tier/direct.rs): the storage stays alive until its write lands,
+      writes land in order at the drive's write rate, and a pack waits (the clock stalls) while
+      more than the pool plus the largest storage written so far is being written. An entry is
+      read back into the pool (a view: no new memory), a storage larger than half the pool
+      into one buffer of its own, which is device memory.
+    - NVMe traffic: on a CPU host every entry is written; an entry packed after the last
+      quarter of the pool filled stays in the pool and is never read back. On a GPU the tier
+      writes what passes a quarter of the pool and reads back what passes its resident three
+      quarters (Note [write early, drop late] in rust/tier/policy.rs).
+    The clock is the tracker's (op seconds from the time model); transfers queue on the link
+    and on the drive and a stall adds its wait to the clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from .. import _runtime
+from ..activations import registry
+from ..planner.cost import HIGH_WATER
+from .devices import Device
+from .trace import Tracker
+
+__all__ = ["SimContext", "OffloadFigures"]
+
+#: Note [staging distance] in activations/unpack.py
+STAGE_ENTRIES = 4
+STAGE_BYTES = 512 << 20
+
+
+@dataclasses.dataclass
+class OffloadFigures:
+    """What the simulated context counted over one step."""
+
+    bytes_offloaded: int = 0
+    tensors_offloaded: int = 0
+    bytes_kept: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    pool_capacity: int = 0
+    pool_peak: int = 0
+    link_bytes: int = 0  # device <-> host, both ways (GPU)
+    stall_seconds: float = 0.0
+
+
+class _Entry:
+    __slots__ = ("seq", "nbytes", "source", "staged", "views", "chunked", "on_disk",
+                 "in_pool", "write_done", "read_done", "unpacked", "cached", "pieces",
+                 "__weakref__")
+
+    def __init__(self, seq: int, nbytes: int, chunked: bool):
+        self.seq = seq
+        self.nbytes = nbytes
+        self.source: Optional[torch.Tensor] = None
+        self.staged: Optional[torch.Tensor] = None
+        self.cached: Any = None  # weakref to the storage-shaped tensor views share
+        self.views = 0
+        self.chunked = chunked
+        self.on_disk = False
+        self.in_pool = True
+        self.write_done = 0.0
+        self.read_done: Optional[float] = None
+        self.unpacked = 0
+        self.pieces = 1
+
+
+class _StepRecord:
+    """What the process's module hook and ``is_param`` read of a step (activations/registry.py,
+    Note [parameters by identity])."""
+
+    def __init__(self) -> None:
+        self.modules: Dict[int, Any] = {}
+        self.params: Dict[int, Any] = {}
+
+
+class _Handle:
+    __slots__ = ("entry", "size", "stride", "offset", "dtype", "numel_base", "__weakref__")
+
+    def __init__(self, entry: _Entry, t: torch.Tensor):
+        self.entry = entry
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.dtype = t.dtype
+        self.numel_base = t.untyped_storage().nbytes() // max(1, t.element_size())
+
+
+class SimContext:
+    """Note [simulated offload]. ``pool_bytes``: the pool's size (None: the default pool,
+    starting at 64 MiB and growing to ``pool_cap``)."""
+
+    def __init__(self, tier: str, device: Device, tracker: Tracker, pool_bytes: Optional[int],
+                 pool_cap: int, params: set, min_offload_bytes: int = 1 << 20):
+        if tier not in ("host", "nvme"):
+            raise ValueError(f"tier={tier!r}: expected host or nvme")
+        self.tier = tier
+        self.device = device
+        self.tracker = tracker
+        self.host_is_device = device.kind == "cpu"
+        self.fixed = pool_bytes is not None
+        self.cap = int(pool_bytes) if pool_bytes is not None else int(pool_cap)
+        self.capacity = int(pool_bytes) if pool_bytes is not None else min(
+            _runtime.MIN_POOL, self.cap)
+        self.params = params
+        self.min_offload_bytes = min_offload_bytes
+        self.figures = OffloadFigures()
+        self._hooks: Any = None
+        # seq -> entry, while a handle of it lives (the graph holds the handles)
+        self._entries: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._dedup: Dict[int, Any] = {}  # storage key -> (weakref storage, entry)
+        self._held: collections.deque[_Entry] = collections.deque()  # GPU sources, oldest left
+        self._held_bytes = 0
+        self._writing: collections.deque[Any] = collections.deque()  # (done, bytes)
+        self._writing_bytes = 0
+        self._held_direct: collections.deque[_Entry] = collections.deque()
+        # the NVMe tier's pool on a CPU host: (entry, piece) -> [blocks, write done or None]
+        self._pool: collections.OrderedDict[Any, list] = collections.OrderedDict()
+        self._dirty: collections.deque[Any] = collections.deque()
+        self._dirty_bytes = 0
+        self._piece = 0
+        self._sizes: list = []  # this step's pieces in pack order
+        self._learned: list = []  # the last step's (the tier's learned order)
+        self._after: list = []
+        self._largest_written = 0
+        self._seq = 0
+        self._in_use = 0
+        self._link_free = 0.0
+        self._disk_free = 0.0
+        self._kept_keys: set = set()
+        self._rec = _StepRecord()
+
+    # -- what the regions and the planner read --
+
+    @property
+    def nvme(self) -> bool:
+        return self.tier == "nvme" and bool(self.device.nvme_write_bytes_per_s)
+
+    @property
+    def pool_limit(self) -> int:
+        return self.cap
+
+    # -- steps --
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[SimContext]:
+        """One forward under the context (backward may follow outside it, as with the real
+        one); pushed where ``current_context()`` finds it."""
+        self._dedup = {}
+        self._kept_keys = set()
+        if self._sizes:
+            self._learned, self._sizes = self._sizes, []
+            after, acc = [], 0
+            for n in reversed(self._learned):
+                after.append(acc)
+                acc += n
+            self._after = after[::-1]
+        self._piece = 0
+        # what the process's module hook fills in (Note [parameters by identity])
+        self._rec = _StepRecord()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        stack = registry.stack()
+        stack.append(registry.Active(self, self._rec, hooks))  # type: ignore[arg-type]
+        try:
+            yield self
+        finally:
+            stack.pop()
+            hooks.__exit__(None, None, None)
+            self._dedup = {}
+
+    def poll(self) -> None:
+        """Between two ops: writes that landed by now release their sources."""
+        if self._writing and self._writing[0][0] <= self.tracker.clock:
+            self._poll_writes(self.tracker.clock)
+
+    def end_step(self) -> None:
+        """After backward: what is still held goes (Note [the newest sources stay]: every one
+        at the end of backward)."""
+        for e in self._held:
+            e.source = None
+        self._held.clear()
+        self._held_bytes = 0
+        self._poll_writes(float("inf"))
+
+    # -- the public hooks --
+
+    def pack(self, t: torch.Tensor) -> Any:
+        return self._pack(t)
+
+    def unpack(self, h: Any) -> torch.Tensor:
+        return self._unpack(h)
+
+    def kept(self, t: torch.Tensor) -> torch.Tensor:
+        self._kept_keys.add(_key(t))
+        return t
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        self._kept_keys.add(_key(t))
+        return t
+
+    # -- pack --
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return t
+        st = t.untyped_storage()
+        k = st._cdata
+        nbytes = st.nbytes()
+        if (nbytes < self.min_offload_bytes or nbytes == 0 or k in self.params
+                or k in self._kept_keys or registry.is_param(self._rec, t, st)):
+            return t
+        hit = self._dedup.get(k)
+        if hit is not None and hit[0]() is not None:
+            entry = hit[1]
+            entry.views += 1
+            return _Handle(entry, t)
+        entry = self._new_entry(t, nbytes)
+        if entry is None:
+            self.figures.bytes_kept += nbytes
+            return t
+        self._dedup[k] = (weakref.ref(st), entry)
+        entry.views = 1
+        return _Handle(entry, t)
+
+    def _new_entry(self, t: torch.Tensor, nbytes: int) -> Optional[_Entry]:
+        now = self.tracker.clock
+        blocks = _blocks(nbytes)
+        chunked = self.nvme and nbytes > self.capacity // 2
+        if not self.nvme:
+            if self.host_is_device and nbytes > self.capacity // 2 and not self._grow(blocks):
+                return None  # Limits: a storage larger than half the host pool stays
+            if self._in_use + blocks > self.capacity and not self._grow(blocks):
+                return None
+        self._seq += 1
+        e = _Entry(self._seq, nbytes, chunked)
+        self._entries[e.seq] = weakref.ref(e)
+        weakref.finalize(e, self._gone, e.seq, nbytes)  # its handles gone with the graph
+        fig = self.figures
+        fig.bytes_offloaded += nbytes
+        fig.tensors_offloaded += 1
+        self.tracker.clock += self.device.host_seconds_per_offload
+        dev = self.device
+        if self.host_is_device:
+            if self.nvme:
+                self._pack_direct(e, t, nbytes)
+            else:  # copied into the pool now
+                self.tracker.clock += nbytes / dev.link_bytes_per_s
+                self._in_use += blocks
+        else:
+            # the copy over the link; its source stays while the held ones fit the cap
+            self._link_free = max(self._link_free, now) + nbytes / dev.link_bytes_per_s
+            fig.link_bytes += nbytes
+            e.source = t
+            self._held.append(e)
+            self._held_bytes += nbytes
+            while self._held_bytes > dev.copy_inflight_bytes and len(self._held) > 1:
+                old = self._held.popleft()
+                self._held_bytes -= old.nbytes
+                old.source = None
+                wait = max(0.0, self._link_free - self.tracker.clock) if old is e else 0.0
+                fig.stall_seconds += wait
+            self._in_use += blocks
+        fig.pool_peak = max(fig.pool_peak, min(self._in_use, self.capacity))
+        return e
+
+    # -- Note [written from the tensor] (rust/tier/direct.rs): the NVMe tier on a CPU host --
+
+    def _pack_direct(self, e: _Entry, t: torch.Tensor, nbytes: int) -> None:
+        """Each piece is copied into the pool while it has room to spare, or when backward
+        needs it first (dropping clean entries); else written from the tensor, which is held
+        until its last such write lands (the first piece waiting for the hold)."""
+        dev = self.device
+        if e.chunked:
+            piece = max(4096, (self.capacity // 8) // 4096 * 4096)
+            pieces = [min(piece, nbytes - o) for o in range(0, nbytes, piece)]
+        else:
+            pieces = [nbytes]
+        done = 0.0
+        for i, n in enumerate(pieces):
+            k = self._piece
+            self._piece += 1
+            self._sizes.append(n)
+            blk = _blocks(n)
+            if self._pool_room() >= blk or (self._needed_first(k, n) and self._drop_clean(blk)):
+                self.tracker.clock += n / dev.link_bytes_per_s  # the copy, on these cores
+                self._pool[(e.seq, i)] = [blk, None]
+                self._dirty.append((e.seq, i))
+                self._dirty_bytes += blk
+                self._write_behind()
+                continue
+            if i == 0:
+                self._hold(n)
+            done = self._write(n)
+            self._writing_bytes += n
+            self._largest_written = max(self._largest_written, n)
+            self._writing.append((done, n))
+        e.in_pool = all((e.seq, i) in self._pool for i in range(len(pieces)))
+        e.pieces = len(pieces)
+        if done:
+            e.source = t
+            e.write_done = done
+            self._held_direct.append(e)
+
+    def _pool_room(self) -> int:
+        """Free bytes of the pool: leased without dropping anything or waiting."""
+        return self.capacity - sum(b for b, _ in self._pool.values())
+
+    def _needed_first(self, k: int, n: int) -> bool:
+        """The learned order says backward unpacks piece ``k`` within the pool less the
+        read-ahead window (rust/tier/policy.rs, ``needed_within``)."""
+        learned = self._learned
+        if k >= len(learned) or learned[k] != n:
+            return False
+        window = min(self.capacity // 4, 256 << 20)
+        return self._after[k] + n <= self.capacity - window
+
+    def _drop_clean(self, blk: int) -> bool:
+        """Make room by dropping written (clean) pool entries, earliest packed first."""
+        now = self.tracker.clock
+        for key in list(self._pool):
+            if self._pool_room() >= blk:
+                break
+            b, done = self._pool[key]
+            if done is not None and done <= now:
+                del self._pool[key]
+        return self._pool_room() >= blk
+
+    def _write(self, n: int) -> float:
+        dev = self.device
+        start = max(self._disk_free, self.tracker.clock)
+        self._disk_free = start + n / (dev.nvme_write_bytes_per_s or float("inf"))
+        self.figures.bytes_written += n
+        return self._disk_free
+
+    def _write_behind(self) -> None:
+        """Once a quarter of the pool is dirty, the earliest packed dirty entries are written
+        (Note [write early, drop late] in rust/tier/policy.rs)."""
+        while self._dirty and self._dirty_bytes > self.capacity // 4:
+            key = self._dirty.popleft()
+            entry = self._pool.get(key)
+            if entry is None:
+                continue
+            self._dirty_bytes -= entry[0]
+            entry[1] = self._write(entry[0])
+
+    def _hold(self, n: int) -> None:
+        """Wait, oldest write first, while more than the pool plus the largest storage written
+        so far would be in flight (the write hold)."""
+        self._poll_writes(self.tracker.clock)
+        limit = self.capacity + max(self._largest_written, n)
+        while self._writing and self._writing_bytes + n > limit:
+            wait = max(0.0, self._writing[0][0] - self.tracker.clock)
+            self.tracker.clock += wait
+            self.figures.stall_seconds += wait
+            self._poll_writes(self.tracker.clock)
+
+    def _grow(self, blocks: int) -> bool:
+        """Note [growing pool] in _growth.py: a default pool doubles, or to what its entries
+        and this one need, up to its cap; a pool of the user's size does not grow."""
+        if self.fixed:
+            return False
+        need = self._in_use + blocks
+        new = min(self.cap, max(2 * self.capacity, _runtime.sized_for(need)))
+        if new < need or new <= self.capacity:
+            return False
+        self.capacity = new
+        return True
+
+    def _poll_writes(self, now: float) -> None:
+        while self._writing and self._writing[0][0] <= now:
+            _, n = self._writing.popleft()
+            self._writing_bytes -= n
+        while self._held_direct and self._held_direct[0].write_done <= now:
+            self._held_direct.popleft().source = None
+
+    def _gone(self, seq: int, nbytes: int) -> None:
+        self._entries.pop(seq, None)
+        if self.host_is_device and self.nvme:
+            for key in [k for k in self._pool if k[0] == seq]:
+                del self._pool[key]
+        else:
+            self._in_use -= _blocks(nbytes)
+
+    # -- unpack --
+
+    def _unpack(self, h: Any) -> torch.Tensor:
+        if not isinstance(h, _Handle):
+            return h
+        e = h.entry
+        e.unpacked += 1
+        base = self._bring_back(e, h)
+        self._stage_ahead(e)
+        if e.unpacked >= e.views:  # views share one return (Note [views share one return])
+            e.cached = None
+            if not self.host_is_device and e.source is not None:
+                self._drop_held(e)
+        return base.as_strided(h.size, h.stride, h.offset)
+
+    def _bring_back(self, e: _Entry, h: _Handle) -> torch.Tensor:
+        if e.cached is not None:
+            t = e.cached()
+            if t is not None:
+                return t
+        if e.source is not None:  # still on the device (held, or being written from)
+            t = e.source
+        elif e.staged is not None:
+            t, e.staged = e.staged, None
+        else:
+            t = self._arrive(e, h)
+        e.cached = weakref.ref(t)
+        return _as_dtype(t, h)
+
+    def _arrive(self, e: _Entry, h: _Handle) -> torch.Tensor:
+        """Bytes brought back: a new device tensor (GPU; a CPU storage in pieces), or a view
+        of a pool block (CPU), after the read and copy they wait for."""
+        dev = self.device
+        fig = self.figures
+        if self.host_is_device:
+            if self.nvme:
+                missing = sum(1 for i in range(e.pieces) if (e.seq, i) not in self._pool)
+                if missing and e.source is None:
+                    self._read(e)
+            if self.nvme and e.chunked:
+                return torch.empty(h.numel_base, dtype=h.dtype)
+            with self.tracker.uncounted():
+                return torch.empty(h.numel_base, dtype=h.dtype)
+        if self.nvme and e.on_disk:
+            self._read(e)
+        fig.link_bytes += e.nbytes
+        start = max(self._link_free, self.tracker.clock)
+        self._link_free = start + e.nbytes / dev.link_bytes_per_s
+        wait = max(0.0, self._link_free - self.tracker.clock)
+        self.tracker.clock += wait
+        fig.stall_seconds += wait
+        return torch.empty(h.numel_base, dtype=h.dtype)
+
+    def _read(self, e: _Entry) -> None:
+        dev = self.device
+        if e.read_done is None:
+            start = max(self._disk_free, self.tracker.clock)
+            self._disk_free = start + e.nbytes / dev.nvme_read_bytes_per_s
+            e.read_done = self._disk_free
+            self.figures.bytes_read += e.nbytes
+        wait = max(0.0, e.read_done - self.tracker.clock)
+        self.tracker.clock += wait
+        self.figures.stall_seconds += wait
+        e.on_disk = False
+
+    def _stage_ahead(self, current: _Entry) -> None:
+        """GPU: the next entries backward needs (descending pack order), staged onto the
+        device now; NVMe: their reads issued (the tier's read-ahead)."""
+        left = min(STAGE_BYTES, self.capacity // 8)
+        n = 0
+        for seq in reversed(self._entries):
+            if seq >= current.seq:
+                continue
+            e = self._entries[seq]()
+            if e is None or e.unpacked:
+                continue
+            if n >= STAGE_ENTRIES or e.nbytes > left:
+                break
+            n += 1
+            left -= e.nbytes
+            if self.nvme and e.on_disk and e.read_done is None:
+                dev = self.device
+                start = max(self._disk_free, self.tracker.clock)
+                self._disk_free = start + e.nbytes / dev.nvme_read_bytes_per_s
+                e.read_done = self._disk_free
+                self.figures.bytes_read += e.nbytes
+            if not self.host_is_device and e.source is None and e.staged is None:
+                e.staged = torch.empty(e.nbytes, dtype=torch.uint8)
+
+    def _drop_held(self, e: _Entry) -> None:
+        try:
+            self._held.remove(e)
+            self._held_bytes -= e.nbytes
+        except ValueError:
+            pass
+        e.source = None
+
+    def finish(self) -> OffloadFigures:
+        """The step's figures, NVMe traffic settled (Note [simulated offload])."""
+        fig = self.figures
+        fig.pool_capacity = self.capacity
+        if self.nvme and not self.host_is_device:
+            # written past a quarter of the pool; read back past its resident share
+            fig.bytes_written = max(0, fig.bytes_offloaded - self.capacity // 4)
+            fig.bytes_read = max(0, fig.bytes_offloaded - int(self.capacity * HIGH_WATER))
+        return fig
+
+
+def _key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _blocks(nbytes: int) -> int:
+    """Pool bytes an entry leases (4 KiB granules)."""
+    return (nbytes + 4095) // 4096 * 4096
+
+
+def _as_dtype(t: torch.Tensor, h: _Handle) -> torch.Tensor:
+    if t.dtype == h.dtype:
+        return t
+    flat = t.reshape(-1) if t.dim() != 1 else t
+    return flat.view(h.dtype)
+
