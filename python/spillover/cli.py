@@ -11,6 +11,8 @@ commands:
   demo     train a small built-in GPT in several offload modes and compare them
   doctor   check io_uring, O_DIRECT, free space, memlock, huge pages, CUDA; show the config
   bench    calibrate bandwidths and compute for the planner; --compare runs the engine vs fio
+  fit      will a transformers model's step fit, per mode, from its config.json (no weights):
+           python -m spillover fit --hf-config PATH --seq N --batch N --device h200
 """
 
 
@@ -28,6 +30,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .benchcmd import main as bench_main
 
         return bench_main(rest)
+    if cmd == "fit":
+        from .estimate.fit import main as fit_main
+
+        return fit_main(rest)
     if cmd == "doctor":
         from .doctor import main as doctor_main
 

@@ -87,6 +87,8 @@ class ModeEstimate:
     #: seconds at which forward and backward end
     marks: Dict[str, float] = dataclasses.field(default_factory=dict, repr=False)
     plan: Any = dataclasses.field(default=None, repr=False)
+    #: ``auto``: the planner that planned and tuned on the fake steps (fit reads its records)
+    planner: Any = dataclasses.field(default=None, repr=False)
     trace: Optional[Trace] = dataclasses.field(default=None, repr=False)
 
 
@@ -235,9 +237,12 @@ class Runner:
                     trace.extra["settled"] = planner.tuned
         assert trace is not None
         figures = ctx.finish() if ctx is not None else None
+        if figures is not None:
+            trace.extra["offloaded"] = figures.bytes_offloaded
         est = self._figures(mode, trace, figures, opt)
         if planner is not None:
             est.plan = planner.plan
+            est.planner = planner
             est.note = (f"plan {planner.plan.variant}" if planner.plan is not None
                         else "no plan")
             over = est.device_peak_bytes - trace.base - self.budget_for()
