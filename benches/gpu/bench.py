@@ -22,8 +22,8 @@ Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
 a process of its own, so a mode's peak cannot include what another left on the device and one
 mode's crash or timeout loses only that mode.
 
-Per step (one warm-up, two for auto, then --steps measured): seconds for forward + backward (and each on its
-own, from CUDA events: no synchronize between them); torch.cuda.max_memory_allocated and
+Per step (one warm-up, two for auto, then --steps measured): seconds for forward + backward (and
+each on its own, from CUDA events: no synchronize between them); torch.cuda.max_memory_allocated and
 max_memory_reserved of the forward and of the backward, separately (the peak counters are reset
 between the two; they count allocations as the host makes them, so reading them needs no
 synchronize), each also above the memory held before the step (parameters and gradients: the
