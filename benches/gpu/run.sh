@@ -269,12 +269,12 @@ pytest_step "tests: test_gpu_{step,pool,streams}.py${TEST_K[1]:+ -k \"${TEST_K[1
 # stream, event or synchronize) after the last kernel on another stream that wrote it (or read
 # it, for a write). Of spillover's orderings it sees two: the copy stream waiting for the compute
 # stream before a device->host copy reads its source, and the compute stream waiting for the
-# host->device copy before it uses the tensor (Note [stream ordering] in activations/link/policy.py). A race
+# host->device copy before it uses the tensor (Note [stream ordering] in rust/link/mod.rs). A race
 # there may not show in one run's gradients; the sanitizer reports it whatever the timing.
 # test_stream_gradients_bitwise[host] runs both, on the host tier. It is the only test run again:
 # the sanitizer cannot help the others. Pool blocks are host memory, which it does not track; a
 # free only forgets a pointer, with no check against work still pending on another stream, so
-# the reuse races of Note [source lifetime] and Note [freed by events] are invisible to it (the
+# the reuse races of Note [sources held] (rust/link/mod.rs) are invisible to it (the
 # source test checks them by values); the nvme variant adds disk I/O on host blocks and nothing
 # it can see; the synchronize test is about host waits, not ordering.
 SANITIZER_K="test_stream_gradients_bitwise and host"

@@ -4,7 +4,7 @@ Note [optimizer copies]
     Streams, events, a copy on a stream and ``record_stream`` are those of
     ``activations/link/cuda.py`` (``CudaDevice``), the one place that drives ``torch.cuda`` for
     copies. What differs from the activation path is the rule for a copy's source. There
-    (Note [source lifetime] in activations/link/policy.py) a source is never passed to
+    (Note [sources held] in rust/link/mod.rs) a source is never passed to
     ``record_stream``: it is held until its copy lands or the compute stream waits on it,
     because forward's activations are many, are to be freed as early as possible, and bytes the
     allocator keeps back for another stream would be invisible to the link's cap. Here:
