@@ -220,12 +220,13 @@ class DeviceLink:
                 storage, offset, (nbytes,))
             cs = device_checksum(src)
             checksum = (cs.data_ptr(), cs)
-        handle, cid, victims = self.native.pack(step, storage.data_ptr() + offset, nbytes,
-                                                stream, storage if self.sim else None, checksum)
-        c = LinkCopy(self, cid, nbytes, storage, stream, watch, errors)
-        if checksum is not None:
-            c.packed_sum, c.what = checksum[1], verify
-        with self._lock:
+        with self._lock:  # a poll on another thread must find the copy once it can land
+            handle, cid, victims = self.native.pack(step, storage.data_ptr() + offset, nbytes,
+                                                    stream, storage if self.sim else None,
+                                                    checksum)
+            c = LinkCopy(self, cid, nbytes, storage, stream, watch, errors)
+            if checksum is not None:
+                c.packed_sum, c.what = checksum[1], verify
             self._copies[cid] = c
             for v in victims:  # the compute stream waits for them already
                 d = self._copies.get(v)
