@@ -137,8 +137,8 @@ class InBackward:
     _stage_copy: Callable[[int, torch.Tensor], bool]
     _fill_hyper: Callable[..., None]
     _flat_records: Callable[[np.ndarray], bytes]
-    _fingerprints_now: Callable[[Dict[int, torch.Tensor]], Dict[int, Tuple[int, int]]]
-    _staged_fingerprint: Callable[[int], Tuple[int, int]]
+    _fingerprints_now: Callable[[Dict[int, torch.Tensor]], Dict[int, Tuple[int, ...]]]
+    _staged_fingerprint: Callable[[int], Tuple[int, ...]]
     _same_bytes: Callable[[int, torch.Tensor], bool]
     compare_bytes: bool
     _send_back: Callable[[int, List[int]], None]

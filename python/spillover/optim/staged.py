@@ -77,7 +77,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from .fingerprint import _fingerprint_parts, _fp_chunks, _fp_combine
+from .fingerprint import _FP_LANES, _fingerprint_parts, _fp_chunks, _fp_combine
 from .inbwd import InBackward
 from .layout import _ALIGN, _local, _round_up
 from .space import _Space
@@ -128,7 +128,8 @@ class StagedSpace(InBackward, _Space):
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.fp_rows = [(int(starts[k]), int(starts[k + 1])) for k in range(len(counts))]
         self.fp_host = torch.zeros(
-            (int(starts[-1]), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            (int(starts[-1]), _FP_LANES), dtype=torch.int64,
+            pin_memory=self.device.type == "cuda"
         )
 
     def step(self, hyper: np.ndarray) -> np.ndarray:
@@ -320,16 +321,16 @@ class StagedSpace(InBackward, _Space):
                 return False
         return True
 
-    def _staged_fingerprint(self, k: int) -> Tuple[int, int]:
+    def _staged_fingerprint(self, k: int) -> Tuple[int, ...]:
         """Note [gradient fingerprint] of member k's staged copy (waits for it)."""
         return self._staged_fingerprint_of(self.staged_grads[k], k)
 
-    def _staged_fingerprint_of(self, st: _Staged, k: int) -> Tuple[int, int]:
+    def _staged_fingerprint_of(self, st: _Staged, k: int) -> Tuple[int, ...]:
         self.copies.wait(st.fp_event)
         lo, hi = self.fp_rows[k]
         return _fp_combine(self.fp_host[lo:hi].numpy())
 
-    def _fingerprints_now(self, grads: Dict[int, torch.Tensor]) -> Dict[int, Tuple[int, int]]:
+    def _fingerprints_now(self, grads: Dict[int, torch.Tensor]) -> Dict[int, Tuple[int, ...]]:
         """Note [gradient fingerprint] of each gradient as it is now: computed on its device
         after everything queued before ``step()``, brought back in one copy."""
         if not grads:
