@@ -34,7 +34,8 @@ def test_two_ranks_save_resume_at_world_one_and_two(tmp_path):
     _launch(["resume", str(tmp_path)], world=1)
     _launch(["resume", str(tmp_path)], world=2)
     for tier in ("host", "nvme", "host-q8", "nvme-q8-nomaster"):
-        assert len(list((tmp_path / f"ckpt-{tier}").glob("__1_*.distcp"))) > 1  # bounded files
+        if tier in ("host", "nvme"):  # (a rank's 8-bit state may fit in one 4 KiB file)
+            assert len(list((tmp_path / f"ckpt-{tier}").glob("__1_*.distcp"))) > 1  # bounded
         ref = torch.load(tmp_path / f"ref-{tier}-rank0.pt")
         for tag in ("ref-{}-rank1", "resumed1-{}-rank0", "resumed2-{}-rank0",
                     "resumed2-{}-rank1"):
