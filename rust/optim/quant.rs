@@ -302,12 +302,10 @@ pub fn quantize_m(x: &[f32], codes: &mut [i8]) -> f32 {
 #[inline(always)]
 pub fn quantize_m_max(x: &[f32], max: u32, codes: &mut [i8]) -> f32 {
     debug_assert!(x.len() == codes.len() && x.len() <= BLOCK);
-    match scale_of(max) {
-        Ok(s) => {
-            let inv = M_LEVELS / s;
+    match m_scale(max) {
+        Ok((s, inv)) => {
             for (c, &v) in codes.iter_mut().zip(x) {
-                // |v| <= s, so |v * inv| <= 127 up to rounding; the clamp keeps the codes.
-                *c = round_to_int(v * inv).clamp(-127, 127) as i8;
+                *c = code_m(v, inv);
             }
             s
         }
@@ -316,6 +314,34 @@ pub fn quantize_m_max(x: &[f32], max: u32, codes: &mut [i8]) -> f32 {
             s
         }
     }
+}
+
+/// How a block of `exp_avg` whose [`absmax_bits`] is `max` is written: `Ok((scale, inv))`,
+/// each element as [`code_m`]`(x, inv)`; or `Err(scale)` for a zero or non-finite block,
+/// every code 0 (Note [8-bit moments]).
+#[inline(always)]
+pub fn m_scale(max: u32) -> Result<(f32, f32), f32> {
+    scale_of(max).map(|s| (s, M_LEVELS / s))
+}
+
+/// One code of `exp_avg`: `x * inv` to nearest, within [-127, 127] (|x| is at most the scale,
+/// so `|x * inv|` is at most 127 up to rounding; the clamp keeps the codes).
+#[inline(always)]
+pub fn code_m(x: f32, inv: f32) -> i8 {
+    round_to_int(x * inv).clamp(-127, 127) as i8
+}
+
+/// As [`m_scale`], for `sqrt(exp_avg_sq)`.
+#[inline(always)]
+pub fn v_scale(max: u32) -> Result<(f32, f32), f32> {
+    scale_of(max).map(|s| (s, V_LEVELS / s))
+}
+
+/// One code of `exp_avg_sq` from its square root `r`: `r * inv` to nearest, minus one (the
+/// smallest code stands for one step, not 0), within [0, 255].
+#[inline(always)]
+pub fn code_v(r: f32, inv: f32) -> u8 {
+    (round_to_int(r * inv) - 1).clamp(0, 255) as u8
 }
 
 /// The factor [`dequantize_m`] multiplies the codes of a block of scale `s` by.
@@ -349,11 +375,10 @@ pub fn quantize_v_sqrt(r: &[f32], codes: &mut [u8]) -> f32 {
 #[inline(always)]
 pub fn quantize_v_sqrt_max(r: &[f32], max: u32, codes: &mut [u8]) -> f32 {
     debug_assert!(r.len() == codes.len() && r.len() <= BLOCK);
-    match scale_of(max) {
-        Ok(s) => {
-            let inv = V_LEVELS / s;
+    match v_scale(max) {
+        Ok((s, inv)) => {
             for (c, &v) in codes.iter_mut().zip(r) {
-                *c = (round_to_int(v * inv) - 1).clamp(0, 255) as u8;
+                *c = code_v(v, inv);
             }
             s
         }
