@@ -48,6 +48,7 @@ from . import formats
 from .layout import (
     _ALIGN,
     _CUMULATIVE,
+    _HOST_CHUNK_BYTES,
     _NVME_CHUNK_BYTES,
     BUFFER_RECORD,
     _check_dtype,
@@ -121,19 +122,22 @@ class StateStore:
         formats]; NVMe tier: the pipeline's buffers) and, on the staged path, the gradient and
         output staging buffers."""
         kinds: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        align = formats.BLOCK if self._state_bits == 8 else _ALIGN  # Note [block alignment]
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad:
                     lp = _local(p)
                     key = (lp.dtype, lp.device)
-                    kinds[key] = kinds.get(key, 0) + _round_up(lp.numel(), _ALIGN)
+                    kinds[key] = kinds.get(key, 0) + _round_up(lp.numel(), align)
         need = 0
         for (dtype, device), n in kinds.items():
             n = -(-n // self._world) + formats.BLOCK if self._world > 1 else n
             staged = self._stages(device)
             per = formats.bytes_per_param(self._state_bits, self._keeps_master(dtype, device))
             if self._tier == "host":
-                need += int(n * per) + 16 * formats.BLOCK * 4 * 8  # + padding per chunk
+                need += int(n * per)
+                if self._state_bits != 32:  # byte columns end on cache lines: 8 KiB a chunk
+                    need += 8192 * (1 + int(n * per) // _HOST_CHUNK_BYTES)
             else:
                 need += self._nvme_buffers * (self._chunk_bytes or _NVME_CHUNK_BYTES)
             if staged:
