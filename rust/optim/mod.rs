@@ -28,6 +28,7 @@ pub mod kernel;
 pub mod layout;
 mod lowbit;
 mod nvme;
+mod q8;
 pub mod quant;
 mod step;
 mod task;
