@@ -2,7 +2,8 @@
 
     python benches/python/optim_bench.py [--params 100e6] [--tensors 64] [--rounds 12]
                                          [--nvme-params 25e6] [--staged-params 16e6]
-                                         [--parts fp32,bf16,nvme,staged,sim,gpu]
+                                         [--parts fp32,bf16,nvme,staged,sim,gpu,
+                                                  lowbit,lowbit-nvme]
                                          [--sim-params 8e6] [--sim-bandwidths 3,25]
                                          [--sim-backwards 20,200]
                                          [--nvme-path DIR]
@@ -41,6 +42,10 @@ backward: ``step()``'s bucket pipeline copies each bucket while the previous one
 and ``update_in_backward``. The compute stream's waits for the copies back are taken at the
 next forward, as on a GPU, not at ``step()``. The fingerprints run on the host here (on a GPU
 they are device kernels on the copy stream): the staged mode is charged their CPU time.
+
+lowbit, lowbit-nvme (not in the default parts): low-bit state (``state_bits=16 | 8``,
+``master_weights=False``): bytes per parameter and step times against fp32 state, host and
+NVMe tiers; benches/python/optim_lowbit.py says how.
 
 gpu (CUDA hosts only): forward + backward + step of an MLP stack on the GPU: torch AdamW with
 its state on the GPU, OffloadAdamW (gradients copied to pinned pool blocks by hooks while
@@ -545,7 +550,11 @@ def main() -> None:
         f"spillover kernel FMA: {_native.AdamState.fma_available()}, {os.cpu_count()} cpus"
     )
     parts = args.parts.split(",")
+    from optim_lowbit import bench_lowbit, bench_lowbit_nvme
+
     benches = {
+        "lowbit": bench_lowbit,
+        "lowbit-nvme": bench_lowbit_nvme,
         "fp32": bench_fp32,
         "bf16": bench_bf16,
         "nvme": bench_nvme,

@@ -79,7 +79,7 @@ import torch
 
 from .fingerprint import _FP_LANES, _fingerprint_parts, _fp_chunks, _fp_combine
 from .inbwd import InBackward
-from .layout import _ALIGN, _local, _round_up
+from .layout import _local, _round_up
 from .space import _Space
 
 
@@ -119,7 +119,7 @@ class StagedSpace(InBackward, _Space):
         at = 0
         for k, n in enumerate(self.numels):
             self._add_units(k, 0, n, at)
-            at += _round_up(n, _ALIGN)
+            at += _round_up(n, self.align)  # Note [block alignment]
 
     def _alloc_buffers(self) -> None:
         super()._alloc_buffers()
@@ -292,6 +292,17 @@ class StagedSpace(InBackward, _Space):
             updated.extend(mine)
             self._send_back(b, mine)
         return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
+
+    def fill_outputs(self) -> None:
+        """Without a master column (``master_weights=False``) the output buffers hold the
+        values the updates read and write (Note [state formats] in formats.py): after an
+        import, fill them from the parameters."""
+        for b, (rows, _, _, _, _) in enumerate(self.buckets):
+            self._wait_h2d(b)
+            for ui in rows:
+                k, start, n, _ = self.units[ui]
+                flat = _local(self.params[k]).detach().reshape(-1)[start : start + n]
+                self.copies.wait(self.copies.to_host(self.out_view[ui], flat))
 
     def _send_back(self, b: int, rows: List[int]) -> None:
         """Copy the parameters of bucket b's units `rows` from its output buffer."""
