@@ -453,9 +453,10 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         ``_UNIT_MAX`` elements) and grad_stale_copies (those made again because the staged
         copy's fingerprint no longer matched: Note [staged gradients]); steps_skipped
         (GradScaler's inf/NaN steps); with ``update_in_backward``, steps_in_backward,
-        steps_redone, inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone,
-        undo_bytes and undo_swap_bytes (Note [speculative update] in inbwd.py). All zero
-        before the first step."""
+        steps_redone, inbwd_redo_rate (steps_redone over the steps that had updates made during
+        backward), inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone, undo_bytes and
+        undo_swap_bytes (Note [speculative update] in inbwd.py). All zero before the first
+        step."""
         total: Dict[str, Any] = {k: 0 for k in _STATS + _GRAD_STATS + INBWD_STATS}
         total.update(self._past)
         total.update(self._round_steps)
@@ -472,6 +473,10 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             for k, v in s.counters.items():
                 total[k] += v
         total["steps"] = self._updates
+        # Note [speculative update]: the share of the steps that used an update made in
+        # backward which had to be undone and redone (clipping applied, a gradient changed)
+        done = total.get("steps_in_backward", 0) + total.get("steps_redone", 0)
+        total["inbwd_redo_rate"] = total.get("steps_redone", 0) / done if done else 0.0
         return total
 
 

@@ -17,9 +17,13 @@ Note [update in backward]
     before ``step()`` (gradient accumulation, an EMA, a norm logged) sees the parameters as they
     were, the compute stream is never left unordered after a parameter write, and an undo never
     has to touch a parameter. Hyper-parameters are read when a bucket is handed over, the step
-    count is the one ``step()`` will count. Backward returns only once the worker has finished
-    the round's updates (a callback queued on the autograd engine waits for it), so the
-    staging buffers are quiet when backward ends.
+    count is the one ``step()`` will count. Backward returns without waiting for the worker:
+    the updates of the buckets that complete last (the embedding, the first layers) go on
+    while the host runs what follows backward, and ``step()`` waits for them (it waited at the
+    end of backward before, which left that tail overlapping nothing). Nothing else touches
+    what the worker writes meanwhile: a later micro-batch's hook waits for its bucket's update
+    before it stages into the bucket's buffers (and undoes it), and ``state_dict``, ``load``,
+    ``close`` and the rest wait for the worker first (``_settle``, ``abort_round``).
 
     ``step()`` waits for the worker, keeps the updates that were right, undoes and redoes the
     others with the final gradients, updates the buckets that were not complete (a parameter
@@ -164,7 +168,6 @@ class InBackward:
             self.saved: Set[int] = set()  # buckets whose undo copy holds the pre-round state
             self.futures: List[Any] = []
             self.log: Dict[int, Tuple[float, float]] = {}  # bucket -> worker start, end
-            self.end_queued = False  # join() queued to run when this backward ends
             self.verdict: Optional[Dict[int, bool]] = None  # bucket -> keep, set at step()
 
     def _stage_inbwd(self, k: int, p: torch.Tensor) -> None:
@@ -213,9 +216,6 @@ class InBackward:
             self.submitted[b] = fut
             self.futures.append(fut)
             self.spec[b] = (rows, used)
-            queue, self.end_queued = not self.end_queued, True
-        if queue:  # backward returns once the worker is done: Note [update in backward]
-            torch.autograd.Variable._execution_engine.queue_callback(self._join_quietly)
 
     def _update_bucket(self, b: int, rows: List[int], waits: List[Any], hyper: np.ndarray) -> None:
         """The worker: save what bucket b's update overwrites, then update it from its staged
@@ -344,10 +344,6 @@ class InBackward:
                 err = e
         return err
 
-    def _join_quietly(self) -> None:
-        """The end-of-backward callback: wait; an error is raised by ``step()``."""
-        self.join()
-
     def in_round(self) -> bool:
         """Whether the worker updated something since the last ``step()``."""
         with self.lock:
@@ -395,7 +391,10 @@ class InBackward:
         if self.compare_bytes:
             changed.update(k for k, g in check.items() if not self._same_bytes(k, g))
         else:
-            for k, fp in self._fingerprints_now(check).items():
+            now = self._fingerprints_now(check)
+            # kept for this step's own check of the buckets it redoes (_step_staged)
+            self.fp_now = {k: (check[k], check[k]._version, fp) for k, fp in now.items()}
+            for k, fp in now.items():
                 if self._staged_fingerprint(k) != fp:
                     changed.add(k)
         verdict = {}

@@ -104,6 +104,8 @@ class StagedSpace(InBackward, _Space):
     ):
         # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
         self.lock = threading.Lock()
+        #: this step's fingerprints taken by verify_round: k -> (gradient, version, fingerprint)
+        self.fp_now: Dict[int, Tuple[Any, int, Tuple[int, ...]]] = {}
         self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
         self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
         self._new_round()
@@ -236,7 +238,15 @@ class StagedSpace(InBackward, _Space):
         candidates = set(fresh_candidates)
         now = {}
         if not self.compare_bytes:
-            now = self._fingerprints_now({k: grads[k] for k in fresh_candidates})
+            # taken already by this step's verify_round (update in backward) when the gradient
+            # is the same tensor at the same version: not taken twice
+            cached, self.fp_now = self.fp_now, {}
+            for k in fresh_candidates:
+                c = cached.get(k)
+                if c is not None and c[0] is grads[k] and c[1] == grads[k]._version:
+                    now[k] = c[2]
+            now.update(self._fingerprints_now(
+                {k: grads[k] for k in fresh_candidates if k not in now}))
         order = self._bucket_order(arrival, grads)
         self.order = order
         initialized = self.state.initialized()
