@@ -20,8 +20,8 @@ Checks (the review of 2026-12-03 names what each confirms or refutes):
                pool block against torch's pinned memory
   link         host time per pack and per unpack on the device through the public API, and the
                device calls per tensor (benches/python/link_cost.py)
-  optimizer    OffloadAdamW's gradient staging on a GPT: copies in backward's hooks (the default)
-               against copies at step(), against torch's fused AdamW: step seconds
+  optimizer    OffloadAdamW's gradient staging on a GPT: copies at step() (the default) against
+               copies in backward's hooks, against torch's fused AdamW: step seconds
   step         a Llama-style 1B step (seq 4096, bf16) per tier: none, full checkpointing, host,
                nvme; max_memory_allocated and max_memory_reserved of forward and backward apart,
                step seconds, spillover's stalls and prefetch figures
@@ -275,9 +275,11 @@ def check_optimizer(p: Probe) -> Dict[str, Any]:
     ways = {
         "torch AdamW(fused)": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4,
                                                         fused=not p.dry),
-        "OffloadAdamW hook copies": lambda: spillover.OffloadAdamW(model.parameters(), lr=1e-4),
-        "OffloadAdamW copies at step()": lambda: spillover.OffloadAdamW(
-            model.parameters(), lr=1e-4, _hook_copies=False),
+        # the dry run takes the GPU path's staging on CPU tensors, so both ways run there too
+        "OffloadAdamW copies at step() (default)": lambda: spillover.OffloadAdamW(
+            model.parameters(), lr=1e-4, _force_staging=p.dry),
+        "OffloadAdamW hook copies": lambda: spillover.OffloadAdamW(
+            model.parameters(), lr=1e-4, _force_staging=p.dry, _hook_copies=True),
     }
     r: Dict[str, Any] = {"parameters": sum(x.numel() for x in model.parameters())}
     for name, make in ways.items():

@@ -56,7 +56,8 @@ def run(scenario: str, out_dir: str) -> None:
         net = torch.nn.parallel.DistributedDataParallel(model)
         kw["reduce_grads"] = False  # DDP has averaged them already
     if scenario == "fp32-staged":
-        kw["_force_staging"] = True  # the GPU path's buffers and copies, on CPU tensors
+        # the GPU path's buffers and copies, on CPU tensors, with the hooks' copies
+        kw.update(_force_staging=True, _hook_copies=True)
     link = None
     if scenario == "fp32-logged":  # the same, through a device that logs its calls
         from _stream_log import StreamLog

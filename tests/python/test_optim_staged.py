@@ -31,6 +31,7 @@ F = torch.nn.functional
 def offload(params, **kw):
     kw.setdefault("host_pool_bytes", POOL)
     kw.setdefault("_force_staging", True)
+    kw.setdefault("_hook_copies", True)  # this file tests the hooks' copies (not the default)
     return spillover.OffloadAdamW(params, **kw)
 
 

@@ -144,7 +144,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         fused: Optional[bool] = None,
         _force_staging: bool = False,
         _link: Any = None,
-        _hook_copies: bool = True,
+        _hook_copies: bool = False,
         **config: Any,
     ):
         _check_hyper(lr, betas, eps, weight_decay, amsgrad)
@@ -177,7 +177,8 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         self._force_staging = _force_staging
         # Tests and benchmarks: a CudaDevice stand-in for the staged copies of CPU tensors
         # (Note [optimizer copies]), and whether the hooks stage gradients during backward
-        # (Note [staged gradients]; off: every gradient is copied by step()'s bucket pipeline).
+        # (Note [staged gradients]; off, the default: every gradient is copied by step()'s
+        # bucket pipeline).
         self._link = _link
         self._hook_copies = bool(_hook_copies)
         self._inbwd = bool(update_in_backward)
