@@ -42,9 +42,11 @@ What is measured (all seconds are medians of a few repeats, after one warm-up):
 Note [calibration outside the step]
     The first calibration often runs inside the user's forward (a selective region's first
     call), with autocast on: its "float32" matmul then ran in bf16 and a rate ~10x too high was
-    cached. Every measurement runs under ``torch.autocast(enabled=False)``, ``no_grad`` and
-    ``spillover.no_offload()`` (no offload context's hooks), with torch's RNG forked by the
-    planner.
+    cached. Every measurement runs on a thread of its own, which starts with none of the
+    caller's thread-local state: no autocast, no saved-tensor hooks (an offload context's, a
+    checkpoint region's: ``no_offload()`` cannot take those out from under a region, and the
+    first calibration often runs inside one), no dispatch modes, grad mode on; with torch's
+    RNG forked by the planner.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -297,13 +300,26 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
 def measure_device(device: torch.device, quick: bool = False) -> Dict[str, Any]:
     """Throughput and link bandwidth of one device (not cached; see :func:`calibrate`), outside
     any step the caller is in (Note [calibration outside the step])."""
-    from .suspend import no_offload
+    box: Dict[str, Any] = {}
 
-    with torch.no_grad(), torch.autocast(device.type, enabled=False), no_offload():
-        out = _measure_device(device, quick)
-    with torch.autocast(device.type, enabled=False), no_offload():
-        out.update(_host_costs(device, quick))
-    return out
+    def work() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out = _measure_device(device, quick)
+            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                out.update(_host_costs(device, quick))
+            box["out"] = out
+        except BaseException as e:  # raised again on the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=work, name="spillover-calibrate", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
 
 
 def _measure_device(device: torch.device, quick: bool) -> Dict[str, Any]:

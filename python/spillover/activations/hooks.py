@@ -160,7 +160,7 @@ class Hooks(Unpack):
         if stored is None:
             stats.add(tensors_packed=1, bytes_packed=nbytes, bytes_kept_pool_full=nbytes)
             return t
-        rec.dedup[key] = (weakref.ref(stored), StorageWeakRef(storage))
+        rec.dedup[key] = (weakref.ref(stored), StorageWeakRef(storage), t._version)
         rec.stored.add(stored)
         rec.packs += nbytes
         if rec.packs * 8 >= self._pool.capacity:  # Note [growth off the critical path]
@@ -198,7 +198,9 @@ class Hooks(Unpack):
         hit = rec.dedup.get(key)
         if hit is not None:
             stored = hit[0]()
-            if stored is not None and not hit[1].expired():
+            # the same live storage, not written since (a view shares its base's version
+            # counter): a storage written in place after its pack is packed again
+            if stored is not None and not hit[1].expired() and t._version == hit[2]:
                 return Packed(stored, t)
         return None
 
