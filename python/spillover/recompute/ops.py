@@ -6,8 +6,8 @@ Note [never saved]
     ops — replay restores the RNG state once and must draw in the same order, so skipping a
     cached random op would shift every later draw — and allocations (``empty``, ``empty_like``,
     ...): their bytes are garbage until a later op writes them in place (dropout's mask is
-    ``empty_like`` then ``bernoulli_``), so saving one offloads garbage and races the write. Ops with an ordered side effect are always
-    saved, not replayed (as torch does). An output that a later op of the region modifies in
+    ``empty_like`` then ``bernoulli_``), so saving one offloads garbage and races the write.
+    Ops with an ordered side effect are always saved, not replayed (as torch does). An output that a later op of the region modifies in
     place is dropped from the cache at that moment and recomputed (torch raises instead; see
     ``_SaveMode._invalidate`` in modes.py).
     Guarded by tests/python/test_recompute.py::test_random_and_inplace_ops.
