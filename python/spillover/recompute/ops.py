@@ -7,10 +7,11 @@ Note [never saved]
     cached random op would shift every later draw — and allocations (``empty``, ``empty_like``,
     ...): their bytes are garbage until a later op writes them in place (dropout's mask is
     ``empty_like`` then ``bernoulli_``), so saving one offloads garbage and races the write.
-    Ops with an ordered side effect are always saved, not replayed (as torch does). An output that a later op of the region modifies in
-    place is dropped from the cache at that moment and recomputed (torch raises instead; see
-    ``_SaveMode._invalidate`` in modes.py).
-    Guarded by tests/python/test_recompute.py::test_random_and_inplace_ops.
+    Ops with an ordered side effect are always saved, not replayed (as torch does). An output
+    that a later op of the region modifies in place is dropped from the cache at that moment
+    and recomputed (torch raises instead; see ``_SaveMode._invalidate`` in modes.py).
+    Guarded by tests/python/test_recompute.py::test_random_and_inplace_ops and
+    tests/python/test_verify_device.py::test_a_region_writing_what_it_saved_is_no_false_positive.
 """
 
 from __future__ import annotations
