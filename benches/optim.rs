@@ -3,7 +3,10 @@
 //! - `adamw_host_16M/*`: one step of the host tier over 16M parameters (rayon, all cores):
 //!   fp32 in place (28 bytes of traffic per parameter) and bf16 with an fp32 master (30), next
 //!   to `memcpy_2x` (two threads copying the same number of bytes the fp32 step moves, i.e.
-//!   the memory bus's roofline for it), measured in the same run. Throughput is in parameters.
+//!   the memory bus's roofline for it), measured in the same run; and low-bit state
+//!   (`state_bits=16` / `8`): fp32 parameters in place with 8-bit moments (16 bytes), bf16
+//!   parameters with an fp32 master and 8-bit or bf16 moments (18 / 22), bf16 parameters
+//!   without a master and 8-bit moments (10). Throughput is in parameters.
 //! - `adamw_nvme_4M/*`: one step of the NVMe tier over 4M fp32 parameters (32 MiB of state
 //!   read and written, 8 MiB chunks through 16 buffers) next to writing and reading those bytes
 //!   through the same swap engine (`swap_write_read`): the bar is step ≤ 1.2 × that.
@@ -12,7 +15,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use spillover_core::io::{IoOptions, Swap};
-use spillover_core::optim::{AdamState, Dtype, Hyper, Options, Ptr, Tier, UnitStep};
+use spillover_core::optim::{AdamState, Dtype, Hyper, Options, Ptr, StateBits, Tier, UnitStep};
 use spillover_core::pool::{Pool, PoolOptions};
 use std::hint::black_box;
 use std::sync::Arc;
@@ -47,8 +50,25 @@ struct Setup {
 
 impl Setup {
     fn new(pool: &Pool, units: usize, per: usize, dtype: Dtype, tier: Tier, chunk: usize) -> Self {
+        Setup::with(pool, units, per, dtype, tier, chunk, StateBits::F32, true)
+    }
+
+    /// `master`: keep an fp32 master for bf16 parameters.
+    #[allow(clippy::too_many_arguments)]
+    fn with(
+        pool: &Pool,
+        units: usize,
+        per: usize,
+        dtype: Dtype,
+        tier: Tier,
+        chunk: usize,
+        bits: StateBits,
+        master: bool,
+    ) -> Self {
         let opts = Options {
-            master: dtype == Dtype::Bf16,
+            master: dtype == Dtype::Bf16 && master,
+            bits,
+            seed: 0,
             chunk_elems: chunk,
             task_elems: 1 << 23,
             tier,
@@ -79,6 +99,7 @@ impl Setup {
                 out: Ptr::new(p.as_mut_ptr() as usize, self.dtype),
                 hyper: hyper(self.step),
                 tail: 0,
+                key: 0,
             })
             .collect();
         // SAFETY: every address is a live Vec of the unit's length and dtype, not otherwise
@@ -116,6 +137,17 @@ fn host(c: &mut Criterion) {
     bf16.step();
     g.bench_function("bf16_master", |b| b.iter(|| bf16.step()));
     drop(bf16);
+    let host = || Tier::Host { allow_heap: false };
+    for (name, dtype, bits, master) in [
+        ("f32_in_place_q8", Dtype::F32, StateBits::Q8, true),
+        ("bf16_master_q8", Dtype::Bf16, StateBits::Q8, true),
+        ("bf16_master_bf16", Dtype::Bf16, StateBits::Bf16, true),
+        ("bf16_no_master_q8", Dtype::Bf16, StateBits::Q8, false),
+    ] {
+        let mut s = Setup::with(&p, 16, N / 16, dtype, host(), 1 << 22, bits, master);
+        s.step();
+        g.bench_function(name, |b| b.iter(|| s.step()));
+    }
     // The roofline: 28 bytes per parameter copied as 14 read + 14 written, on every core.
     let half = 14 * N / 2;
     let src = vec![1u8; 2 * half];

@@ -1,7 +1,7 @@
 //! The ledger of copies in flight (`spillover_core::tier::Inflight`, Note [the ledger of copies
 //! in flight]) against a model: random sequences of issue / landed (any order, repeats, ids
 //! never issued) / release_all. The model is the bookkeeping `Transfers` in
-//! `python/spillover/activations/link/policy.py` did before the ledger moved here (a FIFO of
+//! the Python link policy did before the ledger moved here (a FIFO of
 //! copies and a deque of held sources, emptied lazily from the front), so passing also says
 //! the victims and the counters are the same as before; the invariants are checked on their own
 //! after every operation.
@@ -34,7 +34,7 @@ struct Copy {
     src: bool,
 }
 
-/// policy.py's bookkeeping, transcribed.
+/// the Python policy's bookkeeping, transcribed.
 #[derive(Debug, Default)]
 struct Model {
     cap: u64,

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use spillover_core::io::{EngineChoice, FaultKind, IoOptions, Swap};
 use spillover_core::optim::kernel::{self, Run};
 use spillover_core::optim::{
-    bf16_to_f32, f32_to_bf16, fma_available, AdamState, Bf16, Dtype, Hyper, Options, Ptr, Tier,
-    UnitBuffers, UnitStep,
+    bf16_to_f32, f32_to_bf16, fma_available, AdamState, Bf16, Dtype, Form, Hyper, Options, Ptr,
+    StateBits, Tier, UnitBuffers, UnitStep,
 };
 use spillover_core::pool::Pool;
 
@@ -226,6 +226,7 @@ impl Model {
                     out: Ptr::new(addr, Dtype::F32),
                     hyper: hyper(counts[u] as f64),
                     tail: p.len() % 8,
+                    key: 0,
                 });
             }
             // SAFETY: every address is a live Vec of the unit's length, not otherwise used.
@@ -247,10 +248,12 @@ impl Model {
                 master: 0,
                 exp_avg: m.as_mut_ptr() as usize,
                 exp_avg_sq: v.as_mut_ptr() as usize,
+                exp_avg_scale: 0,
+                exp_avg_sq_scale: 0,
             })
             .collect();
         // SAFETY: the buffers are live Vecs of each unit's length.
-        unsafe { st.export(&bufs) }.unwrap();
+        unsafe { st.export(&bufs, Form::Stored) }.unwrap();
         out
     }
 }
@@ -258,6 +261,8 @@ impl Model {
 fn host(pool: &Pool, lens: &[usize], chunk_elems: usize) -> AdamState {
     let opts = Options {
         master: false,
+        bits: StateBits::F32,
+        seed: 0,
         chunk_elems,
         task_elems: 512,
         tier: Tier::Host { allow_heap: false },
@@ -278,6 +283,8 @@ fn open_swap(pool: &Pool, engine: EngineChoice) -> Arc<Swap> {
 fn nvme_in(pool: &Pool, swap: &Arc<Swap>, lens: &[usize], chunk_elems: usize) -> AdamState {
     let opts = Options {
         master: false,
+        bits: StateBits::F32,
+        seed: 0,
         chunk_elems,
         task_elems: 512,
         tier: Tier::Nvme {
@@ -351,10 +358,12 @@ fn export_then_import_into_the_other_tier_resumes_exactly() {
             master: 0,
             exp_avg: m.as_ptr() as usize,
             exp_avg_sq: v.as_ptr() as usize,
+            exp_avg_scale: 0,
+            exp_avg_sq_scale: 0,
         })
         .collect();
     // SAFETY: live Vecs of each unit's length, only read.
-    unsafe { sb.import(&bufs) }.unwrap();
+    unsafe { sb.import(&bufs, Form::Stored) }.unwrap();
     assert!(sb.is_initialized(0));
     let mut counts_b = counts.clone();
     a.train(&mut sa, 3..6, &mut counts);
@@ -369,6 +378,8 @@ fn master_state_starts_from_bf16_parameters_and_writes_them_back() {
     let n = 1234;
     let opts = Options {
         master: true,
+        bits: StateBits::F32,
+        seed: 0,
         chunk_elems: 512,
         task_elems: 100,
         tier: Tier::Host { allow_heap: true },
@@ -398,6 +409,7 @@ fn master_state_starts_from_bf16_parameters_and_writes_them_back() {
             out: Ptr::new(param.as_mut_ptr() as usize, Dtype::Bf16),
             hyper: hyper(s as f64),
             tail: n % 8,
+            key: 0,
         }];
         // SAFETY: live Vecs of the unit's length.
         unsafe { st.step(&work) }.unwrap();
@@ -410,9 +422,11 @@ fn master_state_starts_from_bf16_parameters_and_writes_them_back() {
         master: emst.as_mut_ptr() as usize,
         exp_avg: em.as_mut_ptr() as usize,
         exp_avg_sq: ev.as_mut_ptr() as usize,
+        exp_avg_scale: 0,
+        exp_avg_sq_scale: 0,
     }];
     // SAFETY: live Vecs of the unit's length.
-    unsafe { st.export(&bufs) }.unwrap();
+    unsafe { st.export(&bufs, Form::Stored) }.unwrap();
     assert_eq!((emst, em, ev), (master, m, v));
 }
 
@@ -436,6 +450,7 @@ fn bad_work_lists_are_refused_before_anything_is_written() {
         out: Ptr::new(out, Dtype::F32),
         hyper: hyper(1.0),
         tail: 0,
+        key: 0,
     };
     let (ga, pa, pb) = (
         g.as_ptr() as usize,
@@ -456,7 +471,10 @@ fn bad_work_lists_are_refused_before_anything_is_written() {
     assert!(msg(one_step(&mut st, &[bad])).contains("learning rate"));
     bad = unit(0, ga, pa);
     bad.out.dtype = Dtype::Bf16;
-    assert!(msg(one_step(&mut st, &[bad])).contains("fp32 parameter"));
+    assert!(msg(one_step(&mut st, &[bad])).contains("in one dtype"));
+    bad.src.dtype = Dtype::Bf16;
+    bad.out = Ptr::new(pb, Dtype::Bf16);
+    assert!(msg(one_step(&mut st, &[bad])).contains("updated in place"));
     assert_eq!(a, vec![1f32; 64], "nothing was written");
     assert!(!st.is_initialized(0));
     // Export of a unit that never took a step.
@@ -466,14 +484,18 @@ fn bad_work_lists_are_refused_before_anything_is_written() {
         master: 0,
         exp_avg: m.as_mut_ptr() as usize,
         exp_avg_sq: m.as_mut_ptr() as usize,
+        exp_avg_scale: 0,
+        exp_avg_sq_scale: 0,
     }];
     // SAFETY: refused before any access.
-    let r = unsafe { st.export(&bufs) };
+    let r = unsafe { st.export(&bufs, Form::Stored) };
     assert!(msg(r).contains("no state yet"));
 
     // A master state needs the parameter's value on a unit's first step.
     let opts = Options {
         master: true,
+        bits: StateBits::F32,
+        seed: 0,
         chunk_elems: 1024,
         task_elems: 512,
         tier: Tier::Host { allow_heap: true },
@@ -512,6 +534,7 @@ fn nvme_errors_surface_and_a_small_pool_is_named() {
                 out: Ptr::new(p.as_mut_ptr() as usize, Dtype::F32),
                 hyper: hyper(step),
                 tail: 0,
+                key: 0,
             })
             .collect()
     };

@@ -22,8 +22,8 @@ Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
 a process of its own, so a mode's peak cannot include what another left on the device and one
 mode's crash or timeout loses only that mode.
 
-Per step (one warm-up, then --steps measured): seconds for forward + backward (and each on its
-own, from CUDA events: no synchronize between them); torch.cuda.max_memory_allocated and
+Per step (one warm-up, two for auto, then --steps measured): seconds for forward + backward (and
+each on its own, from CUDA events: no synchronize between them); torch.cuda.max_memory_allocated and
 max_memory_reserved of the forward and of the backward, separately (the peak counters are reset
 between the two; they count allocations as the host makes them, so reading them needs no
 synchronize), each also above the memory held before the step (parameters and gradients: the
@@ -166,7 +166,10 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     # steps]); the auto mode's pool grows once, and each step reads ahead in the order the one
     # before it learned. save_on_cpu: a fresh one per step, as torch's docs use it.
     ctx = mode_context(args.mode, args)
-    for step in range(args.steps + 1):
+    # auto grows its pool over its first steps (Note [growing pool]): two warm-ups, so that no
+    # measured step includes a growth, pinning or retiring a generation
+    warmups = 2 if args.mode == "auto" else 1
+    for step in range(args.steps + warmups):
         if not isinstance(ctx, spillover.OffloadContext):
             ctx = mode_context(args.mode, args)
         model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
@@ -213,10 +216,10 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
                     f"backward {fmt_gib(above(bwd, base))} GiB; reserved "
                     f"{fmt_gib(row['reserved_peak_bytes'])} GiB" if peak is not None
                     else "peak: no memory counter")
-        print(f"  step {step}{' (warm-up)' if step == 0 else ''}: {dt:.3f} s (forward "
+        print(f"  step {step}{' (warm-up)' if step < warmups else ''}: {dt:.3f} s (forward "
               f"{fwd_s:.3f}, backward {bwd_s:.3f}), {mem_text}, grads {row['grads']}",
               flush=True)
-        if step > 0:
+        if step >= warmups:
             res["steps"].append(row)
         else:
             res["warmup"] = row

@@ -2,7 +2,7 @@
 # The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
 # the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
 #
-#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7.5 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 6 minutes on an H200
 #     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, the three
 #                                                          # answers: under 3 minutes
 #     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
@@ -21,9 +21,11 @@
 #             hidden: one ✓/✗ line each with its figures (benches/gpu/table.py answers)
 #   optimizer benches/gpu/bench.py --mode optim: torch's fused AdamW against OffloadAdamW on a
 #             GPT (device memory, time not hidden behind backward); full run only
-#   others    the gpu-marked tests of test_recompute.py and test_optim.py; full run only
+#   others    the gpu-marked tests of test_optim.py, test_optim_staged.py, then test_recompute.py;
+#             full run only
 # Everything lands under $OUT (default ./gpu-out): summary.md (each check ✓/✗ with its figure,
-# appended the moment it is known), run.log, tests-*.xml, bench/*.json. Exit status 0 when every
+# appended the moment it is known), run.log, and results.tgz (tests-*.xml, bench/*.json, gpu.csv:
+# one archive, made at the end or when the run stops). Exit status 0 when every
 # step passed, 1 when one failed, 2 when the run could not start. (The answers are findings, not
 # steps: a ✗ there does not change the exit status.)
 set -uo pipefail  # not -e: one failed check must not stop the others (install stops the run itself)
@@ -56,12 +58,18 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, read once when c
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/spillover-gpu.XXXXXX") || exit 2
 SITE=$WORK/site
 mkdir -p "$SITE"
-trap 'rm -rf "$WORK"' EXIT
+# One archive of every result beside summary.md and run.log, also when the run stops early: a
+# device run returns at most 8 files (bench/*.json, tests-*.xml and gpu.csv are about 15).
+archive() {
+    (cd "$OUT" && tar czf results.tgz --ignore-failed-read bench tests-*.xml gpu.csv 2>/dev/null)
+    rm -rf "$OUT/bench" "$OUT"/tests-*.xml "$OUT/gpu.csv"
+}
+trap 'archive; rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 435 s, quick 170 s, so that with the
-# header's few seconds the full run ends within 7.5 minutes and the quick one within 3.
+# `timeout -k 10` adds at most 10 s to the last): full 345 s, quick 170 s, so that with the
+# header's few seconds the full run ends within 6 minutes and the quick one within 3.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
@@ -73,13 +81,15 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream-ordering tests run in the full run
 else
     run_kind="full"
-    B_INSTALL=20 B_TESTS=85 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_PACK=20 DEADLINE=435
-    TEST_TIMEOUT=60
+    # 345 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
+    # fit a 15-minute lease with room to run a failed step again
+    B_INSTALL=20 B_TESTS=70 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_PACK=20 DEADLINE=345
+    TEST_TIMEOUT=50
     BENCH_ARGS=(--steps 3)
     BENCH_MODES=(none full planned save_on_cpu host nvme auto)
     # nvme moves about four times its pool through the disk each way per step: the largest.
-    declare -A B_BENCH=([none]=25 [full]=25 [planned]=35 [save_on_cpu]=25 [host]=30 [nvme]=45
-                        [auto]=35)
+    declare -A B_BENCH=([none]=18 [full]=18 [planned]=28 [save_on_cpu]=18 [host]=22 [nvme]=30
+                        [auto]=30)
 fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
@@ -134,9 +144,9 @@ say "# spillover GPU run: $run_kind" "" \
     "- started $(date -u +%FT%TZ) on $(hostname), deadline ${DEADLINE} s"
 if [ "$dry" = 0 ]; then
     if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+        nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
             --format=csv,noheader >"$OUT/gpu.csv" 2>&1
-        say "- GPU: $(head -1 "$OUT/gpu.csv") (name, memory, driver, PCIe gen, width)"
+        say "- GPU: $(head -1 "$OUT/gpu.csv") (name, memory, driver, PCIe gen and width: max, not the idle link's)"
     else
         say "- GPU: nvidia-smi not found"
     fi
@@ -146,12 +156,16 @@ say "- python: $(timeout 60 "$PY" -c 'import sys; print(sys.version.split()[0])'
 if [ -f dist/gpu/BUILD_INFO ]; then
     built=$(awk '/^commit/ {print $2}' dist/gpu/BUILD_INFO)
     dirty=$(awk '/^dirty/ {print $2}' dist/gpu/BUILD_INFO)
-    here=$(git rev-parse HEAD 2>/dev/null || echo "unknown (no git here)")
-    match="the same"
-    [ "$built" != "$here" ] && match="NOT the same: the tests here may not match the wheel"
-    say "- wheel built from $built (${dirty} uncommitted changes to rust/ and python/); this tree: $here ($match)"
+    here=$(git rev-parse HEAD 2>/dev/null || echo "")
+    if [ -z "$here" ]; then  # a copy of the working tree (the device machine's) has no .git
+        say "- wheel built from $built (${dirty} uncommitted changes to rust/ and python/); this tree has no git to compare"
+    else
+        match="the same"
+        [ "$built" != "$here" ] && match="NOT the same: the tests here may not match the wheel"
+        say "- wheel built from $built (${dirty} uncommitted changes to rust/ and python/); this tree: $here ($match)"
+    fi
 fi
-say "- memlock limit: $(ulimit -l); cores: $(nproc)"
+say "- memlock limit: $(ulimit -l); cores: $(nproc); $(awk '/^(MemTotal|MemAvailable):/ {printf "%s %.1f GiB ", $1, $2/1048576}' /proc/meminfo) (a microVM's grows as it is used)"
 
 # Scratch for the NVMe tier: SPILLOVER_NVME_PATH if set, else a private dir under $TMPDIR.
 if [ -z "${SPILLOVER_NVME_PATH:-}" ]; then
@@ -255,12 +269,12 @@ pytest_step "tests: test_gpu_{step,pool,streams}.py${TEST_K[1]:+ -k \"${TEST_K[1
 # stream, event or synchronize) after the last kernel on another stream that wrote it (or read
 # it, for a write). Of spillover's orderings it sees two: the copy stream waiting for the compute
 # stream before a device->host copy reads its source, and the compute stream waiting for the
-# host->device copy before it uses the tensor (Note [stream ordering] in activations/link/policy.py). A race
+# host->device copy before it uses the tensor (Note [stream ordering] in rust/link/mod.rs). A race
 # there may not show in one run's gradients; the sanitizer reports it whatever the timing.
 # test_stream_gradients_bitwise[host] runs both, on the host tier. It is the only test run again:
 # the sanitizer cannot help the others. Pool blocks are host memory, which it does not track; a
 # free only forgets a pointer, with no check against work still pending on another stream, so
-# the reuse races of Note [source lifetime] and Note [freed by events] are invisible to it (the
+# the reuse races of Note [sources held] (rust/link/mod.rs) are invisible to it (the
 # source test checks them by values); the nvme variant adds disk I/O on host blocks and nothing
 # it can see; the synchronize test is about host waits, not ordering.
 SANITIZER_K="test_stream_gradients_bitwise and host"
@@ -329,19 +343,21 @@ if [ "$B_PACK" -gt 0 ]; then
     budget=$(budget_left $B_PACK)
     pack_dev=cuda
     [ "$dry" = 1 ] && pack_dev=cpu
-    if section "pack_cost: pack / land / unpack per tensor, \`--device $pack_dev\`" "$budget"; then
+    if section "link_cost: host time and device calls per pack / unpack, \`--device $pack_dev\`" "$budget"; then
         t0=$SECONDS
-        timeout -k 10 "$budget" "$PY" benches/python/pack_cost.py --device "$pack_dev" \
-            --json "$OUT/bench/pack_cost.json" | tee -a "$SUMMARY"
+        timeout -k 10 "$budget" "$PY" benches/python/link_cost.py --device "$pack_dev" --rounds 3 \
+            --json "$OUT/bench/link_cost.json" | tee -a "$SUMMARY"
         verdict "${PIPESTATUS[0]}" $((SECONDS - t0)) "$budget"
     fi
 fi
 
 # ---- the other gpu-marked tests ----------------------------------------------------------------
 if [ "$B_OTHERS" -gt 0 ]; then
-    pytest_step "tests: the gpu-marked tests of test_recompute.py, test_optim.py, test_optim_staged.py" \
-        $B_OTHERS others tests/python/test_recompute.py tests/python/test_optim.py \
-        tests/python/test_optim_staged.py -m gpu
+    # the optimizer's first: a timeout then loses the recompute tests (a first-use calibration
+    # with ~2 GiB of swap I/O), not the optimizer's
+    pytest_step "tests: the gpu-marked tests of test_optim.py, test_optim_staged.py, test_recompute.py" \
+        $B_OTHERS others tests/python/test_optim.py tests/python/test_optim_staged.py \
+        tests/python/test_recompute.py -m gpu
 fi
 
 say "" "## total: $([ $status = 0 ] && echo "✓ every step passed" || echo "✗ a step failed") in ${SECONDS} s (deadline ${DEADLINE} s)"

@@ -2,7 +2,8 @@
 
     python benches/python/optim_bench.py [--params 100e6] [--tensors 64] [--rounds 12]
                                          [--nvme-params 25e6] [--staged-params 16e6]
-                                         [--parts fp32,bf16,nvme,staged,sim,gpu]
+                                         [--parts fp32,bf16,nvme,staged,sim,gpu,
+                                                  lowbit,lowbit-nvme,fingerprint]
                                          [--sim-params 8e6] [--sim-bandwidths 3,25]
                                          [--sim-backwards 20,200]
                                          [--nvme-path DIR]
@@ -35,12 +36,23 @@ sim: the GPU path's copies on the simulated device of ``spillover/activations/li
 (``_link=``: a copy's bytes move after ``nbytes / bandwidth``, on one thread per stream), at
 ``--sim-bandwidths`` (GB/s) and ``--sim-backwards`` (ms of simulated backward compute, spread
 over the layers: each layer's backward sleeps its share, then its gradient arrives). Modes:
-``staged`` (the default on a GPU: the hooks copy and fingerprint each gradient during
-backward, ``step()`` fingerprints again and reuses the copies), ``at step()`` (no copies in
-backward: ``step()``'s bucket pipeline copies each bucket while the previous one is updated)
-and ``update_in_backward``. The compute stream's waits for the copies back are taken at the
-next forward, as on a GPU, not at ``step()``. The fingerprints run on the host here (on a GPU
-they are device kernels on the copy stream): the staged mode is charged their CPU time.
+``hook copies`` (``_hook_copies=True``: the hooks copy and fingerprint each gradient during
+backward, ``step()`` fingerprints again and reuses the copies), ``at step()`` (the default:
+no copies in backward, ``step()``'s bucket pipeline copies each bucket while the previous one
+is updated) and ``update_in_backward``. The compute stream's waits for the copies back are
+taken at the next forward, as on a GPU, not at ``step()``. The fingerprints run on the host
+here (on a GPU they are device kernels on the copy stream): the hook-copies mode is charged
+their CPU time.
+
+fingerprint (not in the default parts): the gradient fingerprint alone over ``--params``
+bf16 parameters in ``--tensors`` gradients: torch ops per bucket, host time of a pass on
+``meta`` tensors (the dispatch a GPU's host pays) and on this CPU
+(benches/python/fingerprint_cost.py, which also measures an older spillover for the
+before/after).
+
+lowbit, lowbit-nvme (not in the default parts): low-bit state (``state_bits=16 | 8``,
+``master_weights=False``): bytes per parameter and step times against fp32 state, host and
+NVMe tiers; benches/python/optim_lowbit.py says how.
 
 gpu (CUDA hosts only): forward + backward + step of an MLP stack on the GPU: torch AdamW with
 its state on the GPU, OffloadAdamW (gradients copied to pinned pool blocks by hooks while
@@ -286,6 +298,7 @@ def bench_staged(args, pool_bytes: int) -> List[str]:
             tier="host",
             host_pool_bytes=own_pool,
             _force_staging=staged,
+            _hook_copies=staged,  # this part times the hooks' copies and fingerprints
             update_in_backward=inbwd,
         )
         return ps, coef, opt
@@ -410,7 +423,7 @@ def bench_sim(args, pool_bytes: int) -> List[str]:
         link = Link(bw)
         opt = spillover.OffloadAdamW(
             ps, lr=1e-3, tier="host", host_pool_bytes=own_pool, _force_staging=True,
-            _link=link, _hook_copies=mode != "at step()",
+            _link=link, _hook_copies=mode != "at step() (default)",
             update_in_backward=mode == "update_in_backward",
         )
         return ps, coef, opt, link
@@ -431,8 +444,8 @@ def bench_sim(args, pool_bytes: int) -> List[str]:
     out = [
         f"\n### simulated device: {n / 1e6:.0f}M fp32 parameters in {len(szs)} tensors "
         f"({n * 4 / (1 << 20):.0f} MiB of gradients), step = backward + step(), ms (median)\n",
-        "| link GB/s | backward ms | staged (default) | at step() | update_in_backward |"
-        " staged / at step() | staged - 2 fingerprints - at step() |",
+        "| link GB/s | backward ms | hook copies | at step() (default) | update_in_backward |"
+        " hooks / at step() | hooks - 2 fingerprints - at step() |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     from spillover.optim import fingerprint
@@ -446,7 +459,7 @@ def bench_sim(args, pool_bytes: int) -> List[str]:
         fp_times.append(time.perf_counter() - t0)
     fp = min(fp_times)
     del grads
-    modes = ("staged (default)", "at step()", "update_in_backward")
+    modes = ("hook copies", "at step() (default)", "update_in_backward")
     for bw in args.sim_bandwidths.split(","):
         for bwd in args.sim_backwards.split(","):
             made = {m: setup(float(bw) * 1e9, m) for m in modes}
@@ -456,14 +469,15 @@ def bench_sim(args, pool_bytes: int) -> List[str]:
                 for space in made[m][2]._spaces:  # the copies in flight, before freeing
                     space.close()
             cells = " | ".join(f"{t[m] * 1e3:.1f}" for m in modes)
-            ratio = t["staged (default)"] / t["at step()"]
-            net = (t["staged (default)"] - 2 * fp - t["at step()"]) * 1e3
+            ratio = t["hook copies"] / t["at step() (default)"]
+            net = (t["hook copies"] - 2 * fp - t["at step() (default)"]) * 1e3
             out.append(f"| {bw} | {bwd} | {cells} | {ratio:.2f} | {net:+.1f} |")
             del made
             gc.collect()
     out.append(
-        f"\nfingerprint of every gradient on this host: {fp * 1e3:.1f} ms (the staged mode takes "
-        "two per step: hook and step(); on a GPU they are device kernels on the copy stream). "
+        f"\nfingerprint of every gradient on this host: {fp * 1e3:.1f} ms (the hook-copies mode "
+        "takes two per step: hook and step(); on a GPU they are device kernels on the copy "
+        "stream). "
         "Copy of all gradients over the link: "
         + ", ".join(f"{n * 4 / (float(b) * 1e9) * 1e3:.1f} ms at {b} GB/s"
                     for b in args.sim_bandwidths.split(","))
@@ -473,7 +487,7 @@ def bench_sim(args, pool_bytes: int) -> List[str]:
 
 def bench_gpu(args, pool_bytes: int) -> List[str]:
     """Train steps (forward + backward + step) of an MLP stack on the GPU: torch AdamW on the
-    GPU, OffloadAdamW (state in host memory, gradients staged during backward), and torchao's
+    GPU, OffloadAdamW (state in host memory, gradients copied at step()), and torchao's
     CPUOffloadOptimizer when it is installed. Not measured on this project's CPU machine."""
     if not torch.cuda.is_available():
         return ["\n### GPU: skipped (no CUDA on this machine)"]
@@ -545,13 +559,35 @@ def main() -> None:
         f"spillover kernel FMA: {_native.AdamState.fma_available()}, {os.cpu_count()} cpus"
     )
     parts = args.parts.split(",")
+    from optim_lowbit import bench_lowbit, bench_lowbit_nvme
+
+    def bench_fingerprint(args: Any, pool_bytes: int) -> List[str]:
+        # the gradient fingerprint alone (fingerprint_cost.py, which also measures an older
+        # spillover): ops per gradient, dispatch on meta tensors, this CPU with the arithmetic
+        import fingerprint_cost
+
+        n = int(args.params) // args.tensors
+        r = fingerprint_cost.measure([n] * args.tensors, torch.bfloat16, 5)
+        return [
+            f"### fingerprint: {r['params'] / 1e6:.0f}M bf16 parameters in {r['tensors']} "
+            f"gradients (one bucket each)",
+            f"{r['ops']} torch ops per pass, {r['ops'] / r['tensors']:.1f} per bucket; host "
+            f"time per pass on meta tensors (dispatch) {r['meta_s'] * 1e3:.1f} ms "
+            f"[{r['meta_spread'][0] * 1e3:.1f}, {r['meta_spread'][1] * 1e3:.1f}], on this CPU "
+            f"{r['cpu_s'] * 1e3:.1f} ms [{r['cpu_spread'][0] * 1e3:.1f}, "
+            f"{r['cpu_spread'][1] * 1e3:.1f}]",
+        ]
+
     benches = {
+        "lowbit": bench_lowbit,
+        "lowbit-nvme": bench_lowbit_nvme,
         "fp32": bench_fp32,
         "bf16": bench_bf16,
         "nvme": bench_nvme,
         "staged": bench_staged,
         "sim": bench_sim,
         "gpu": bench_gpu,
+        "fingerprint": bench_fingerprint,
     }
     lines: List[str] = []
     for name in parts:

@@ -255,8 +255,9 @@ class Pools:
     def _room(self) -> int:
         """The largest capacity a growth may take: the default of Note [node budget], and what
         fits now beside this process's other pools (whole MiB)."""
-        mem = _runtime.node_memory()
-        room = min(_runtime.default_size("activations"), mem.share - mem.in_pools, mem.room // 2)
+        mem = _runtime.node_memory()  # read again at every growth (Note [an explicit size is
+        # taken] in _runtime.py): a VM's available memory grows as it is used
+        room = min(_runtime.default_pool_bytes(mem), mem.share - mem.in_pools, mem.room // 2)
         return room // (1 << 20) * (1 << 20)
 
     # -- retiring --

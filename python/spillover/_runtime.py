@@ -206,6 +206,16 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup",
     return best
 
 
+# Note [an explicit size is taken]
+#     MemAvailable is what the kernel could hand out now. On a microVM whose memory is ballooned
+#     or grows as it is touched (the GPU hosts spillover runs on), it starts far below the
+#     machine's memory, and refusing a pool the user sized above it refused a pool the machine
+#     could hold (the GPU bench's ~10 GiB pool). A size the user gave is refused only past this
+#     rank's share of the node (host total or cgroup limit, over local ranks); above what is
+#     available now it warns. The default pool, which nobody asked for, still stays under half
+#     of what is available, re-read at every growth (_growth.py).
+
+
 def node_memory() -> NodeMemory:
     vm = psutil.virtual_memory()
     limit, usage = cgroup_memory()
@@ -227,13 +237,24 @@ _VARIABLES = {"activations": ("SPILLOVER_HOST_POOL_BYTES", "host_pool_bytes"),
               "optim": ("SPILLOVER_OPTIM_POOL_BYTES", "optim_pool_bytes")}
 
 
-def check_pool_size(capacity: int, purpose: str, mem: NodeMemory) -> None:
-    """Note [node budget]: refuse a pool this rank cannot hold, warn when it leaves too little."""
+def check_pool_size(capacity: int, purpose: str, mem: NodeMemory,
+                    explicit: bool = False) -> None:
+    """Note [node budget]: refuse a pool this rank cannot hold, warn when it leaves too little.
+    A size the user gave (``explicit``) is refused only past this rank's share of the node:
+    past what is available now it is a warning, since a VM's available memory starts low and
+    grows as it is used (Note [an explicit size is taken])."""
     env, kw = _VARIABLES[purpose]
     what = "activation" if purpose == "activations" else "optimizer"
     held = (f"; this process already holds {format_size(mem.in_pools)} in spillover's other "
             "pools" if mem.in_pools else "")
-    fits = min(mem.share - mem.in_pools, mem.room)
+    fits = mem.share - mem.in_pools if explicit else min(mem.share - mem.in_pools, mem.room)
+    if explicit and fits >= capacity > mem.room:
+        warn_once(
+            "pool-above-available",
+            f"spillover: the {format_size(capacity)} {what} pool you asked for ({env}, {kw}=) is "
+            f"more than the memory available now ({mem.describe()}); taking it, as a VM's "
+            "available memory grows as it is used. If the process is killed for memory, lower "
+            "it.")
     if capacity > fits:
         advice = (f"set {env} ({kw}=) to at most {format_size(max(0, fits))}"
                   if fits >= MIN_POOL else "free memory, or run fewer ranks on this node")
@@ -286,6 +307,7 @@ def host_pool(cfg: Config, purpose: str = "activations",
     Without a size from the user: the default of Note [node budget] (computed once per
     purpose, then reused), or less when the caller knows it `need`s less (``sized_for``)."""
     size = cfg.optim_pool_bytes if purpose == "optim" else cfg.host_pool_bytes
+    explicit = size is not None
     if size is None:
         default = default_size(purpose)
         size = default if need is None else min(default, sized_for(need))
@@ -293,7 +315,7 @@ def host_pool(cfg: Config, purpose: str = "activations",
         known = (purpose, size) in _pools
     if not known:
         mem = node_memory()
-        check_pool_size(size, purpose, mem)
+        check_pool_size(size, purpose, mem, explicit=explicit)
         log.info("%s pool of %s: %s", purpose, format_size(size), mem.describe())
     capacity = size
     with _lock:

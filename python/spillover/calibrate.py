@@ -28,9 +28,25 @@ What is measured (all seconds are medians of a few repeats, after one warm-up):
     Device to pinned host memory and back. On a CPU-only machine: a copy into a host-pool block
     (what ``offload_context`` does there) — the "link" is memcpy.
 ``nvme_write_bytes_per_s`` / ``nvme_read_bytes_per_s``
-    The swap engine (``O_DIRECT``, the configured io engine and queue depth) over the first
-    SPILLOVER_NVME_PATH directory, or a private temp dir. ``None`` with ``nvme_error`` when no
-    swap file can be opened there.
+    The swap engine (``O_DIRECT``, the configured io engine and queue depth) over every
+    SPILLOVER_NVME_PATH directory at once (the engine stripes across them: the sum of the
+    drives), or a private temp dir. ``None`` with ``nvme_error`` when no swap file can be opened.
+``host_seconds_per_offload``
+    Note [host cost in the plan]: the host time one offloaded tensor costs, pack and unpack
+    together, through this device's link (a 4 KiB tensor: its copy is nothing), against the same
+    ops without the context.
+``host_seconds_per_op``
+    The host time one aten op costs inside a ``spillover.wrap`` region, in forward (the save
+    mode's dispatch) and again when the region is recomputed (the replay's), against plain.
+
+Note [calibration outside the step]
+    The first calibration often runs inside the user's forward (a selective region's first
+    call), with autocast on: its "float32" matmul then ran in bf16 and a rate ~10x too high was
+    cached. Every measurement runs on a thread of its own, which starts with none of the
+    caller's thread-local state: no autocast, no saved-tensor hooks (an offload context's, a
+    checkpoint region's: ``no_offload()`` cannot take those out from under a region, and the
+    first calibration often runs inside one), no dispatch modes, grad mode on; with torch's
+    RNG forked by the planner.
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -172,13 +189,62 @@ def _link(device: torch.device, nbytes: int, repeats: int) -> Dict[str, float]:
     return {"d2h_bytes_per_s": nbytes / sec, "h2d_bytes_per_s": nbytes / sec}
 
 
+def _host_costs(device: torch.device, quick: bool) -> Dict[str, float]:
+    """Note [host cost in the plan]: host seconds per offloaded tensor and per op in a wrapped
+    region, medians of interleaved rounds against the same work without spillover."""
+    from .activations import offload_context
+    from .recompute.region import checkpoint
+
+    n = 50 if quick else 200
+    rounds = 3 if quick else 5
+    x = torch.randn(1024, device=device, requires_grad=True)  # 4 KiB: its copy is nothing
+    ctx = offload_context("host", min_offload_bytes=0, host_pool_bytes=64 << 20)
+    sync = _sync_for(device)
+
+    def chain(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(n):
+            h = h.sin()
+        return h
+
+    def plain() -> None:
+        chain(x).sum().backward()
+
+    def offloaded() -> None:
+        with ctx:
+            y = chain(x).sum()
+        y.backward()
+
+    def wrapped() -> None:
+        checkpoint(chain, x, policy="full").sum().backward()
+
+    times: Dict[str, List[float]] = {"plain": [], "offloaded": [], "wrapped": []}
+    fns = {"plain": plain, "offloaded": offloaded, "wrapped": wrapped}
+    with torch.enable_grad():
+        for r in range(rounds + 1):
+            for k, fn in fns.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if r:
+                    times[k].append(time.perf_counter() - t0)
+                x.grad = None
+    base = statistics.median(times["plain"])
+    per_offload = max(0.0, (statistics.median(times["offloaded"]) - base) / n)
+    # a full region runs each op twice under its dispatch modes (forward, recompute)
+    per_op = max(0.0, (statistics.median(times["wrapped"]) - 2 * base) / (2 * n))
+    return {"host_seconds_per_offload": per_offload, "host_seconds_per_op": per_op}
+
+
 def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
-    """Write then read ``total`` bytes in ``chunk``-sized requests, all in flight at once."""
+    """Write then read ``total`` bytes in ``chunk``-sized requests, all in flight at once,
+    through one engine over every swap directory (striped: the drives' sum)."""
     from . import _native
 
     own_dir = None
     if cfg.nvme_path:
-        dirs = [cfg.nvme_path[0]]
+        dirs = list(cfg.nvme_path)
+        total *= len(dirs)  # as much per drive as one drive gets
     else:
         own_dir = tempfile.mkdtemp(prefix="spillover-calibrate-")
         dirs = [own_dir]
@@ -214,7 +280,7 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
             "nvme_read_bytes_per_s": n * chunk / best_r,
             "nvme_engine": swap.engine,
             "nvme_direct": bool(swap.direct),
-            "nvme_dir": dirs[0],
+            "nvme_dir": ",".join(dirs),
             "nvme_error": None,
         }
         del tickets, blocks, slots, swap, pool
@@ -223,7 +289,7 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
         return {
             "nvme_write_bytes_per_s": None,
             "nvme_read_bytes_per_s": None,
-            "nvme_dir": dirs[0],
+            "nvme_dir": ",".join(dirs),
             "nvme_error": f"{type(e).__name__}: {e}",
         }
     finally:
@@ -232,7 +298,31 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
 
 
 def measure_device(device: torch.device, quick: bool = False) -> Dict[str, Any]:
-    """Throughput and link bandwidth of one device (not cached; see :func:`calibrate`)."""
+    """Throughput and link bandwidth of one device (not cached; see :func:`calibrate`), outside
+    any step the caller is in (Note [calibration outside the step])."""
+    box: Dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out = _measure_device(device, quick)
+            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                out.update(_host_costs(device, quick))
+            box["out"] = out
+        except BaseException as e:  # raised again on the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=work, name="spillover-calibrate", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def _measure_device(device: torch.device, quick: bool) -> Dict[str, Any]:
     n = 512 if quick else 1024
     repeats = 3 if quick else 5
     flops = {"float32": _matmul_flops(device, torch.float32, n, repeats)}

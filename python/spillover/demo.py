@@ -250,7 +250,30 @@ def run_mode(mode: Mode, batches: List[tuple], device: torch.device, alloc: Allo
         "uses_context": mode.ctx_kw is not None,
         # Note [loss chunk under a budget] (loss/chunked.py): the cap the plan put on the chunk
         "loss_cap": planner.plan.loss_cap if planner is not None and planner.plan else None,
+        "plan_line": _plan_line(planner),
     }
+
+
+def _plan_line(planner: Any) -> str:
+    """One line: which plan ``auto`` follows and why (its variant, the modeled peak against
+    the budget, what it recomputes and moves)."""
+    plan = planner.plan if planner is not None else None
+    if plan is None:
+        return ""
+    from .config import format_size
+
+    regions = len(plan.regions)
+    modes: Dict[str, int] = {}
+    for r in plan.regions:
+        modes[r.mode] = modes.get(r.mode, 0) + 1
+    how = ", ".join(f"{n} region{'s' if n > 1 else ''} {m}" for m, n in modes.items())
+    peak = plan.model_peak + (plan.peak_offset or 0)
+    why = ("the fastest modeled plan whose peak fits the budget" if plan.fits
+           else "no plan fits the budget: the lowest peak")
+    return (f"auto chose {plan.variant or 'its plan'} ({how}; {regions} regions): {why} -- "
+            f"peak {format_size(peak)} of {format_size(plan.budget or 0)}, recompute "
+            f"{plan.recompute_seconds * 1e3:.0f} ms, exposed transfers "
+            f"{plan.transfer_seconds * 1e3:.0f} ms modeled per step")
 
 
 def _check(ref: Dict[str, Any], r: Dict[str, Any]) -> str:
@@ -433,6 +456,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["check"] += " (to none with its loss chunk)"
     print()
     print(_table(rows, device))
+    for r in rows:
+        if r.get("plan_line"):
+            print(r["plan_line"])
     os.makedirs(args.out, exist_ok=True)
     png = _plot(rows, os.path.join(args.out, "timeline.png"),
                 f"spillover demo: GPT {cfg.n_layers}x{cfg.d_model}, seq {cfg.seq}, {cfg.attn} "

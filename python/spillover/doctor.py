@@ -260,6 +260,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if value is None:
             shown = used.get(env, "none")
         print(f"  {env:<30} {shown}  ({source})")
+    from .optim import formats
+
+    print("\nOffloadAdamW state per parameter (state_bits=, master_weights=; Note [state formats] "
+          "in spillover/optim/formats.py;\n  `print(spillover.explain(opt))` shows an "
+          "optimizer's own):")
+    for line in formats.explain_bytes().split("\n"):
+        print(f"  {line}")
     if args.probe_seconds > 0:
         print(f"\nbandwidth probe (~{args.probe_seconds:.0f} s):")
         probe_bandwidth(r, probe_pool, dirs[0] if dirs else None, engine or "threads",

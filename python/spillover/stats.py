@@ -66,7 +66,7 @@ class OffloadStats:
     unpacks_from_source: int = 0
     #: Packs that made the compute stream wait for an older copy because the bytes of copies in
     #: flight passed SPILLOVER_COPY_INFLIGHT_BYTES (Note [back-pressure] in
-    #: activations/link/policy.py).
+    #: rust/link/mod.rs).
     copy_waits_forced: int = 0
     #: Most bytes of device->host copies in flight at once after one of the step's packs.
     bytes_in_flight_peak: int = 0

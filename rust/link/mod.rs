@@ -28,6 +28,16 @@
 //! work ordered after the copy. The host blocks a copy writes or reads (a tier entry's staging
 //! view, a pool view) are held here (`hold`) until its event was seen.
 //!
+//! # Note [back-pressure]
+//! Forward produces activations faster than the link drains them. Unbounded, every source
+//! would stay alive until its copy ran and offloading would save nothing. So the bytes of
+//! copies whose source is held are capped (`cap_bytes`; the newest copy may pass it alone):
+//! past the cap the compute stream waits for the oldest copies (one wait per stream, on the
+//! newest of them: a copy stream runs in order) and their sources go. The ledger picks them
+//! (Note [the ledger of copies in flight] in rust/tier/inflight.rs). The default cap is 20 ms
+//! of the link's bandwidth, within [64 MiB, 2 GiB]: enough to keep the link busy, small beside
+//! device memory. What the cap costs shows as `copy_waits_forced` and the stalls.
+//!
 //! # Note [device calls]
 //! What a pack costs the device API: record (compute), wait (D2H stream), copy = 3 calls, and
 //! the record of the D2H event after it: at once for a copy of 1 MiB or more, else shared by

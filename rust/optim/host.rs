@@ -8,10 +8,10 @@
 use crate::error::{Error, Result};
 use crate::pool::{Block, Pool};
 
-/// One cache line of f32.
+/// One cache line.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([f32; 16]);
+struct Line([u8; 64]);
 
 enum Buf {
     Pool(Block),
@@ -24,19 +24,19 @@ pub(crate) struct HostStore {
 }
 
 impl HostStore {
-    /// A buffer of `floats[c]` f32 for every chunk `c`.
-    pub fn new(pool: &Pool, floats: impl Iterator<Item = usize>, allow_heap: bool) -> Result<Self> {
+    /// A buffer of `sizes[c]` bytes for every chunk `c`.
+    pub fn new(pool: &Pool, sizes: impl Iterator<Item = usize>, allow_heap: bool) -> Result<Self> {
         let mut bufs = Vec::new();
         let mut heap_chunks = 0;
-        for n in floats {
-            let bytes = (n.max(1) * 4) as u64;
+        for n in sizes {
+            let bytes = n.max(1) as u64;
             match pool.lease(bytes) {
                 Ok(b) => bufs.push(Buf::Pool(b)),
                 Err(Error::PoolExhausted { .. }) if allow_heap => {
                     heap_chunks += 1;
                     // Zeroed pages come lazily from the kernel; the state is initialised per
                     // unit on its first step anyway.
-                    bufs.push(Buf::Heap(vec![Line([0.0; 16]); n.div_ceil(16).max(1)]));
+                    bufs.push(Buf::Heap(vec![Line([0; 64]); n.div_ceil(64).max(1)]));
                 }
                 Err(e) => return Err(e),
             }
@@ -50,12 +50,12 @@ impl HostStore {
 
     /// Base address of each chunk's buffer. `&mut self`: the caller is the only one writing
     /// through them until it next borrows the store.
-    pub fn chunk_ptrs(&mut self) -> Vec<*mut f32> {
+    pub fn chunk_ptrs(&mut self) -> Vec<*mut u8> {
         self.bufs
             .iter_mut()
             .map(|b| match b {
-                Buf::Pool(b) => b.as_ptr() as *mut f32,
-                Buf::Heap(v) => v.as_mut_ptr() as *mut f32,
+                Buf::Pool(b) => b.as_ptr(),
+                Buf::Heap(v) => v.as_mut_ptr() as *mut u8,
             })
             .collect()
     }

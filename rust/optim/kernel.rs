@@ -208,13 +208,26 @@ fn mul_add<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// One element: returns the new parameter, updates `m` and `v`. `TAIL`: the form of torch's
 /// scalar remainder loop (Note [torch rounding]).
 #[inline(always)]
-fn update<const FMA: bool, const TAIL: bool>(
+pub(crate) fn update<const FMA: bool, const TAIL: bool>(
     p: f32,
     g: f32,
     m: &mut f32,
     v: &mut f32,
     k: &Coeffs,
 ) -> f32 {
+    update_sqrt::<FMA, TAIL>(p, g, m, v, k).0
+}
+
+/// As [`update`], also returning `sqrt(v)` of the new `v`, which the update computes anyway
+/// (8-bit state stores `exp_avg_sq` as its square root: Note [8-bit moments] in quant.rs).
+#[inline(always)]
+pub(crate) fn update_sqrt<const FMA: bool, const TAIL: bool>(
+    p: f32,
+    g: f32,
+    m: &mut f32,
+    v: &mut f32,
+    k: &Coeffs,
+) -> (f32, f32) {
     let g = g * k.grad_scale;
     let p = p * k.decay;
     let base = if k.lerp_from_m { *m } else { g };
@@ -224,10 +237,11 @@ fn update<const FMA: bool, const TAIL: bool>(
     } else {
         mul_add::<FMA>(k.one_minus_beta2 * g, g, *v * k.beta2)
     };
-    let denom = v1.sqrt() / k.bc2_sqrt + k.eps;
+    let r = v1.sqrt();
+    let denom = r / k.bc2_sqrt + k.eps;
     *m = m1;
     *v = v1;
-    p + (k.neg_step_size * m1) / denom
+    (p + (k.neg_step_size * m1) / denom, r)
 }
 
 /// Where the kernel reads the fp32 value being optimized and writes the results.

@@ -1,5 +1,5 @@
-//! CPU AdamW over fp32 optimizer state kept in host memory or on NVMe (ZeRO-Offload /
-//! ZeRO-Infinity style).
+//! CPU AdamW over optimizer state kept in host memory or on NVMe (ZeRO-Offload /
+//! ZeRO-Infinity style), in fp32, bf16 or block-wise 8-bit.
 //!
 //! [`AdamState`] owns the state of a list of *units* (runs of elements: a parameter, or the
 //! part of one a rank owns) and applies torch's AdamW to them, given for each unit the address
@@ -7,12 +7,16 @@
 //! (`spillover/optim/`) hands it addresses of tensors it keeps alive for the call.
 //!
 //! State per element: `exp_avg`, `exp_avg_sq`, and — when the model's parameter is not itself
-//! the fp32 master (bf16 parameters, parameters on a GPU, sharded ranks) — the fp32 `master`.
-//! [`layout`] places units in chunks; the host tier keeps every chunk resident ([`host`]), the
-//! NVMe tier keeps chunks in swap slots and streams them through a three-stage pipeline
-//! ([`nvme`], Note [three-stage pipeline]). The update itself is [`kernel::apply`] (Note [torch
-//! rounding]), run in parallel on rayon's pool over long runs of elements ([`task`], Note [task
-//! size]).
+//! the fp32 master (bf16 parameters, parameters on a GPU, sharded ranks) and the caller keeps
+//! one — the fp32 `master`. The moments are fp32 ([`StateBits::F32`], torch's state), bf16
+//! or 8-bit with a scale per block ([`quant`], Note [stochastic rounding], Note [8-bit
+//! moments]). [`layout`] places units in chunks; the host tier keeps every chunk resident
+//! ([`host`]), the NVMe tier keeps chunks in swap slots and streams them through a three-stage
+//! pipeline ([`nvme`], Note [three-stage pipeline]). The update itself is [`kernel::apply`]
+//! (Note [torch rounding]), run in parallel on rayon's pool over long runs of elements
+//! ([`task`], Note [task size]); low-bit state and bf16 parameters without a master go
+//! through [`lowbit`], which dequantizes, updates and requantizes a block at a time with the
+//! same arithmetic (Note [one pass per block]).
 //!
 //! A unit's state is *initialized* by its first step (moments zeroed, master copied from the
 //! parameter), exactly when torch's AdamW creates its state; [`AdamState::import`] initializes
@@ -22,7 +26,10 @@ mod checkpoint;
 mod host;
 pub mod kernel;
 pub mod layout;
+mod lowbit;
 mod nvme;
+mod q8;
+pub mod quant;
 mod step;
 mod task;
 
@@ -33,7 +40,8 @@ use crate::io::{FaultKind, Swap};
 use crate::pool::Pool;
 
 pub use kernel::{bf16_to_f32, f32_to_bf16, fma_available, Bf16, Coeffs, Hyper};
-pub use layout::{Layout, Piece, ALIGN};
+pub use layout::{Columns, Layout, Piece, ALIGN};
+pub use quant::{StateBits, BLOCK};
 
 /// Smallest task, in elements (64 KiB per f32 stream), unless a piece is shorter.
 pub const MIN_TASK: usize = 1 << 14;
@@ -96,16 +104,34 @@ pub struct UnitStep {
     /// remainder loop (`numel % vector width` for a unit that ends a tensor, else 0), to stay
     /// bitwise equal to torch's fused kernel (Note [torch rounding]).
     pub tail: usize,
+    /// The key of the unit's first element for stochastic rounding (Note [stochastic
+    /// rounding]): where it sits in its parameter, the same whatever the tier or layout.
+    pub key: u64,
 }
 
-/// Addresses of f32 buffers of `len(unit)` elements, for [`AdamState::export`] and
+/// Addresses of buffers of `len(unit)` elements, for [`AdamState::export`] and
 /// [`AdamState::import`]. `master` is ignored (may be 0) when the state has no master column.
+/// In the [`Form::F32`] form every buffer is f32; in the [`Form::Stored`] form the moments are
+/// as stored (f32, bf16 bits, or i8 / u8 codes) and, for 8-bit state, the scale buffers hold
+/// `blocks(len(unit))` f32 (ignored otherwise).
 #[derive(Debug, Clone, Copy)]
 pub struct UnitBuffers {
     pub unit: usize,
     pub master: usize,
     pub exp_avg: usize,
     pub exp_avg_sq: usize,
+    pub exp_avg_scale: usize,
+    pub exp_avg_sq_scale: usize,
+}
+
+/// How [`AdamState::export`] and [`AdamState::import`] present the moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// Exactly as stored: a round trip through it is bit for bit.
+    Stored,
+    /// As f32 values: dequantized on export; quantized on import (rounded to nearest, Note
+    /// [stochastic rounding]), a conversion between formats.
+    F32,
 }
 
 /// Where the state lives.
@@ -122,7 +148,11 @@ pub enum Tier {
 pub struct Options {
     /// Keep an fp32 master column (the parameter is not its own master).
     pub master: bool,
-    /// Elements per chunk: a positive multiple of [`ALIGN`].
+    /// How the moments are stored.
+    pub bits: StateBits,
+    /// Seed of stochastic rounding (Note [stochastic rounding]).
+    pub seed: u64,
+    /// Elements per chunk: a positive multiple of [`ALIGN`] (of [`BLOCK`] for low-bit state).
     pub chunk_elems: usize,
     /// Largest run one rayon task updates (passes are cut into about 4 tasks per thread, each
     /// at least [`MIN_TASK`] and at most this many elements; Note [task size]).
@@ -141,7 +171,7 @@ pub struct Stats {
     pub io_wait_seconds: f64,
     pub compute_seconds: f64,
     pub last_step_seconds: f64,
-    /// Bytes of state (chunks' columns).
+    /// Bytes of state as stored (chunks' columns, padding included).
     pub state_bytes: u64,
     /// Host-tier chunks that did not fit the pool and live on the heap.
     pub heap_chunks: u64,
@@ -158,6 +188,8 @@ pub struct AdamState {
     store: Store,
     layout: Layout,
     master: bool,
+    bits: StateBits,
+    seed: u64,
     initialized: Vec<bool>,
     task_elems: usize,
     stats: Stats,
@@ -170,6 +202,7 @@ impl std::fmt::Debug for AdamState {
             .field("units", &self.layout.units())
             .field("chunks", &self.layout.chunks())
             .field("master", &self.master)
+            .field("bits", &self.bits)
             .field("stats", &self.stats)
             .finish()
     }
@@ -179,19 +212,19 @@ impl AdamState {
     /// State for units of `unit_lens` elements. The host tier leases its chunks now; the NVMe
     /// tier reserves its slots in the swap now, so a full disk is reported here.
     pub fn new(pool: &Pool, unit_lens: &[usize], opts: &Options) -> Result<AdamState> {
-        let layout = Layout::new(unit_lens, opts.chunk_elems).map_err(Error::Invalid)?;
+        let align = Layout::align_for(opts.bits);
+        let layout = Layout::aligned(unit_lens, opts.chunk_elems, align).map_err(Error::Invalid)?;
         if opts.task_elems == 0 {
             return Err(Error::Invalid("task size must be > 0 elements".into()));
         }
-        let cols = if opts.master { 3 } else { 2 };
-        let floats = (0..layout.chunks()).map(|c| cols * layout.col_stride(c));
-        let state_bytes = 4 * floats.clone().sum::<usize>() as u64;
+        let sizes = (0..layout.chunks()).map(|c| layout.columns(c, opts.master, opts.bits).bytes);
+        let state_bytes = sizes.clone().sum::<usize>() as u64;
         let store = match &opts.tier {
             Tier::Host { allow_heap } => {
-                Store::Host(host::HostStore::new(pool, floats, *allow_heap)?)
+                Store::Host(host::HostStore::new(pool, sizes, *allow_heap)?)
             }
             Tier::Nvme { swap, buffers } => {
-                let bytes = floats.map(|n| 4 * n as u64).collect();
+                let bytes = sizes.map(|n| n as u64).collect();
                 Store::Nvme(nvme::NvmeStore::new(pool, swap.clone(), bytes, *buffers)?)
             }
         };
@@ -204,6 +237,8 @@ impl AdamState {
             initialized: vec![false; layout.units()],
             layout,
             master: opts.master,
+            bits: opts.bits,
+            seed: opts.seed,
             task_elems: opts.task_elems,
             stats: Stats {
                 state_bytes,
@@ -219,6 +254,10 @@ impl AdamState {
 
     pub fn has_master(&self) -> bool {
         self.master
+    }
+
+    pub fn bits(&self) -> StateBits {
+        self.bits
     }
 
     /// `"host"` or `"nvme"`.

@@ -90,7 +90,7 @@ impl NvmeStore {
         chunks: &[usize],
         write_back: bool,
         stats: &mut PassStats,
-        mut update: impl FnMut(usize, *mut f32) -> Result<()>,
+        mut update: impl FnMut(usize, *mut u8) -> Result<()>,
     ) -> Result<()> {
         let mut pending: VecDeque<Pending> = VecDeque::new();
         let mut writes: VecDeque<(usize, Ticket)> = VecDeque::new();
@@ -115,7 +115,7 @@ impl NvmeStore {
                 Pending::Reading(t) => wait(t, &mut stats.io_wait)?,
             };
             let t0 = Instant::now();
-            update(chunk, block.as_mut_slice().as_mut_ptr() as *mut f32)?;
+            update(chunk, block.as_mut_slice().as_mut_ptr())?;
             stats.compute += t0.elapsed().as_secs_f64();
             if write_back {
                 writes.push_back((chunk, self.swap.write(block, &self.slots[chunk])));

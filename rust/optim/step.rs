@@ -1,12 +1,30 @@
 //! The AdamW step: checking a step's work list, then each task's update through the kernel
 //! (a unit's first step initializes its state; its tail takes torch's remainder rounding).
+//! fp32 state over fp32 values goes through [`kernel::apply`]; low-bit state and bf16
+//! parameters without a master through [`lowbit::run`] (Note [one pass per block]).
 
 use std::time::Instant;
 
 use super::kernel::{self, Bf16, Coeffs, Grad, Run};
-use super::task::{columns, part, part_mut, Task};
-use super::{AdamState, Dtype, UnitStep};
+use super::lowbit::{self, Out, Params};
+use super::task::{columns, part, part_mut, state, Task};
+use super::{AdamState, Dtype, StateBits, UnitStep};
 use crate::error::{Error, Result};
+
+/// What every task of one unit's step shares.
+struct UnitCtx {
+    k: Coeffs,
+    init: bool,
+    tail_from: usize,
+}
+
+/// What every task of a step shares.
+#[derive(Clone, Copy)]
+struct StateCtx {
+    master: bool,
+    bits: StateBits,
+    seed: u64,
+}
 
 impl AdamState {
     /// One AdamW step for each unit in `work` (units not listed are untouched). On error
@@ -31,20 +49,29 @@ impl AdamState {
                 )));
             }
         }
-        let tail_from: Vec<usize> = work
+        let units: Vec<UnitCtx> = work
             .iter()
-            .map(|w| {
+            .zip(coeffs)
+            .zip(&init)
+            .map(|((w, k), &init)| {
                 let len = self.layout.unit_len(w.unit);
-                len - w.tail.min(len)
+                UnitCtx {
+                    k,
+                    init,
+                    tail_from: len - w.tail.min(len),
+                }
             })
             .collect();
-        let master = self.master;
+        let st = StateCtx {
+            master: self.master,
+            bits: self.bits,
+            seed: self.seed,
+        };
         let run = |t: &Task| {
             let i = t.work;
-            let w = &work[i];
             // SAFETY: the task's ranges are valid and exclusive (see `Task` and this fn's
             // contract); the constants belong to the same unit.
-            unsafe { run_task(t, w, &coeffs[i], init[i], master, tail_from[i]) }
+            unsafe { run_task(t, &work[i], &units[i], st) }
         };
         self.for_each_task(work.iter().map(|w| w.unit), true, run)?;
         for w in work {
@@ -75,11 +102,17 @@ impl AdamState {
                 return bad("no gradient address");
             }
             if !self.master {
-                if w.src.is_none() || w.src.dtype != Dtype::F32 {
-                    return bad("without a master column the fp32 parameter must be the source");
+                if w.src.is_none() || w.out.is_none() || w.src.dtype != w.out.dtype {
+                    return bad(
+                        "without a master column the parameter must be both the source and the \
+                         output, in one dtype",
+                    );
                 }
-                if w.out.is_none() || w.out.dtype != Dtype::F32 {
-                    return bad("without a master column the output must be the fp32 parameter");
+                if w.src.dtype == Dtype::Bf16 && w.src.addr != w.out.addr {
+                    return bad(
+                        "without a master column a bf16 parameter is updated in place: source \
+                         and output must be the same buffer",
+                    );
                 }
                 if w.src.addr != w.out.addr && overlaps(w.src.range(len), w.out.range(len)) {
                     return bad("source and output overlap without being the same buffer");
@@ -115,52 +148,108 @@ fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
 
 /// # Safety
 /// See `AdamState::step`: the task's state and the unit's buffers are valid and exclusive.
-unsafe fn run_task(t: &Task, w: &UnitStep, k: &Coeffs, init: bool, master: bool, tail_from: usize) {
-    // Elements from `split` on are in the unit's tail (`UnitStep::tail`).
-    let split = tail_from.saturating_sub(t.unit_off).min(t.len);
-    let main = Task { len: split, ..*t };
-    let tail = Task {
-        chunk_off: t.chunk_off + split,
-        unit_off: t.unit_off + split,
-        len: t.len - split,
-        ..*t
-    };
-    // SAFETY: forwarded contract; `main` and `tail` split the task's range.
+unsafe fn run_task(t: &Task, w: &UnitStep, u: &UnitCtx, st: StateCtx) {
+    let bf16_in_place = !st.master && w.src.dtype == Dtype::Bf16;
+    // SAFETY: forwarded contract.
     unsafe {
+        if st.bits != StateBits::F32 || bf16_in_place {
+            return match w.grad.dtype {
+                Dtype::F32 => run_lowbit::<f32>(t, w, u, st),
+                Dtype::Bf16 => run_lowbit::<Bf16>(t, w, u, st),
+            };
+        }
+        // Elements from `split` on are in the unit's tail (`UnitStep::tail`).
+        let split = u.tail_from.saturating_sub(t.unit_off).min(t.len);
+        let main = Task { len: split, ..*t };
+        let tail = Task {
+            chunk_off: t.chunk_off + split,
+            unit_off: t.unit_off + split,
+            len: t.len - split,
+            ..*t
+        };
         for (part, is_tail) in [(main, false), (tail, true)] {
             if part.len == 0 {
                 continue;
             }
             match w.grad.dtype {
-                Dtype::F32 => run_typed::<f32>(&part, w, k, init, master, is_tail),
-                Dtype::Bf16 => run_typed::<Bf16>(&part, w, k, init, master, is_tail),
+                Dtype::F32 => run_typed::<f32>(&part, w, &u.k, u.init, is_tail),
+                Dtype::Bf16 => run_typed::<Bf16>(&part, w, &u.k, u.init, is_tail),
             }
         }
     }
 }
 
+/// A unit's first step with an fp32 master: the master starts from the parameter.
+///
 /// # Safety
 /// As `run_task`.
-unsafe fn run_typed<G: Grad>(
-    t: &Task,
-    w: &UnitStep,
-    k: &Coeffs,
-    init: bool,
-    master: bool,
-    tail: bool,
-) {
+unsafe fn init_master(t: &Task, w: &UnitStep, mst: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match w.src.dtype {
+            Dtype::F32 => mst.copy_from_slice(part::<f32>(w.src, t)),
+            Dtype::Bf16 => kernel::widen_into(part::<Bf16>(w.src, t), mst),
+        }
+    }
+}
+
+/// Low-bit state, or a bf16 parameter without a master: Note [one pass per block].
+///
+/// # Safety
+/// As `run_task`.
+unsafe fn run_lowbit<G: Grad>(t: &Task, w: &UnitStep, u: &UnitCtx, st: StateCtx) {
     // SAFETY: forwarded contract.
     unsafe {
         let grad = part::<G>(w.grad, t);
-        let (mut mst, m, v) = columns(t, master);
+        let (mst, moments) = state(t, st.bits);
+        let params = match mst {
+            Some(master) => {
+                if u.init {
+                    init_master(t, w, master);
+                }
+                let out = match (w.out.is_none(), w.out.dtype) {
+                    (true, _) => Out::None,
+                    (false, Dtype::F32) => Out::F32(part_mut(w.out, t)),
+                    (false, Dtype::Bf16) => Out::Bf16(part_mut(w.out, t)),
+                };
+                Params::Master { master, out }
+            }
+            None => match w.src.dtype {
+                Dtype::Bf16 => Params::Bf16(part_mut(w.out, t)),
+                Dtype::F32 if w.src.addr == w.out.addr => Params::InPlace(part_mut(w.out, t)),
+                Dtype::F32 => Params::Copy {
+                    src: part(w.src, t),
+                    out: part_mut(w.out, t),
+                },
+            },
+        };
+        let c = lowbit::Ctx {
+            k: u.k,
+            init: u.init,
+            unit_off: t.unit_off,
+            tail_from: u.tail_from,
+            seed: st.seed,
+            step: w.hyper.step as u64,
+            key: w.key,
+        };
+        lowbit::run(grad, params, moments, &c)
+    }
+}
+
+/// fp32 state over fp32 values, through [`kernel::apply`].
+///
+/// # Safety
+/// As `run_task`.
+unsafe fn run_typed<G: Grad>(t: &Task, w: &UnitStep, k: &Coeffs, init: bool, tail: bool) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        let grad = part::<G>(w.grad, t);
+        let (mut mst, m, v) = columns(t);
         if init {
             m.fill(0.0);
             v.fill(0.0);
             if let Some(mst) = mst.as_deref_mut() {
-                match w.src.dtype {
-                    Dtype::F32 => mst.copy_from_slice(part::<f32>(w.src, t)),
-                    Dtype::Bf16 => kernel::widen_into(part::<Bf16>(w.src, t), mst),
-                }
+                init_master(t, w, mst);
             }
         }
         match (mst, w.out.is_none(), w.out.dtype) {

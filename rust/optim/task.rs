@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::layout::{self, Piece};
+use super::layout::{self, Columns, Piece};
+use super::quant::BLOCK;
 use super::{nvme, AdamState, Ptr, Store, MIN_TASK};
 use crate::error::Result;
 
@@ -14,9 +15,9 @@ use crate::error::Result;
 #[derive(Clone, Copy)]
 pub(super) struct Task {
     pub(super) work: usize,
-    pub(super) base: *mut f32,
-    /// Elements between the starts of the chunk's columns.
-    pub(super) stride: usize,
+    pub(super) base: *mut u8,
+    /// Where the chunk's columns start.
+    pub(super) cols: Columns,
     pub(super) chunk_off: usize,
     pub(super) unit_off: usize,
     pub(super) len: usize,
@@ -39,7 +40,7 @@ impl AdamState {
         write_back: bool,
         f: impl Fn(&Task) + Sync,
     ) -> Result<()> {
-        let cols = if self.master { 3 } else { 2 };
+        let (master, bits) = (self.master, self.bits);
         let nchunks = self.layout.chunks();
         let mut by_chunk: Vec<Vec<(usize, Piece)>> = vec![Vec::new(); nchunks];
         for (i, u) in units.enumerate() {
@@ -58,20 +59,20 @@ impl AdamState {
             |elems: usize| (elems / (4 * threads)).clamp(MIN_TASK.min(max_task), max_task);
         let host_task = task_size(by_chunk.iter().flatten().map(|(_, p)| p.len).sum());
         let is_host = matches!(self.store, Store::Host(_));
-        let tasks_of = |chunk: usize, base: *mut f32, out: &mut Vec<Task>| {
-            let stride = layout.col_stride(chunk);
-            debug_assert!(cols * stride > 0);
+        let align = layout.align();
+        let tasks_of = |chunk: usize, base: *mut u8, out: &mut Vec<Task>| {
+            let cols = layout.columns(chunk, master, bits);
             let task_elems = if is_host {
                 host_task
             } else {
                 task_size(by_chunk[chunk].iter().map(|(_, p)| p.len).sum())
             };
             for &(work, p) in &by_chunk[chunk] {
-                for (off, len) in layout::split_even(p.len, task_elems) {
+                for (off, len) in layout::split_even(p.len, task_elems, align) {
                     out.push(Task {
                         work,
                         base,
-                        stride,
+                        cols,
                         chunk_off: p.chunk_off + off,
                         unit_off: p.unit_off + off,
                         len,
@@ -112,23 +113,91 @@ impl AdamState {
     }
 }
 
-/// The state columns of a task's piece: (master, exp_avg, exp_avg_sq).
+/// A task's piece of one column that holds `T`s, starting `at` bytes into the chunk.
 ///
 /// # Safety
-/// `t.base` must address a chunk of `cols * t.stride` f32 and the piece must lie inside it,
-/// with no other live reference to those elements.
+/// `t.base` must address a chunk laid out as `t.cols` says, with the column at `at` holding
+/// at least `t.chunk_off + t.len` elements of `T` (suitably aligned: columns start on cache
+/// lines), and no other live reference to those elements.
+unsafe fn col<'a, T>(t: &Task, at: usize) -> &'a mut [T] {
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut((t.base.add(at) as *mut T).add(t.chunk_off), t.len) }
+}
+
+/// The fp32 state columns of a task's piece: (master, exp_avg, exp_avg_sq).
+///
+/// # Safety
+/// As [`col`], for a chunk of fp32 state.
 pub(super) unsafe fn columns<'a>(
     t: &Task,
-    master: bool,
 ) -> (Option<&'a mut [f32]>, &'a mut [f32], &'a mut [f32]) {
-    // SAFETY: column `c` of the chunk starts at `c * stride`; the piece is inside it.
-    let col = |c: usize| unsafe {
-        std::slice::from_raw_parts_mut(t.base.add(c * t.stride + t.chunk_off), t.len)
-    };
-    if master {
-        (Some(col(0)), col(1), col(2))
-    } else {
-        (None, col(0), col(1))
+    // SAFETY: the columns are where `t.cols` says and hold the piece (the caller's contract).
+    unsafe {
+        let master = t.cols.master.map(|at| col::<f32>(t, at));
+        (master, col(t, t.cols.exp_avg), col(t, t.cols.exp_avg_sq))
+    }
+}
+
+/// A task's piece of the moments, as stored.
+pub(super) enum Moments<'a> {
+    F32 {
+        m: &'a mut [f32],
+        v: &'a mut [f32],
+    },
+    /// bf16 bits.
+    Bf16 {
+        m: &'a mut [u16],
+        v: &'a mut [u16],
+    },
+    /// Codes and the scales of the piece's blocks (Note [8-bit moments] in quant.rs).
+    Q8 {
+        m: &'a mut [i8],
+        v: &'a mut [u8],
+        m_scale: &'a mut [f32],
+        v_scale: &'a mut [f32],
+    },
+}
+
+/// The master column (if any) and the moments of a task's piece, for any format.
+///
+/// # Safety
+/// As [`col`]; for 8-bit state the piece starts on a block (Note [block alignment]).
+pub(super) unsafe fn state<'a>(
+    t: &Task,
+    bits: super::StateBits,
+) -> (Option<&'a mut [f32]>, Moments<'a>) {
+    use super::StateBits;
+    // SAFETY: the columns are where `t.cols` says and hold the piece (the caller's contract);
+    // the scale columns hold one f32 per block of the chunk and the piece's blocks are inside.
+    unsafe {
+        let master = t.cols.master.map(|at| col::<f32>(t, at));
+        let (m, v) = (t.cols.exp_avg, t.cols.exp_avg_sq);
+        let scales = t.cols.exp_avg_scale.zip(t.cols.exp_avg_sq_scale);
+        // The scale columns exist exactly for 8-bit state (`Layout::columns`).
+        let moments = match (scales, bits) {
+            (Some((ms, vs)), _) => {
+                debug_assert_eq!(t.chunk_off % BLOCK, 0);
+                let blocks = |at: usize| {
+                    let p = (t.base.add(at) as *mut f32).add(t.chunk_off / BLOCK);
+                    std::slice::from_raw_parts_mut(p, super::quant::blocks(t.len))
+                };
+                Moments::Q8 {
+                    m: col(t, m),
+                    v: col(t, v),
+                    m_scale: blocks(ms),
+                    v_scale: blocks(vs),
+                }
+            }
+            (None, StateBits::Bf16) => Moments::Bf16 {
+                m: col(t, m),
+                v: col(t, v),
+            },
+            (None, _) => Moments::F32 {
+                m: col(t, m),
+                v: col(t, v),
+            },
+        };
+        (master, moments)
     }
 }
 

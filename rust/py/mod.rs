@@ -33,6 +33,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_RECORD_FIELDS", optim::STEP_FIELDS.to_vec())?;
     m.add("BUFFER_RECORD_FIELDS", optim::BUFFER_FIELDS.to_vec())?;
     m.add("STEP_FLAGS", optim::STEP_FLAGS.to_vec())?;
+    // Elements per block of low-bit state (Note [block alignment] in rust/optim/layout.rs).
+    m.add("STATE_BLOCK", crate::optim::BLOCK)?;
     m.add_function(wrap_pyfunction!(pool::memlock_limit, m)?)?;
     m.add_function(wrap_pyfunction!(pool::crc32c, m)?)?;
     Ok(())

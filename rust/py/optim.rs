@@ -15,12 +15,14 @@ use super::errors::guarded;
 use super::pool::PyPool;
 use super::swap::PySwap;
 use crate::io::FaultKind;
-use crate::optim::{AdamState, Dtype, Hyper, Options, Ptr, Tier, UnitBuffers, UnitStep};
+use crate::optim::{
+    AdamState, Dtype, Form, Hyper, Options, Ptr, StateBits, Tier, UnitBuffers, UnitStep,
+};
 
 /// The step record, field by field (name, little-endian `u8` or `f8`), in order: the one
 /// definition of its layout. Python builds its numpy dtype from `_native.STEP_RECORD_FIELDS`
 /// (spillover/optim/layout.py); `parse_steps` finds each field by its name, at compile time.
-pub(crate) const STEP_FIELDS: [(&str, &str); 13] = [
+pub(crate) const STEP_FIELDS: [(&str, &str); 14] = [
     ("unit", "u8"),
     ("grad", "u8"),
     ("src", "u8"),
@@ -34,13 +36,16 @@ pub(crate) const STEP_FIELDS: [(&str, &str); 13] = [
     ("step", "f8"),
     ("grad_scale", "f8"),
     ("tail", "u8"),
+    ("key", "u8"),
 ];
 /// The export/import record, as [`STEP_FIELDS`] (`_native.BUFFER_RECORD_FIELDS`).
-pub(crate) const BUFFER_FIELDS: [(&str, &str); 4] = [
+pub(crate) const BUFFER_FIELDS: [(&str, &str); 6] = [
     ("unit", "u8"),
     ("master", "u8"),
     ("exp_avg", "u8"),
     ("exp_avg_sq", "u8"),
+    ("exp_avg_scale", "u8"),
+    ("exp_avg_sq_scale", "u8"),
 ];
 /// Bits of the step record's `flags` (`_native.STEP_FLAGS`): which pointers are bf16.
 pub(crate) const STEP_FLAGS: [(&str, u64); 3] =
@@ -146,6 +151,7 @@ fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
             const STEP: usize = at(&STEP_FIELDS, "step");
             const SCALE: usize = at(&STEP_FIELDS, "grad_scale");
             const TAIL: usize = at(&STEP_FIELDS, "tail");
+            const KEY: usize = at(&STEP_FIELDS, "key");
             let flags = u64_at(r, FLAGS);
             UnitStep {
                 unit: u64_at(r, UNIT) as usize,
@@ -162,9 +168,21 @@ fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
                     grad_scale: f64_at(r, SCALE),
                 },
                 tail: u64_at(r, TAIL) as usize,
+                key: u64_at(r, KEY),
             }
         })
         .collect())
+}
+
+fn parse_form(form: &str) -> PyResult<Form> {
+    match form {
+        "stored" => Ok(Form::Stored),
+        "f32" => Ok(Form::F32),
+        other => Err(PyValueError::new_err(format!(
+            "unknown state form {other:?}: 'stored' (as kept: bf16 bits or 8-bit codes and \
+             scales) or 'f32' (as float32 values)"
+        ))),
+    }
 }
 
 fn parse_buffers(data: &[u8]) -> PyResult<Vec<UnitBuffers>> {
@@ -174,11 +192,15 @@ fn parse_buffers(data: &[u8]) -> PyResult<Vec<UnitBuffers>> {
             const MASTER: usize = at(&BUFFER_FIELDS, "master");
             const EXP_AVG: usize = at(&BUFFER_FIELDS, "exp_avg");
             const EXP_AVG_SQ: usize = at(&BUFFER_FIELDS, "exp_avg_sq");
+            const EXP_AVG_SCALE: usize = at(&BUFFER_FIELDS, "exp_avg_scale");
+            const EXP_AVG_SQ_SCALE: usize = at(&BUFFER_FIELDS, "exp_avg_sq_scale");
             UnitBuffers {
                 unit: u64_at(r, UNIT) as usize,
                 master: u64_at(r, MASTER) as usize,
                 exp_avg: u64_at(r, EXP_AVG) as usize,
                 exp_avg_sq: u64_at(r, EXP_AVG_SQ) as usize,
+                exp_avg_scale: u64_at(r, EXP_AVG_SCALE) as usize,
+                exp_avg_sq_scale: u64_at(r, EXP_AVG_SQ_SCALE) as usize,
             }
         })
         .collect())
@@ -186,20 +208,24 @@ fn parse_buffers(data: &[u8]) -> PyResult<Vec<UnitBuffers>> {
 
 #[pymethods]
 impl PyAdamState {
-    /// State for units of `unit_lens` elements, with an fp32 master column if `master`.
+    /// State for units of `unit_lens` elements, with an fp32 master column if `master`, the
+    /// moments stored in `state_bits` (32: fp32, 16: bf16, 8: block-wise 8-bit; `seed` seeds
+    /// stochastic rounding, Note [stochastic rounding] in rust/optim/quant.rs).
     /// `tier="host"` leases its chunks from `pool` now (heap when the pool is full and
     /// `allow_heap`); `tier="nvme"` reserves a slot per chunk now in `swap` (the process's
     /// shared engine and swap files, `spillover._tiers.swap_for`), streaming through `buffers`
     /// pool blocks per step.
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments Python sees
-    #[pyo3(signature = (pool, unit_lens, *, master, chunk_elems=4194304, task_elems=8388608,
-                        tier="host", allow_heap=true, swap=None, buffers=16))]
+    #[pyo3(signature = (pool, unit_lens, *, master, state_bits=32, seed=0, chunk_elems=4194304,
+                        task_elems=8388608, tier="host", allow_heap=true, swap=None, buffers=16))]
     fn new(
         py: Python<'_>,
         pool: &PyPool,
         unit_lens: Vec<usize>,
         master: bool,
+        state_bits: u32,
+        seed: u64,
         chunk_elems: usize,
         task_elems: usize,
         tier: &str,
@@ -228,8 +254,13 @@ impl PyAdamState {
                 )))
             }
         };
+        let bits = StateBits::from_bits(state_bits).ok_or_else(|| {
+            PyValueError::new_err(format!("state_bits must be 32, 16 or 8, got {state_bits}"))
+        })?;
         let opts = Options {
             master,
+            bits,
+            seed,
             chunk_elems,
             task_elems,
             tier,
@@ -256,26 +287,33 @@ impl PyAdamState {
         })
     }
 
-    /// Copy the state of the units in `records` (see `BUFFER_RECORD`) into f32 buffers.
-    #[pyo3(name = "export_state")]
-    fn export(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
+    /// Copy the state of the units in `records` (see `BUFFER_RECORD`) into buffers: `form=
+    /// "stored"` as kept (moments as float32, bf16 bits or int8 / uint8 codes, and for 8-bit
+    /// state one float32 scale per block of 256 in the scale buffers); `"f32"` as float32
+    /// values (dequantized).
+    #[pyo3(name = "export_state", signature = (records, form="stored"))]
+    fn export(&self, py: Python<'_>, records: &[u8], form: &str) -> PyResult<()> {
         let bufs = parse_buffers(records)?;
+        let form = parse_form(form)?;
         guarded(py, || {
             let mut st = self.lock();
-            // SAFETY: every address is the data_ptr of a live contiguous float32 CPU tensor of
-            // the unit's length that the caller holds and nobody else uses during the call.
-            unsafe { st.export(&bufs) }
+            // SAFETY: every address is the data_ptr of a live contiguous CPU tensor holding the
+            // unit's elements in `form` (see above), that the caller holds and nobody else uses
+            // during the call.
+            unsafe { st.export(&bufs, form) }
         })
     }
 
-    /// Set the state of the units in `records` from f32 buffers; they count as initialized.
-    #[pyo3(name = "import_state")]
-    fn import(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
+    /// Set the state of the units in `records` from buffers in `form` (as `export_state`;
+    /// `"f32"` quantizes, rounding to nearest); they count as initialized.
+    #[pyo3(name = "import_state", signature = (records, form="stored"))]
+    fn import(&self, py: Python<'_>, records: &[u8], form: &str) -> PyResult<()> {
         let bufs = parse_buffers(records)?;
+        let form = parse_form(form)?;
         guarded(py, || {
             let mut st = self.lock();
             // SAFETY: as in `export`; the buffers are only read.
-            unsafe { st.import(&bufs) }
+            unsafe { st.import(&bufs, form) }
         })
     }
 
@@ -301,6 +339,12 @@ impl PyAdamState {
     #[getter]
     fn master(&self, py: Python<'_>) -> bool {
         py.detach(|| self.lock().has_master())
+    }
+
+    /// How the moments are stored: 32, 16 or 8.
+    #[getter]
+    fn state_bits(&self, py: Python<'_>) -> u32 {
+        py.detach(|| self.lock().bits().bits())
     }
 
     #[getter]

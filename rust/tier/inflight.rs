@@ -2,11 +2,10 @@
 //! which of them still have their device source held, how many bytes each set weighs, and,
 //! when a new copy pushes the held bytes past the cap, whose sources must go.
 //!
-//! Pure bookkeeping over ids and byte counts: no lock, no I/O, no torch. The link's policy
-//! (`python/spillover/activations/link/policy.py`, `Transfers`) keeps the torch objects (the
-//! source and destination tensors, the events, the streams) in a table keyed by the ids handed
-//! out here, asks [`Inflight::issue`] which sources to drop, makes the compute stream wait on
-//! those copies' events and drops them (Notes [back-pressure] and [source lifetime] there).
+//! Pure bookkeeping over ids and byte counts: no lock, no I/O, no torch. The device link
+//! (`rust/link/mod.rs`, `Link`) issues a copy per id handed out here, asks
+//! [`Inflight::issue`] which sources to drop, makes the compute stream wait on those copies'
+//! events; its Python side (`activations/link/device.py`) drops them (Note [sources held]).
 //! Python reaches it as `spillover._native.Inflight` (`rust/py/inflight.rs`); the property
 //! tests against a plain model are in `tests/inflight.rs`.
 //!

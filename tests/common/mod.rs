@@ -1,5 +1,7 @@
 //! Helpers shared by the integration tests.
 
+pub mod adam;
+
 use spillover_core::pool::{Pool, PoolOptions};
 use spillover_core::tier::View;
 

@@ -161,7 +161,8 @@ def pool_in_use(ctx) -> int:
 
 def drain(ctx, seconds: float = 5.0):
     """Wait (bounded) until the context's pool has every block back; returns (in use, waited s).
-    Copies and writes still finishing hold their blocks for a moment (Note [source lifetime])."""
+    Copies and writes still finishing hold their blocks for a moment (Note [sources held] in
+    rust/link/mod.rs)."""
     t0 = time.perf_counter()
     while True:
         ctx.synchronize()

@@ -85,6 +85,9 @@ class Case:
     #: both copies compiled with aot_eager (Note [one hook for the run]): "model" (the whole
     #: module, ``model.compile()``), "blocks" (each repeated block), or None (eager)
     compile: Optional[str] = None
+    #: the spillover copy on the simulated device (rust/link/sim.rs) at this many bytes/s, with
+    #: the verify mode on (Note [verify on the device]); None: plain CPU tensors
+    sim_link: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.seqs = tuple(int(s) for s in self.seqs)
@@ -127,6 +130,8 @@ class Case:
                 "default" if self.rates is None else "/".join(f"{r:.1e}" for r in self.rates)))
         if self.compile:
             extra += f" compile={self.compile}"
+        if self.sim_link:
+            extra += f" sim-link={self.sim_link:.2g}+verify"
         return (f"{self.family} V={self.vocab} h={self.hidden} L={self.layers} "
                 f"heads={self.heads}/{self.kv_heads} {self.attn} drop={self.dropout} "
                 f"b={self.batch} seqs={list(self.seqs)} {self.tier} "
@@ -411,6 +416,8 @@ def run_case(case: Case, log=None) -> Outcome:
             kw["host_pool_bytes"] = case.pool_bytes
         if nvme_dir is not None:
             kw["nvme_path"] = nvme_dir
+        if case.sim_link:
+            kw.update(sim_link_bandwidth=case.sim_link, verify=True)
         ctx = spillover.offload_context(case.tier, **kw)
         for step in range(case.steps):
             out.step = step
@@ -519,6 +526,7 @@ def draw_case(rng: random.Random, max_pool: int, min_steps: int = 3, max_steps: 
     dropout = 0.1 if rng.random() < 0.8 else 0.0
     window = rng.randint(8, 64) if family == "mistral" and rng.random() < 0.4 else None
     compiled = rng.choice(COMPILE[1:]) if rng.random() < 0.15 else None
+    sim_link = float(f"{rng.uniform(1e9, 2e10):.3g}") if rng.random() < 0.2 else None
     pad = window is None and rng.random() < 0.3
     # rates spread over ~2 orders of magnitude around a CPU's and a GPU host's: the planner and
     # selective's refinement make different choices
@@ -532,7 +540,7 @@ def draw_case(rng: random.Random, max_pool: int, min_steps: int = 3, max_steps: 
                 tier=tier, pool_bytes=pool, min_offload_bytes=min_offload, policy=policy,
                 budget_bytes=budget, attn=attn, dropout=dropout, pad=pad, window=window,
                 seed=rng.randrange(1 << 30), rates=rates, calibrated=calibrated,
-                compile=compiled)
+                compile=compiled, sim_link=sim_link)
 
 
 def worker_loop(conn, threads: int) -> None:

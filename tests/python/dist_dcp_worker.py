@@ -7,8 +7,9 @@ Started with torchrun's environment by the test (RANK, WORLD_SIZE, MASTER_ADDR, 
 world of one runs without torch.distributed (the unsharded optimizer). Each logical step uses
 the mean of two half-batch gradients, (g0 + g1) * 0.5: what two ranks' summed reduce-scatter
 scaled by 1/2 computes, so every world size takes bitwise the same steps. Both tiers: fp32 on
-the host tier, bf16 (with an fp32 master column) on the NVMe tier. A frozen parameter has no
-state (Note [lazy state]) and no entries.
+the host tier, bf16 (with an fp32 master column) on the NVMe tier; and low-bit state: 8-bit
+moments on the host tier, 8-bit moments with bf16 parameters and no master on the NVMe tier
+(Note [state formats]). A frozen parameter has no state (Note [lazy state]) and no entries.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import spillover.dcp
 
 STEPS = 3
 POOL = 32 << 20
-TIERS = {"host": torch.float32, "nvme": torch.bfloat16}
+# name: (tier, parameter dtype, extra OffloadAdamW arguments)
+CONFIGS = {
+    "host": ("host", torch.float32, {}),
+    "nvme": ("nvme", torch.bfloat16, {}),
+    "host-q8": ("host", torch.float32, {"state_bits": 8}),
+    "nvme-q8-nomaster": ("nvme", torch.bfloat16, {"state_bits": 8, "master_weights": False}),
+}
 
 
 def make_model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
@@ -38,14 +45,14 @@ def make_model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     return model.to(dtype)
 
 
-def make_opt(model: torch.nn.Module, tier: str) -> spillover.OffloadAdamW:
+def make_opt(model: torch.nn.Module, tier: str, **kw) -> spillover.OffloadAdamW:
     groups = [
         {"params": list(model[0].parameters()), "lr": 2e-2},
         {"params": list(model[2].parameters()) + list(model.frozen.parameters()),
          "weight_decay": 0.0},
     ]
     return spillover.OffloadAdamW(
-        groups, lr=1e-2, tier=tier, chunk_bytes=8192, host_pool_bytes=POOL
+        groups, lr=1e-2, tier=tier, chunk_bytes=8192, host_pool_bytes=POOL, **kw
     )
 
 
@@ -83,11 +90,11 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     try:
-        for tier, dtype in TIERS.items():
-            ckpt = os.path.join(out, f"ckpt-{tier}")
+        for name, (tier, dtype, kw) in CONFIGS.items():
+            ckpt = os.path.join(out, f"ckpt-{name}")
             if mode == "save":
                 model = make_model(dtype)
-                opt = make_opt(model, tier)
+                opt = make_opt(model, tier, **kw)
                 train(model, opt, range(STEPS), dtype)
                 state = {
                     "model": model.state_dict(),
@@ -102,7 +109,7 @@ def main() -> None:
                 tag = "ref"
             else:
                 model = make_model(dtype, seed=1)  # other weights: the load must set them
-                opt = make_opt(model, tier)
+                opt = make_opt(model, tier, **kw)
                 state = {
                     "model": model.state_dict(),
                     "optim": spillover.dcp.optimizer_state(opt, model.named_parameters()),
@@ -116,7 +123,7 @@ def main() -> None:
                 train(model, opt, range(STEPS, 2 * STEPS), dtype)
                 tag = f"resumed{world}"
             params = [p.detach().clone() for p in model.parameters()]
-            torch.save(params, os.path.join(out, f"{tag}-{tier}-rank{rank}.pt"))
+            torch.save(params, os.path.join(out, f"{tag}-{name}-rank{rank}.pt"))
     finally:
         if world > 1:
             dist.destroy_process_group()

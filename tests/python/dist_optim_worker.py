@@ -19,6 +19,12 @@ import spillover
 
 STEPS = 5
 POOL = 32 << 20
+# Low-bit state (tests/python/test_optim_lowbit.py): (dtype, tier, extra OffloadAdamW arguments).
+LOWBIT = {
+    "q8-host": (torch.float32, "host", dict(state_bits=8)),
+    "q8-nvme-bf16-nomaster": (torch.bfloat16, "nvme", dict(state_bits=8, master_weights=False)),
+    "q16-host-bf16": (torch.bfloat16, "host", dict(state_bits=16)),
+}
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
@@ -40,14 +46,18 @@ def run(scenario: str, out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if scenario.startswith("bf16") else torch.float32
     tier = "nvme" if "nvme" in scenario else "host"
+    kw = {}
+    if scenario in LOWBIT:
+        dtype, tier, extra = LOWBIT[scenario]
+        kw.update(extra)
     model = make_model(dtype)
     net = model
-    kw = {}
     if scenario == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         kw["reduce_grads"] = False  # DDP has averaged them already
     if scenario == "fp32-staged":
-        kw["_force_staging"] = True  # the GPU path's buffers and copies, on CPU tensors
+        # the GPU path's buffers and copies, on CPU tensors, with the hooks' copies
+        kw.update(_force_staging=True, _hook_copies=True)
     link = None
     if scenario == "fp32-logged":  # the same, through a device that logs its calls
         from _stream_log import StreamLog

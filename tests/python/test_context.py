@@ -193,9 +193,9 @@ def test_abandoned_steps_free_everything(tiny_gpt, private_pool_bytes):
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_saved_tensor_freed_once_copied(tier, private_pool_bytes, tmp_path):
-    """Note [source lifetime]: the original goes when its copy is done, without anyone polling
-    the copy -- the last tensors of a forward must not stay beside their copies until
-    backward (they did: 32 MiB of logits on the GPT benchmark)."""
+    """Note [sources held] (rust/link/mod.rs): the original goes when its copy is done,
+    without anyone polling the copy -- the last tensors of a forward must not stay beside their
+    copies until backward (they did: 32 MiB of logits on the GPT benchmark)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     x = torch.randn(1 << 20, requires_grad=True)

@@ -74,8 +74,9 @@ def test_stream_no_device_synchronize_on_the_compute_path(figure):
 
 
 def test_stream_source_memory_is_not_reused_before_its_copy_completes(figure):
-    # Note [source lifetime]: after pack, forward drops its references and the caching allocator
-    # would hand the bytes to the next allocation; the copy must still read the old values.
+    # Note [sources held] (rust/link/mod.rs): after pack, forward drops its references and the
+    # caching allocator would hand the bytes to the next allocation; the copy must still read the
+    # old values.
     n = 4096 if CUDA else 512
     torch.manual_seed(0)
     x = torch.randn(n, n, device=DEV, requires_grad=True)

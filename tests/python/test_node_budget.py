@@ -211,3 +211,16 @@ def test_a_default_context_does_not_take_an_explicit_pool(private_pool_bytes, mo
     assert default is not explicit and default.capacity == size + 4096
     assert _runtime.host_pool(spillover.Config.load()) is default
     assert len(calls) == 1  # computed once: what is available moves, the pool does not
+
+
+def test_an_explicit_size_above_what_is_available_is_taken_with_a_warning(monkeypatch):
+    """Note [an explicit size is taken]: a microVM's MemAvailable starts far below its memory;
+    a size the user gave is refused only past this rank's share of the node."""
+    monkeypatch.setattr(_runtime, "_warned", set())
+    m = mem(total=128 * GiB, available=12 * GiB)  # a VM that has not grown yet
+    with pytest.warns(RuntimeWarning, match="more than the memory available now"):
+        check_pool_size(16 * GiB, "activations", m, explicit=True)
+    with pytest.raises(spillover.ConfigError, match="does not fit"):
+        check_pool_size(16 * GiB, "activations", m)  # the default's rule: refused
+    with pytest.raises(spillover.ConfigError, match="does not fit"):
+        check_pool_size(130 * GiB, "activations", m, explicit=True)  # past the node

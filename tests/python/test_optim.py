@@ -92,13 +92,15 @@ def assert_params(a, b, exact=True, rtol=1e-5, atol=1e-6):
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+@pytest.mark.parametrize("staged", [False, True, "hooks"], ids=["in-place", "staged", "hooks"])
 def test_matches_torch_fused(tier, dtype, staged):
     """fp32: torch.optim.AdamW(fused=True); bf16: fp32 master + fused + cast. Bitwise where
     the kernel uses FMA (Note [torch rounding]); `staged` runs the GPU path's pinned staging
-    buffers and grad hooks on CPU tensors."""
+    buffers on CPU tensors (copies at step(), the default), `hooks` with the grad hooks'
+    copies during backward."""
     ours, ref = make_model(dtype), make_model(dtype)
-    opt = offload(groups_of(ours), tier=tier, chunk_bytes=16384, _force_staging=staged)
+    opt = offload(groups_of(ours), tier=tier, chunk_bytes=16384, _force_staging=bool(staged),
+                  _hook_copies=staged == "hooks")
     if dtype == torch.float32:
         ropt = torch.optim.AdamW(groups_of(ref), fused=True)
     else:
@@ -121,7 +123,7 @@ def test_matches_torch_fused(tier, dtype, staged):
             if FMA:
                 assert torch.equal(sd[i][name], r[name]), (i, name)
         assert float(sd[i]["step"]) == float(r["step"]) == 20
-        assert ("master" in sd[i]) == (dtype == torch.bfloat16 or staged)
+        assert ("master" in sd[i]) == (dtype == torch.bfloat16 or bool(staged))
 
 
 def test_within_tolerance_of_every_torch_adamw():
@@ -220,7 +222,7 @@ def test_non_contiguous_parameter_and_staged_grads_after_clipping():
 
     ours, ref = M(), M()
     assert not ours.w.is_contiguous()
-    opt = offload(ours.parameters(), lr=1e-2, _force_staging=True)
+    opt = offload(ours.parameters(), lr=1e-2, _force_staging=True, _hook_copies=True)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     train(ours, opt, torch.float32, steps=6, clip=0.05)
     train(ref, ropt, torch.float32, steps=6, clip=0.05)

@@ -31,6 +31,7 @@ F = torch.nn.functional
 def offload(params, **kw):
     kw.setdefault("host_pool_bytes", POOL)
     kw.setdefault("_force_staging", True)
+    kw.setdefault("_hook_copies", True)  # this file tests the hooks' copies (not the default)
     return spillover.OffloadAdamW(params, **kw)
 
 
@@ -52,35 +53,66 @@ def data(step, n=16, seed=0):
 
 def _reference_fingerprint(t: torch.Tensor) -> tuple:
     """The same function in Python integers, modulo 2**64 (no wrapping arithmetic at all)."""
-    words = t.detach().reshape(-1).contiguous().view(torch.int16).numpy().astype(np.int64)
-    r = fp._fp_weights(torch.device("cpu")).numpy().view(np.uint64)
-    out = []
-    for s in range(2):
-        total = 0
-        for c, lo in enumerate(range(0, len(words), fp._FP_WORDS)):
-            chunk = words[lo : lo + fp._FP_WORDS]
-            part = sum(int(w) * int(x) for w, x in zip(chunk, r[s, : len(chunk)]))
-            total += part * fp._fp_chunk_multiplier(s, c)
-        out.append(total % (1 << 64))
-    return tuple(out)
+    b = t.detach().reshape(-1).contiguous().view(torch.int8).numpy().astype(np.int64)
+    a_w, r_w = fp._fp_weights(torch.device("cpu"))
+    a = a_w.numpy().astype(np.int64)
+    r = r_w.numpy().view(np.uint64)
+    out = [0] * fp._FP_LANES
+    for c, lo in enumerate(range(0, len(b), fp._FP_CHUNK)):
+        chunk = b[lo : lo + fp._FP_CHUNK]
+        for ri, ro in enumerate(range(0, len(chunk), fp._FP_ROW)):
+            row = chunk[ro : ro + fp._FP_ROW]
+            for s in range(fp._FP_LANES):
+                p = sum(int(x) * int(w) for x, w in zip(row, a[: len(row), s]))
+                out[s] += fp._fp_chunk_multiplier(s, c) * int(r[ri, s]) * p
+    return tuple(v % (1 << 64) for v in out)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 20 rows of 64 bytes and a partial row (padded), and small tails (padded to 17
+    rows)."""
+    monkeypatch.setattr(fp, "_FP_ROW", 64)
+    monkeypatch.setattr(fp, "_FP_CHUNK", 64 * 20 + 40)
+    fp._FP_CACHE.clear()
+    yield
+    fp._FP_CACHE.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fingerprint_wraps_like_exact_integers(monkeypatch, dtype):
+def test_fingerprint_wraps_like_exact_integers(small_chunks, dtype):
     """torch's int64 products and sums wrap modulo 2**64 (checked here against Python's exact
-    integers), over several chunks, so the function is well defined on every device."""
-    monkeypatch.setattr(fp, "_FP_WORDS", 64)
-    fp._FP_CACHE.clear()
-    try:
-        t = (torch.randn(301) * 1e30).to(dtype)  # large words: products overflow int64
+    integers), over several chunks, whole and partial rows and chunks under 17 rows (both
+    zero-padded), so the function is defined on every device."""
+    for n in (3001, 301, 7):  # several chunks; one chunk under 16 rows; a partial row only
+        t = (torch.randn(n) * 1e30).to(dtype)  # large words: products overflow int64
         t[::7] = float("-inf")
-        assert fp._fingerprint(t) == _reference_fingerprint(t)
-    finally:
-        fp._FP_CACHE.clear()
+        assert fp._fingerprint(t) == _reference_fingerprint(t), n
 
 
-def test_fingerprint_sees_small_and_structured_changes(monkeypatch):
-    monkeypatch.setattr(fp, "_FP_WORDS", 1024)
+def test_fingerprint_costs_a_fixed_number_of_ops_per_chunk():
+    """Note [gradient fingerprint]: the ops per chunk, whatever its size, counted by torch's
+    dispatcher (the benchmark's ops per bucket use this count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.__name__.startswith(("view", "_unsafe_view", "slice", "detach")):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for nbytes in (fp._FP_CHUNK, fp._FP_CHUNK - 100):
+        b = torch.randint(-128, 127, (nbytes,), dtype=torch.int8)
+        fp._fp_chunk(b)  # the weights made first
+        Count.n = 0
+        with Count():
+            fp._fp_chunk(b)
+        assert 0 < Count.n <= fp.FP_OPS_PER_CHUNK, Count.n
+
+
+def test_fingerprint_sees_small_and_structured_changes(small_chunks):
     g = torch.randn(4099)
     base = fp._fingerprint(g)
     changed = [
@@ -93,10 +125,10 @@ def test_fingerprint_sees_small_and_structured_changes(monkeypatch):
     one = g.clone()
     one.view(torch.int32)[17] ^= 1  # one bit
     changed.append(one)
-    for ratio in (1, 3, 5):  # the same word of two chunks, changed by -ratio and +1
+    for ratio in (1, 3, 5):  # the same byte of two chunks, changed by -ratio and +1
         pair = g.clone()
-        pair.view(torch.int16)[5] -= ratio
-        pair.view(torch.int16)[1024 + 5] += 1
+        pair.view(torch.int8)[5] -= ratio
+        pair.view(torch.int8)[fp._FP_CHUNK + 5] += 1
         changed.append(pair)
     swap = torch.tensor([1.0, -1.0, -1.0, 1.0])
     assert fp._fingerprint(swap) != fp._fingerprint(swap.neg())
@@ -109,7 +141,8 @@ def test_staged_fingerprint_is_of_the_staged_bytes(monkeypatch):
     """The hook copies through snapshots of one fingerprint chunk each: with chunks and units
     that straddle each other, the staged copy holds the gradient and its fingerprint equals the
     gradient's own; the result still equals torch's."""
-    monkeypatch.setattr(fp, "_FP_WORDS", 64)  # chunks of 32 fp32 elements
+    monkeypatch.setattr(fp, "_FP_ROW", 8)
+    monkeypatch.setattr(fp, "_FP_CHUNK", 200)  # chunks of 50 fp32 elements (25 rows)
     monkeypatch.setattr(so.layout, "_UNIT_MAX", 80)  # units of 80 elements
     fp._FP_CACHE.clear()
     try:
@@ -418,7 +451,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @cuda_only
 def test_cuda_fingerprint_equals_cpu():
     """The device computes the same fingerprint as the CPU (int64 wraps alike), across chunks."""
-    t = torch.randn(3 * fp._FP_WORDS // 2 + 7) * 1e30
+    t = torch.randn(3 * fp._FP_CHUNK // 8 + 7) * 1e30
     assert fp._fingerprint(t.cuda()) == fp._fingerprint(t)
     b = t.to(torch.bfloat16)
     assert fp._fingerprint(b.cuda()) == fp._fingerprint(b)

@@ -269,3 +269,30 @@ def test_plain_offload_regions_reload_one_by_one():
         p = make_plan(recs, GPU, budget=budget, outside_bytes=16 * MiB, peak_offset=0, **kw)
         costs.append(p.recompute_seconds + p.transfer_seconds if p.fits else float("inf"))
     assert costs[-1] <= min(costs[:-1])
+
+
+def test_a_tensor_whose_host_cost_exceeds_its_saving_is_not_offloaded():
+    """Note [host cost in the plan]: the same GPU step, priced once with free host time and
+    once with 5 ms per offloaded tensor (a host far slower than the device, every op's rerun
+    cheaper than that): the plan offloads nothing it can recompute instead, and still fits."""
+    import dataclasses
+
+    offload = {"tier": "host", "pool_bytes": 64 << 30, "nvme": False}
+    free = _step(8, device="cuda:0", offload=offload)
+    make_plan(free, GPU, budget=256 * MiB, outside_bytes=16 * MiB)
+    dear_machine = dataclasses.replace(GPU, host_seconds_per_offload=5e-3)
+    dear = _step(8, device="cuda:0", offload=offload)
+    plan = make_plan(dear, dear_machine, budget=256 * MiB, outside_bytes=16 * MiB)
+    assert plan.fits
+    assert sum(o.action == "offload" for r in free for o in r.ops) > 0
+    assert sum(o.action == "offload" for r in dear for o in r.ops) == 0
+
+
+def test_a_rerun_op_pays_its_dispatch():
+    """Note [host cost in the plan]: a recomputed op costs its device time and the replay's
+    host dispatch."""
+    import dataclasses
+
+    op = _op(0, "gelu", 1)
+    slow_host = dataclasses.replace(GPU, host_seconds_per_op=40e-6)
+    assert slow_host.rerun_seconds(op) == GPU.op_seconds(op) + 40e-6

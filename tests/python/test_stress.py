@@ -65,13 +65,19 @@ SLICE = [
     Case("qwen2", 49152, kv_heads=2, seqs=(32, 32, 32), tier="host",
          pool_bytes=16 * MIB + 17 * K, policy="selective", attn="sdpa", compile="blocks",
          seed=18),
+    # on the simulated device with the verify mode on (Note [verify on the device])
+    Case("llama", 32000, kv_heads=2, seqs=(48, 32, 48), tier="nvme", pool_bytes=16 * MIB + 18 * K,
+         policy="none", attn="sdpa", sim_link=4e9 + 1, seed=19),
+    Case("gpt2", 50257, seqs=(32, 40), tier="host", pool_bytes=20 * MIB + 19 * K,
+         policy="selective", attn="eager", pad=True, sim_link=2e9 + 3, seed=20),
 ]
 
 
 # a host pool smaller than the step is part of the test, its guardrail warning expected
 @pytest.mark.filterwarnings("ignore:spillover. the .* host pool was full:RuntimeWarning")
 @pytest.mark.parametrize("case", SLICE, ids=lambda c: f"{c.family}-{c.tier}-{c.policy}-{c.attn}"
-                         + (f"-compiled-{c.compile}" if c.compile else ""))
+                         + (f"-compiled-{c.compile}" if c.compile else "")
+                         + ("-sim-verify" if c.sim_link else ""))
 def test_slice(case):
     out = run_case(case)
     assert out.ok, f"{case.short()}\n{case.to_json()}\n{out.describe()}"
@@ -100,6 +106,7 @@ def test_slice_covers_the_issue():
     assert {c.attn for c in SLICE} == set(ATTENTION)
     assert all(32000 <= c.vocab <= 131072 for c in SLICE)
     assert {c.compile for c in SLICE} == set(COMPILE)
+    assert any(c.sim_link for c in SLICE)
 
 
 def test_first_calibration_keeps_dropout_masks(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ What is freed when
     returned by unpack on a CPU host views its block, and the block stays where it is while
     that tensor lives (Note [views hold blocks] in rust/tier/mod.rs). The device copies'
     sources are released when the copy is done, when the bytes in flight pass the cap, at every
-    unpack and at the end of backward (Note [back-pressure] in link/policy.py): nothing the step
+    unpack and at the end of backward (Note [sources held] in rust/link/mod.rs): nothing the step
     offloaded stays on the device after ``backward()``.
 """
 

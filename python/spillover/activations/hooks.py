@@ -23,6 +23,13 @@ Note [host link]
     unpack still raises autograd's in-place error). CUDA and the simulated device keep their
     asynchronous copies (activations/link).
 
+Note [the smallest offload on a device]
+    A saved tensor costs the host the same time to offload whatever its size (Note [host cost in
+    the plan] in planner/cost.py); below the bytes the link moves in that time, offloading it
+    costs more than it frees room for. On CUDA, unless ``min_offload_bytes`` was set, tensors
+    smaller than max(1 MiB, link rate x host seconds per offload) -- both from the cached
+    calibration -- stay on the device (about 1.5 MB at 50 GB/s and 30 us).
+
 Note [kept by a policy]
     ``spillover.wrap``/``checkpoint`` regions hold some saved tensors themselves, out of
     autograd's hooks: op outputs their policy keeps (policy="auto"'s plan, a callable's "keep",
@@ -73,6 +80,8 @@ class Hooks(Unpack):
 
         def _grown(self) -> None: ...
 
+    _min_cuda: Optional[int] = None  # Note [the smallest offload on a device], once computed
+
     def _in_pool(self, addr: int) -> bool:
         i = bisect.bisect_right(self._pool_starts, addr) - 1
         return i >= 0 and addr < self._pool_ranges[i][1]
@@ -89,6 +98,27 @@ class Hooks(Unpack):
                 self._transfer_base[device] = (tr.stall_seconds, tr.forced_waits)
                 self._transfers[device] = tr
         return tr
+
+    def _min_bytes(self, kind: str) -> int:
+        """Note [the smallest offload on a device]: ``min_offload_bytes``, or on CUDA when it
+        was not set, at least the bytes the link moves in the host time one offload costs."""
+        cfg = self.config
+        if kind != "cuda" or cfg.sources.get("min_offload_bytes", "default") != "default":
+            return cfg.min_offload_bytes
+        cached = self._min_cuda
+        if cached is None:
+            cached = cfg.min_offload_bytes
+            try:
+                from .. import calibrate
+
+                cal = calibrate.load(cfg) or {}
+                dev = cal.get("devices", {}).get(f"cuda:{torch.cuda.current_device()}") or {}
+                rate = min(dev.get("d2h_bytes_per_s") or 0, dev.get("h2d_bytes_per_s") or 0)
+                cached = max(cached, int(rate * float(dev.get("host_seconds_per_offload") or 0)))
+            except Exception:  # noqa: BLE001 -- no calibration: the configured default
+                pass
+            self._min_cuda = cached
+        return cached
 
     @torch._dynamo.disable  # type: ignore[misc]
     def _pack(self, t: torch.Tensor, offload: bool = True) -> Any:
@@ -130,7 +160,7 @@ class Hooks(Unpack):
         if stored is None:
             stats.add(tensors_packed=1, bytes_packed=nbytes, bytes_kept_pool_full=nbytes)
             return t
-        rec.dedup[key] = (weakref.ref(stored), StorageWeakRef(storage))
+        rec.dedup[key] = (weakref.ref(stored), StorageWeakRef(storage), t._version)
         rec.stored.add(stored)
         rec.packs += nbytes
         if rec.packs * 8 >= self._pool.capacity:  # Note [growth off the critical path]
@@ -147,7 +177,7 @@ class Hooks(Unpack):
                   key: Tuple[str, int, int], offload: bool) -> Any:
         """Why ``t`` is not offloaded: the stats field its bytes count in, or the handle of the
         storage this step already offloaded that it views; None when it is to be offloaded."""
-        if nbytes < self.config.min_offload_bytes or nbytes == 0:
+        if nbytes < self._min_bytes(key[0]) or nbytes == 0:
             return "bytes_kept_small"
         kind = key[0]
         if kind == "cuda" and capturing(t.device):
@@ -168,7 +198,9 @@ class Hooks(Unpack):
         hit = rec.dedup.get(key)
         if hit is not None:
             stored = hit[0]()
-            if stored is not None and not hit[1].expired():
+            # the same live storage, not written since (a view shares its base's version
+            # counter): a storage written in place after its pack is packed again
+            if stored is not None and not hit[1].expired() and t._version == hit[2]:
                 return Packed(stored, t)
         return None
 

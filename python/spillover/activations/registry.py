@@ -233,7 +233,7 @@ class StepRecord:
         self.stats = OffloadStats(steps=1)
         self.stored: Any = weakref.WeakSet()  # live Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
-        self.dedup: Dict[Tuple[str, int, int], Tuple[Any, Any]] = {}
+        self.dedup: Dict[Tuple[str, int, int], Tuple[Any, Any, int]] = {}
         self.marked: set = set()
         self.kept: Dict[Tuple[str, int, int], Any] = {}  # Note [kept by a policy]: weak refs
         #: Note [parameters by identity]: storage (StorageImpl address) -> its weak reference,

@@ -78,7 +78,7 @@ class Packed:
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.version = t._version
-        self.tref = weakref.ref(t)  # Note [in-place after pack] in link/policy.py
+        self.tref = weakref.ref(t)  # Note [in-place after pack] in link/device.py
         stored.views += 1
 
     def check_version(self) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 
+from ..optim import formats
 from ..optim.layout import _is_dtensor
 
 if TYPE_CHECKING:
@@ -64,34 +65,56 @@ def _replicated_writer() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _block_start(owner: OptimizerState, index: int, col: str, start: int) -> None:
+    """A scale column is cut at blocks: refuse a part of 8-bit state starting inside one."""
+    if col in formats.SCALES and start % formats.BLOCK:
+        raise ValueError(
+            f"spillover.dcp: this rank's part of parameter {owner.names[index]!r} starts at "
+            f"element {start}, inside a block of {formats.BLOCK} of its 8-bit state (an FSDP2 "
+            "shard whose boundary does not fall on a multiple of 256 elements); a DCP "
+            "checkpoint keeps one scale per block of the whole parameter. Use state_bits=16 "
+            "or 32 for this model, or save this optimizer with its state_dict()"
+        )
+
+
 class _Column(torch.Tensor):
-    """One column (exp_avg, exp_avg_sq or master) of one parameter's state, as DCP sees it: a
-    1-D fp32 tensor of the flattened parameter's numel, of which this rank writes the chunks
-    it owns, produced when asked (Note [pieces, produced when asked]), and reads the range it
-    will own (Note [loading] in dcp/_state.py). Its own storage is empty."""
+    """One column (exp_avg, exp_avg_sq, master, or a scale column of 8-bit state) of one
+    parameter's state, as DCP sees it: a 1-D tensor of the column's dtype, as many elements as
+    the flattened parameter (a scale column: one per block), of which this rank writes the
+    chunks it owns, produced when asked (Note [pieces, produced when asked]), and reads the
+    range it will own (Note [loading] in dcp/_state.py). Its own storage is empty."""
 
     owner: OptimizerState
     global_shape: Tuple[int, ...]
 
     @staticmethod
-    def __new__(cls, owner, index, col, numel, save, load):  # noqa: D102
+    def __new__(cls, owner, index, col, numel, save, load, bits=32):  # noqa: D102
         return torch.Tensor._make_subclass(cls, torch.empty(0), False)
 
-    def __init__(self, owner, index, col, numel, save, load):
+    def __init__(self, owner, index, col, numel, save, load, bits=32):
         self.owner = owner
         self.param: int = index
         self.col = col
-        self.numel_ = numel
+        self.bits = bits  # the format of this column (Note [state formats])
+        self.dtype_ = formats.dtype(bits, col)
+        self.numel_ = formats.numel(col, numel)
         self.save = save  # the units of this parameter's state on this rank, if it has state
-        self.load = load  # (start, end) this rank reads, if a load expects this column
+        # (start, end) of the parameter's elements this rank reads, if a load expects it
+        self.load = load
+        rng = None
+        if load:
+            _block_start(owner, index, col, load[0])
+            part = formats.part(col, load[0], load[1] - load[0])
+            rng = (part.start, max(part.start, part.stop))
+        self.rng = rng  # the same, in the column's elements
         self._buf: Optional[torch.Tensor] = None
         self._loading = False  # set when DCP plans a read of this column
         # DCP compares a load target's size with the checkpoint's through this attribute
         # (CheckpointableTensor); the other three complete that protocol's shape.
-        self.global_shape = (numel,)
-        self.global_offsets = ((load[0],),) if load else ()
-        self.local_offsets = ((0,),) if load else ()
-        self.local_sizes = ((load[1] - load[0],),) if load else ()
+        self.global_shape = (self.numel_,)
+        self.global_offsets = ((rng[0],),) if rng else ()
+        self.local_offsets = ((0,),) if rng else ()
+        self.local_sizes = ((rng[1] - rng[0],),) if rng else ()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -113,13 +136,14 @@ class _Column(torch.Tensor):
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return (
             f"<spillover.dcp column {self.col} of parameter "
-            f"{self.owner.names[self.param]!r}: {self.numel_} fp32>"
+            f"{self.owner.names[self.param]!r}: {self.numel_} {self.dtype_}>"
         )
 
     # ---- save ----
 
     def _pieces(self) -> List[Tuple[int, int, int, int]]:
-        """(global start, length, unit, start in unit) of the chunks this rank writes."""
+        """(global start, length, unit, start in unit) of the chunks this rank writes, in the
+        column's elements."""
         units = self.save
         if not units:
             return []
@@ -134,9 +158,12 @@ class _Column(torch.Tensor):
         out = []
         step = self.owner.piece
         for ui, unit in enumerate(units):
-            n = unit.length
+            g = base + unit.start
+            _block_start(self.owner, self.param, self.col, g)
+            part = formats.part(self.col, g, unit.length)
+            n = part.stop - part.start
             for s in range(0, n, step):
-                out.append((base + unit.start + s, min(step, n - s), ui, s))
+                out.append((part.start + s, min(step, n - s), ui, s))
         return out
 
     def __create_write_items__(self, fqn: str, obj: Any) -> List[Any]:
@@ -151,7 +178,7 @@ class _Column(torch.Tensor):
             WriteItemType,
         )
 
-        props = TensorProperties(dtype=torch.float32)
+        props = TensorProperties(dtype=self.dtype_)
         size = torch.Size([self.numel_])
         return [
             WriteItem(
@@ -170,15 +197,15 @@ class _Column(torch.Tensor):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         self._loading = True
-        if self.load is None or self.load[0] == self.load[1]:
+        if self.rng is None or self.rng[0] == self.rng[1]:
             return []  # this rank owns none of it
-        a, b = self.load
+        a, b = self.rng
         return [ChunkStorageMetadata(offsets=torch.Size([a]), sizes=torch.Size([b - a]))]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         at = index.offset[0] if index.offset is not None else 0
         if self._loading:
-            if self.load is not None and at == self.load[0]:
+            if self.rng is not None and at == self.rng[0]:
                 return self.buffer()
         else:
             for g, n, ui, s in self._pieces():
@@ -190,8 +217,9 @@ class _Column(torch.Tensor):
         raise ValueError(f"spillover.dcp: no chunk of {index.fqn} starts at {at} on this rank")
 
     def buffer(self) -> torch.Tensor:
-        """The load buffer of the range this rank reads (allocated when first asked)."""
+        """The load buffer of the range this rank reads, in the column's elements and dtype
+        (allocated when first asked)."""
         if self._buf is None:
-            a, b = self.load
-            self._buf = torch.empty(b - a, dtype=torch.float32)
+            a, b = self.rng
+            self._buf = torch.empty(b - a, dtype=self.dtype_)
         return self._buf

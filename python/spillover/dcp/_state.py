@@ -13,6 +13,13 @@ Note [which parameters a load expects]
     ``OffloadAdamW.load_state_dict`` does. A checkpoint holding state for a parameter that was
     not a target is refused at ``load_state_dict`` (nothing is dropped silently).
 
+    The targets are planned in the optimizer's own state format (Note [state formats] in
+    optim/formats.py). A checkpoint of another ``state_bits`` needs ``checkpoint=`` too: the
+    targets then take the checkpoint's columns and dtypes, and the load converts them through
+    fp32 with one warning. Without it, DCP refuses the plan (the scale columns of 8-bit state
+    missing from the checkpoint, or expected by it) or ``load_state_dict`` refuses the state
+    read, naming ``checkpoint=``.
+
 Note [loading]
     A rank reads exactly the ranges it will own at the current world size (the layout of Note
     [sharding] for the parameters that have state in the checkpoint), into buffers of that size
@@ -28,13 +35,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..optim import OffloadAdamW
+from ..optim import OffloadAdamW, formats
 from ..optim.layout import _ALIGN, _is_dtensor
-from ..optim.store import StateUnit
+from ..optim.store import StateUnit, warn_conversion
 from ._column import _Column, _dtensor_range
 
 _FORMAT = 1
-_COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+_COLUMNS = ("master",) + formats.MOMENTS + formats.SCALES
 
 
 def optimizer_state(
@@ -86,6 +93,7 @@ class OptimizerState:
         self.names = _names(self.params, named_parameters)
         self._cache: Optional[Tuple[StateUnit, Dict[str, torch.Tensor]]] = None
         self._left = 0  # pieces of the cached unit not yet handed to DCP
+        self._read_bits: Dict[int, int] = {}  # the format a load reads, per parameter
 
     # ---- Stateful ----
 
@@ -104,11 +112,12 @@ class OptimizerState:
         state: Dict[str, Any] = {}
         owned = self._predict_layout(sorted(expect))
         self._expect_set = set(expect)
+        self._read_bits = {i: bits for i, (_, bits) in expect.items()}
         for i in sorted(set(saving) | set(expect)):
             p = self.params[i]
             mine = saving.get(i)
             written = mine[0].columns if mine else ()
-            read = expect.get(i, ())
+            read, bits = expect.get(i, ((), self.opt.state_bits))
             state[self.names[i]] = {
                 col: _Column(
                     self,
@@ -117,6 +126,7 @@ class OptimizerState:
                     p.numel(),  # a DTensor's numel is the global one
                     save=mine if col in written else None,
                     load=owned.get(i, (0, 0)) if col in read else None,
+                    bits=bits if col in read else self.opt.state_bits,
                 )
                 for col in _COLUMNS
                 if col in written or col in read
@@ -157,12 +167,32 @@ class OptimizerState:
                 "reads which parameters have state from the checkpoint (Note [which parameters "
                 "a load expects])"
             )
+        saved_bits = int(meta.get("state_bits", 32))
+        planned = {self._read_bits.get(index[n], saved_bits) for n in steps}
+        if planned - {saved_bits}:
+            raise ValueError(
+                f"spillover.dcp: the checkpoint holds state_bits={saved_bits} state and the load "
+                f"was planned for state_bits={sorted(planned - {saved_bits})[0]} (this "
+                "optimizer's); pass optimizer_state(opt, checkpoint=<path>) so that the load "
+                "reads the checkpoint's format and converts it (Note [which parameters a load "
+                "expects])"
+            )
         self._load_groups(meta["param_groups"])
+        if "rounding_seed" in meta:
+            opt._rounding_seed = int(meta["rounding_seed"])
         buffers: Dict[int, Dict[str, Tuple[torch.Tensor, int]]] = {}
         for n in steps:
+            got: Dict[str, torch.Tensor] = {}
+            start = 0
             for col, c in cols[n].items():
                 if isinstance(c, _Column) and c.load is not None:
-                    buffers.setdefault(index[n], {})[col] = (c.buffer(), c.load[0])
+                    got[col] = c.buffer()
+                    start = c.load[0]
+            if saved_bits != opt.state_bits and got:  # Note [state formats]: a conversion
+                got = formats.to_f32(got, saved_bits, start)
+            buffers[index[n]] = {col: (t, start) for col, t in got.items()}
+        if saved_bits != opt.state_bits and steps:
+            warn_conversion(saved_bits, opt.state_bits, len(steps), "spillover.dcp load")
         opt.import_state(
             {index[n]: s for n, s in steps.items()},
             lambda unit: _read_unit(unit, self.params[unit.param], buffers, self.names),
@@ -171,8 +201,9 @@ class OptimizerState:
 
     # ---- helpers ----
 
-    def _expected(self) -> Dict[int, Tuple[str, ...]]:
-        """{index: columns} a load reads (Note [which parameters a load expects])."""
+    def _expected(self) -> Dict[int, Tuple[Tuple[str, ...], int]]:
+        """{index: (columns, state_bits)} a load reads (Note [which parameters a load
+        expects]): the optimizer's format, or with ``checkpoint=`` the checkpoint's."""
         opt = self.opt
         if self.checkpoint is not None:
             md = self.checkpoint
@@ -180,19 +211,27 @@ class OptimizerState:
                 from torch.distributed.checkpoint import FileSystemReader
 
                 md = FileSystemReader(str(md)).read_metadata()
-            keys = set(md.state_dict_metadata)
+            keys = md.state_dict_metadata
             out = {}
             for i, n in enumerate(self.names):
-                have = tuple(c for c in _COLUMNS if _any_key(keys, n, c))
-                if have:
-                    out[i] = have if opt.keeps_master(i) else tuple(
-                        c for c in have if c != "master"
+                have = {c: k for c in _COLUMNS for k in _keys(keys, n, c)}
+                if not have:
+                    continue
+                if "exp_avg" not in have or "exp_avg_sq" not in have:
+                    raise ValueError(
+                        f"spillover.dcp: the checkpoint has {sorted(have)} for parameter {n!r} "
+                        "but not both exp_avg and exp_avg_sq"
                     )
+                dt = {c: keys[k].properties.dtype for c, k in have.items()}
+                entry = {c: torch.empty(0, dtype=d) for c, d in dt.items()}
+                bits = formats.entry_bits(entry, f"spillover.dcp: parameter {n!r}")
+                want = formats.columns(bits, opt.keeps_master(i))
+                out[i] = (tuple(c for c in want if c in have), bits)
             return out
         out = {}
         for i, p in enumerate(self.params):
             if p.requires_grad or opt.has_state(i):
-                out[i] = _COLUMNS if opt.keeps_master(i) else _COLUMNS[1:]
+                out[i] = (formats.columns(opt.state_bits, opt.keeps_master(i)), opt.state_bits)
         return out
 
     def _meta(self) -> str:
@@ -217,7 +256,15 @@ class OptimizerState:
             at += len(g["params"])
             groups.append(hyper)
         steps = {self.names[i]: s for i, s in opt.state_steps().items()}
-        return json.dumps({"format": _FORMAT, "steps": steps, "param_groups": groups})
+        return json.dumps({
+            "format": _FORMAT,
+            "steps": steps,
+            "param_groups": groups,
+            # Note [state formats]: the columns' format, and the seed of stochastic rounding
+            "state_bits": opt.state_bits,
+            "state_format": formats.describe(opt.state_bits),
+            "rounding_seed": opt._rounding_seed,
+        })
 
     def _load_groups(self, saved: List[Dict[str, Any]]) -> None:
         opt = self.opt
@@ -270,9 +317,10 @@ class OptimizerState:
             self._cache = None
 
 
-def _any_key(keys: Any, name: str, col: str) -> bool:
+def _keys(keys: Any, name: str, col: str) -> List[str]:
+    """The checkpoint's key of column `col` of parameter `name`, if any (one at most)."""
     tail = f"state.{name}.{col}"
-    return any(k == tail or k.endswith("." + tail) for k in keys)
+    return [k for k in keys if k == tail or k.endswith("." + tail)][:1]
 
 
 def _names(params: List[torch.Tensor], named: Optional[Iterable[Tuple[str, Any]]]) -> List[str]:
@@ -303,14 +351,17 @@ def _read_unit(
     buffers: Dict[int, Dict[str, Tuple[torch.Tensor, int]]],
     names: List[str],
 ) -> Dict[str, torch.Tensor]:
-    """A new unit's columns: views of the load buffers (Note [loading]). A master the
-    checkpoint does not have (written where the parameter was its own fp32 master) is left
-    out: it starts from the parameter, as load_state_dict does."""
+    """A new unit's columns: views of the load buffers (Note [loading]), as stored or, after
+    a conversion, fp32 moments. A master the checkpoint does not have (written where the
+    parameter was its own fp32 master) is left out: it starts from the parameter, as
+    load_state_dict does."""
     got = buffers.get(unit.param, {})
     n = unit.length
     gstart = (_dtensor_range(p)[0] if _is_dtensor(p) else 0) + unit.start
+    converted = "exp_avg" in got and got["exp_avg"][0].dtype == torch.float32
     out = {}
-    for c in unit.columns:
+    want = unit.columns_f32 if converted else unit.columns
+    for c in want:
         if c not in got:
             if c == "master":
                 continue
@@ -320,11 +371,13 @@ def _read_unit(
                 "report it)"
             )
         buf, lo = got[c]
-        if gstart < lo or gstart + n > lo + buf.numel():
+        mine, theirs = formats.part(c, gstart, n), formats.part(c, lo, 0)
+        a, b = mine.start - theirs.start, mine.stop - theirs.start
+        if gstart < lo or a < 0 or b > buf.numel():
             raise RuntimeError(
                 f"spillover.dcp: parameter {names[unit.param]!r}: unit [{gstart}, {gstart + n}) "
-                f"is outside the range read [{lo}, {lo + buf.numel()}); the predicted layout "
-                "does not match OffloadAdamW's (a bug: please report it)"
+                f"is outside the range read from {lo}; the predicted layout does not match "
+                "OffloadAdamW's (a bug: please report it)"
             )
-        out[c] = buf[gstart - lo : gstart - lo + n]
+        out[c] = buf[a:b]
     return out

@@ -8,11 +8,13 @@ What it promises
     parameters to "fp32 master + fused AdamW + ``.to(bfloat16)``"; torch's ``foreach`` and
     for-loop implementations round differently from its own fused kernel and agree to a few ulp
     per step (Note [torch rounding] in ``rust/optim/kernel.rs``). State per parameter:
-    ``exp_avg`` and ``exp_avg_sq`` in fp32, plus an fp32 master copy when the parameter is not
-    itself one (bf16 parameters, parameters on a GPU). A parameter whose ``.grad`` is None is
-    skipped, step count included, as in torch, and has no state before its first gradient
-    (Note [lazy state] in store.py). ``torch.amp.GradScaler`` works as with torch's optimizers
-    (Note [GradScaler] in adamw.py).
+    ``exp_avg`` and ``exp_avg_sq`` in fp32 (``state_bits=32``, the default), bf16 (16) or
+    block-wise 8-bit (8), plus an fp32 master copy when the parameter is not itself one (bf16
+    parameters, parameters on a GPU) unless ``master_weights=False`` (Note [state formats] in
+    formats.py: 12, 8 or 6.03 bytes per parameter with a master, 8, 4 or 2.03 without). A
+    parameter whose ``.grad`` is None is skipped, step count included, as in torch, and has no
+    state before its first gradient (Note [lazy state] in store.py). ``torch.amp.GradScaler``
+    works as with torch's optimizers (Note [GradScaler] in adamw.py).
 
 Where the state lives
     ``tier="host"``: in blocks of spillover's host pool (on the heap, with one warning, when
@@ -34,7 +36,9 @@ The package
     accumulation], [step in arrival order]) with ``inbwd.py`` mixed in (updates during
     backward: Note [update in backward], [speculative update]), ``sharded.py``
     ``ShardedSpace`` (Note [sharding]). ``fingerprint.py`` (Note [gradient fingerprint]),
-    ``copies.py`` (the device copies), ``layout.py`` (records, sizes, counters: defined once).
+    ``copies.py`` (the device copies), ``layout.py`` (records, sizes, counters: defined once),
+    ``formats.py`` (what each ``state_bits`` stores; Note [state formats]), ``explain.py``
+    (``OffloadAdamW.explain()``).
 """
 
 from .adamw import OffloadAdamW

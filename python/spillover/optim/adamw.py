@@ -41,6 +41,7 @@ import torch
 from .. import _adamw_switches as _switches
 from .. import _runtime, _tiers
 from ..config import Config
+from . import formats
 from .inbwd import INBWD_STATS
 from .layout import (
     _CUMULATIVE,
@@ -88,6 +89,21 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             micro-batch accumulates into them (Note [update in backward], Note [speculative
             update] in inbwd.py). One rank or ``shard=False``; pays with parameters on a GPU;
             costs 12 bytes of host memory per parameter for the undo copy.
+        state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored (Note [state formats] in
+            formats.py): 32 (fp32, torch's AdamW state: 8 bytes per parameter, 12 with a master
+            copy), 16 (bf16, rounded stochastically: 4 / 8 bytes) or 8 (one byte each plus an
+            fp32 scale per 256 elements: 2.03 / 6.03 bytes). The update is computed in fp32
+            either way, in the Rust kernel, dequantizing and requantizing in the same pass; on
+            the NVMe tier the bytes read and written per step shrink in the same ratio.
+        master_weights: keep an fp32 master copy for parameters that are not their own (bf16,
+            or staged from a GPU). ``False``: none; a bf16 parameter is updated in fp32 and
+            written back rounded stochastically (seeded by ``rounding_seed``, reproducible),
+            so that updates smaller than half a bf16 ulp still move it on average; with
+            ``state_bits=8`` that is about 2 bytes of state per parameter.
+        rounding_seed: the seed of stochastic rounding (bf16 moments, bf16 parameters without
+            a master). The random bits depend on it, the step count and each element's place
+            in its parameter only, so every tier, layout and world size gives the same
+            result; a checkpoint carries it.
         max_grad_norm: clip the gradients at ``step()`` as ``clip_grad_norm_(params,
             max_grad_norm)`` does (after unscaling them in place as ``scaler.unscale_(opt)``
             does, when ``torch.amp.GradScaler`` steps this optimizer), with the same results;
@@ -119,19 +135,36 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         nvme_buffers: int = 16,
         update_in_backward: bool = False,
         max_grad_norm: Optional[float] = None,
+        state_bits: int = 32,
+        master_weights: bool = True,
+        rounding_seed: int = 0,
         foreach: Optional[bool] = None,
         capturable: bool = False,
         differentiable: bool = False,
         fused: Optional[bool] = None,
         _force_staging: bool = False,
         _link: Any = None,
-        _hook_copies: bool = True,
+        _hook_copies: bool = False,
         **config: Any,
     ):
         _check_hyper(lr, betas, eps, weight_decay, amsgrad)
         _switches.check_switches(fused, foreach, capturable, differentiable)
         if tier not in ("host", "nvme"):
             raise ValueError(f"OffloadAdamW: tier must be 'host' or 'nvme', got {tier!r}")
+        self._state_bits = formats.check_state_bits(state_bits)
+        if not isinstance(master_weights, bool):
+            raise ValueError(
+                f"OffloadAdamW: master_weights must be True or False, got {master_weights!r}"
+            )
+        self._master_weights = master_weights
+        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int) or not (
+            0 <= rounding_seed < 1 << 64
+        ):
+            raise ValueError(
+                f"OffloadAdamW: rounding_seed must be an integer in [0, 2**64), got "
+                f"{rounding_seed!r}"
+            )
+        self._rounding_seed = rounding_seed
         if "host_pool_bytes" in config:  # the optimizer's pool is its own: optim_pool_bytes
             alias = config.pop("host_pool_bytes")
             if config.get("optim_pool_bytes") is None:
@@ -144,7 +177,8 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         self._force_staging = _force_staging
         # Tests and benchmarks: a CudaDevice stand-in for the staged copies of CPU tensors
         # (Note [optimizer copies]), and whether the hooks stage gradients during backward
-        # (Note [staged gradients]; off: every gradient is copied by step()'s bucket pipeline).
+        # (Note [staged gradients]; off, the default: every gradient is copied by step()'s
+        # bucket pipeline).
         self._link = _link
         self._hook_copies = bool(_hook_copies)
         self._inbwd = bool(update_in_backward)
@@ -337,9 +371,13 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
-        "param_groups": [...]}``, every tensor an fp32 CPU copy of the full state (gathered from
-        all ranks when sharded; NVMe state is read back). ``master`` is present for parameters
-        that keep an fp32 master copy (bf16, or on a GPU). The groups carry torch's AdamW keys,
+        "param_groups": [...]}``, every tensor a CPU copy of the full state as stored
+        (gathered from all ranks when sharded; NVMe state is read back): fp32 with
+        ``state_bits=32`` (what ``torch.optim.AdamW`` loads), bf16 with 16, int8 / uint8 codes
+        and ``exp_avg_scale`` / ``exp_avg_sq_scale`` with 8 (Note [state formats] in
+        formats.py). ``master`` is present for parameters that keep an fp32 master copy (bf16,
+        or on a GPU, unless ``master_weights=False``). ``"state_format"`` says the format, and
+        carries ``master_weights`` and ``rounding_seed``. The groups carry torch's AdamW keys,
         ``fused=True`` among them (Note [torch's switches] in _adamw_switches.py)."""
         groups = []
         index = 0
@@ -348,11 +386,16 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             packed["params"] = list(range(index, index + len(g["params"])))
             index += len(g["params"])
             groups.append(packed)
-        return {"state": self._gather_state(), "param_groups": groups}
+        fmt = formats.describe(self._state_bits)
+        fmt.update(master_weights=self._master_weights, rounding_seed=self._rounding_seed)
+        return {"state": self._gather_state(), "param_groups": groups, "state_format": fmt}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint written by ``state_dict`` (any tier, any world size) or by
-        ``torch.optim.AdamW`` (the master copy then starts from the parameters)."""
+        ``torch.optim.AdamW`` (the master copy then starts from the parameters). State of
+        another ``state_bits`` is converted, with one warning per format (Note [state
+        formats]); the rounding seed is the checkpoint's, so a resumed run repeats an unbroken
+        one."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -378,23 +421,43 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             p = index.get(i_saved)
             if p is not None:
                 state[position[id(p)]] = st
+        fmt = state_dict.get("state_format") or {}
+        name = fmt.get("name", formats.FORMAT_NAMES[32])
+        if name not in formats.FORMAT_NAMES.values():
+            raise ValueError(
+                f"OffloadAdamW.load_state_dict: the checkpoint's state format {name!r} is not "
+                f"one this version reads ({', '.join(formats.FORMAT_NAMES.values())}); it was "
+                "written by another spillover version"
+            )
+        if "rounding_seed" in fmt:
+            self._rounding_seed = int(fmt["rounding_seed"])
         self._load_state(state)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:  # pragma: no cover - pickling
         raise TypeError("OffloadAdamW cannot be pickled; save its state_dict() instead")
 
+    def explain(self) -> Any:
+        """Where the state is and its bytes per parameter, as stored, per state space (a
+        :class:`spillover.optim.explain.StateExplanation`; ``print`` it for a table).
+        ``spillover.explain(opt)`` returns the same."""
+        from .explain import explain_state
+
+        return explain_state(self)
+
     def stats(self) -> Dict[str, Any]:
         """steps (that updated a parameter), and counters summed over the optimizer's state
         spaces: bytes_read, bytes_written (NVMe), io_wait_seconds, compute_seconds,
-        last_step_seconds, state_bytes (of the parameters that have state: Note [lazy state]),
+        last_step_seconds, state_bytes (as stored, Note [state formats] in formats.py; of the
+        parameters that have state: Note [lazy state]),
         heap_chunks; on the staged path (parameters on a GPU, one rank), grad_copies and
         grad_bytes_copied (device-to-host gradient copies, one per unit of at most
         ``_UNIT_MAX`` elements) and grad_stale_copies (those made again because the staged
         copy's fingerprint no longer matched: Note [staged gradients]); steps_skipped
         (GradScaler's inf/NaN steps); with ``update_in_backward``, steps_in_backward,
-        steps_redone, inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone,
-        undo_bytes and undo_swap_bytes (Note [speculative update] in inbwd.py). All zero
-        before the first step."""
+        steps_redone, inbwd_redo_rate (steps_redone over the steps that had updates made during
+        backward), inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone, undo_bytes and
+        undo_swap_bytes (Note [speculative update] in inbwd.py). All zero before the first
+        step."""
         total: Dict[str, Any] = {k: 0 for k in _STATS + _GRAD_STATS + INBWD_STATS}
         total.update(self._past)
         total.update(self._round_steps)
@@ -411,6 +474,10 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             for k, v in s.counters.items():
                 total[k] += v
         total["steps"] = self._updates
+        # Note [speculative update]: the share of the steps that used an update made in
+        # backward which had to be undone and redone (clipping applied, a gradient changed)
+        done = total.get("steps_in_backward", 0) + total.get("steps_redone", 0)
+        total["inbwd_redo_rate"] = total.get("steps_redone", 0) / done if done else 0.0
         return total
 
 

@@ -4,7 +4,7 @@ Note [optimizer copies]
     Streams, events, a copy on a stream and ``record_stream`` are those of
     ``activations/link/cuda.py`` (``CudaDevice``), the one place that drives ``torch.cuda`` for
     copies. What differs from the activation path is the rule for a copy's source. There
-    (Note [source lifetime] in activations/link/policy.py) a source is never passed to
+    (Note [sources held] in rust/link/mod.rs) a source is never passed to
     ``record_stream``: it is held until its copy lands or the compute stream waits on it,
     because forward's activations are many, are to be freed as early as possible, and bytes the
     allocator keeps back for another stream would be invisible to the link's cap. Here:
@@ -113,17 +113,21 @@ class _Copies:
             if src.is_cuda:
                 ctx = torch.cuda.stream(self.d2h)  # the fingerprint's kernels run there too
         esize = src.element_size()
-        chunk = _fp._FP_WORDS * 2 // esize
+        chunk = _fp._FP_CHUNK // esize
         events: List[Any] = []
         with ctx:
-            r = _fp._fp_weights(src.device)
             parts = []
             u = 0
             for lo in range(0, src.numel(), chunk):
                 hi = min(lo + chunk, src.numel())
-                snap = src[lo:hi].clone()
-                words = snap.view(torch.int16)
-                parts.append((words * r[:, : words.numel()]).sum(dim=1))
+                # the snapshot: whole rows for the fingerprint, one copy (Note [gradient
+                # fingerprint]); its first hi - lo elements are the chunk's bytes
+                raw = src[lo:hi].view(torch.int8)
+                padded = _fp._fp_pad(raw)
+                if padded is raw:
+                    padded = raw.clone()
+                parts.append(_fp._fp_chunk(padded, padded=True))
+                snap = padded[: raw.numel()].view(src.dtype)
                 while u < len(units):
                     dst, start, n = units[u]
                     a, b = max(lo, start), min(hi, start + n)
@@ -137,7 +141,7 @@ class _Copies:
                 events.append(self._record())
                 u += 1
             if not parts:
-                parts.append(torch.zeros(2, dtype=torch.int64, device=src.device))
+                parts.append(torch.zeros(_fp._FP_LANES, dtype=torch.int64, device=src.device))
             self._copy_d2h(fp_dst, torch.stack(parts))
             fp_event = self._record()
         if dev is not None:

@@ -17,9 +17,13 @@ Note [update in backward]
     before ``step()`` (gradient accumulation, an EMA, a norm logged) sees the parameters as they
     were, the compute stream is never left unordered after a parameter write, and an undo never
     has to touch a parameter. Hyper-parameters are read when a bucket is handed over, the step
-    count is the one ``step()`` will count. Backward returns only once the worker has finished
-    the round's updates (a callback queued on the autograd engine waits for it), so the
-    staging buffers are quiet when backward ends.
+    count is the one ``step()`` will count. Backward returns without waiting for the worker:
+    the updates of the buckets that complete last (the embedding, the first layers) go on
+    while the host runs what follows backward, and ``step()`` waits for them (it waited at the
+    end of backward before, which left that tail overlapping nothing). Nothing else touches
+    what the worker writes meanwhile: a later micro-batch's hook waits for its bucket's update
+    before it stages into the bucket's buffers (and undoes it), and ``state_dict``, ``load``,
+    ``close`` and the rest wait for the worker first (``_settle``, ``abort_round``).
 
     ``step()`` waits for the worker, keeps the updates that were right, undoes and redoes the
     others with the final gradients, updates the buckets that were not complete (a parameter
@@ -62,13 +66,17 @@ Note [speculative update]
       multiplication as ``unscale_``'s), and keeps the overlap.
 
     Undo: before a bucket's update the worker copies the state it is about to overwrite
-    (fp32 master, exp_avg, exp_avg_sq of the bucket's units: 12 bytes per parameter) and an
-    undo puts it back. Host tier: the copy is in ordinary host memory (not the pool), one
-    buffer per bucket, kept for the next steps. NVMe tier: the copy is a second state on the
-    swap files (12 bytes per parameter of swap space), written through a bounce buffer of the
-    largest bucket's size (two of them in host memory: saving, restoring); each update made
-    in backward then costs one more read of its bucket's state and one write of the copy,
-    which doubles the step's NVMe traffic, and an undo one read and one write more. The step
+    (fp32 master, exp_avg, exp_avg_sq of the bucket's units, as stored: 12 bytes per parameter
+    with fp32 state, 6.03 with 8-bit moments, Note [state formats] in formats.py) and an undo
+    puts it back, exactly. Without a master column (``master_weights=False``) the value
+    updated is the output buffer itself, so its bytes are copied too (2 or 4 per parameter, in
+    host memory on either tier). Host tier: the copy is in ordinary host memory (not the
+    pool), one buffer per bucket, kept for the next steps. NVMe tier: the copy is a second
+    state on the swap files (as many bytes of swap space as the state), written through a
+    bounce buffer of the largest bucket's size (two of them in host memory: saving,
+    restoring); each update made in backward then costs one more read of its bucket's state
+    and one write of the copy, which doubles the step's NVMe traffic, and an undo one read and
+    one write more. The step
     count is kept by ``step()``, not by the update, and parameters are written only at
     ``step()``, so the undo is exact and a redo computes what ``step()`` would have.
 
@@ -98,11 +106,11 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
+from . import formats
 from .layout import BUFFER_RECORD
 
 # Counters each space keeps (summed, over time too, by OffloadAdamW.stats()).
 INBWD_STATS = ("inbwd_buckets", "inbwd_buckets_redone", "inbwd_buckets_undone")
-_COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class InBackward:
@@ -128,8 +136,12 @@ class InBackward:
     inited: np.ndarray
     staged_grads: Dict[int, Any]
     h2d_events: Dict[int, List[Any]]
-    undo: Dict[Any, torch.Tensor]
+    undo: Dict[Any, Dict[str, torch.Tensor]]
     undo_state: Any
+    master: bool
+    out_view: List[torch.Tensor]
+    _names: Callable[[], Tuple[str, ...]]
+    _column: Callable[..., torch.Tensor]
     _make_state: Callable[[List[int]], Any]
     order: List[int]
     inbwd_log: List[Tuple[int, float, float]]
@@ -137,8 +149,8 @@ class InBackward:
     _stage_copy: Callable[[int, torch.Tensor], bool]
     _fill_hyper: Callable[..., None]
     _flat_records: Callable[[np.ndarray], bytes]
-    _fingerprints_now: Callable[[Dict[int, torch.Tensor]], Dict[int, Tuple[int, int]]]
-    _staged_fingerprint: Callable[[int], Tuple[int, int]]
+    _fingerprints_now: Callable[[Dict[int, torch.Tensor]], Dict[int, Tuple[int, ...]]]
+    _staged_fingerprint: Callable[[int], Tuple[int, ...]]
     _same_bytes: Callable[[int, torch.Tensor], bool]
     compare_bytes: bool
     _send_back: Callable[[int, List[int]], None]
@@ -156,7 +168,6 @@ class InBackward:
             self.saved: Set[int] = set()  # buckets whose undo copy holds the pre-round state
             self.futures: List[Any] = []
             self.log: Dict[int, Tuple[float, float]] = {}  # bucket -> worker start, end
-            self.end_queued = False  # join() queued to run when this backward ends
             self.verdict: Optional[Dict[int, bool]] = None  # bucket -> keep, set at step()
 
     def _stage_inbwd(self, k: int, p: torch.Tensor) -> None:
@@ -205,9 +216,6 @@ class InBackward:
             self.submitted[b] = fut
             self.futures.append(fut)
             self.spec[b] = (rows, used)
-            queue, self.end_queued = not self.end_queued, True
-        if queue:  # backward returns once the worker is done: Note [update in backward]
-            torch.autograd.Variable._execution_engine.queue_callback(self._join_quietly)
 
     def _update_bucket(self, b: int, rows: List[int], waits: List[Any], hyper: np.ndarray) -> None:
         """The worker: save what bucket b's update overwrites, then update it from its staged
@@ -231,8 +239,10 @@ class InBackward:
 
     def _save(self, b: int, rows: List[int]) -> None:
         """Copy the state of bucket b's `rows` to its undo copy (the worker, before the
-        update): host memory on the host tier, the swap files through a bounce buffer on the
-        NVMe tier."""
+        update), as stored: host memory on the host tier, the swap files through a bounce
+        buffer on the NVMe tier; and without a master, the output buffer's values."""
+        if not self.master:
+            self._copy_outputs(b, rows, save=True)
         if self.opt._tier != "nvme":
             self.state.export_state(self._undo_records(b, rows, self._undo_buffer(b)))
             return
@@ -242,33 +252,54 @@ class InBackward:
             self.undo_state = self._make_state([u[2] for u in self.units])
         self.undo_state.import_state(recs)
 
-    def _undo_buffer(self, key: Any) -> torch.Tensor:
-        """Host buffer `key` of the undo copy, made at its first use: per bucket on the host
-        tier (the copy itself); on the NVMe tier one bounce buffer for saving (the worker) and
-        one for restoring (the hooks, then ``step()``), each of the largest bucket's size."""
+    def _copy_outputs(self, b: int, rows: List[int], save: bool) -> None:
+        """Without a master the output buffer is the value updated (Note [state formats]):
+        copy bucket b's `rows` of it to (`save`) or from its undo copy in host memory."""
+        buf = self.undo.get(("out", b))
+        if buf is None:
+            n = self.buckets[b][2] - self.buckets[b][1]
+            buf = {"out": torch.empty(max(n, 1), dtype=self.out_view[rows[0]].dtype)}
+            self.undo[("out", b)] = buf
+        f_lo = self.buckets[b][1]
+        for ui in rows:
+            _, _, n, at = self.units[ui]
+            mine = buf["out"][at - f_lo : at - f_lo + n]
+            if save:
+                mine.copy_(self.out_view[ui])
+            else:
+                self.out_view[ui].copy_(mine)
+
+    def _undo_buffer(self, key: Any) -> Dict[str, torch.Tensor]:
+        """Host buffers (one per column, as stored) of the undo copy, made at their first
+        use: per bucket on the host tier (the copy itself); on the NVMe tier one bounce buffer
+        for saving (the worker) and one for restoring (the hooks, then ``step()``), each of
+        the largest bucket's size."""
         buf = self.undo.get(key)
         if buf is None:
             if isinstance(key, int):
                 n = self.buckets[key][2] - self.buckets[key][1]
             else:
                 n = max(f_hi - f_lo for _, f_lo, f_hi, _, _ in self.buckets)
-            buf = torch.empty((len(_COLUMNS), max(n, 1)), dtype=torch.float32)
+            buf = {c: self._column(c, max(n, 1)) for c in self._names()}
             self.undo[key] = buf
         return buf
 
-    def _undo_records(self, b: int, rows: List[int], buf: torch.Tensor) -> bytes:
-        """BUFFER_RECORDs of bucket b's `rows` in `buf` (laid out as the bucket)."""
+    def _undo_records(self, b: int, rows: List[int], buf: Dict[str, torch.Tensor]) -> bytes:
+        """BUFFER_RECORDs of bucket b's `rows` in `buf` (laid out as the bucket; 8-bit units
+        start on blocks of it: Note [block alignment])."""
         f_lo = self.buckets[b][1]
         recs = np.zeros(len(rows), BUFFER_RECORD)
         recs["unit"] = rows
-        off = np.asarray([self.units[ui][3] - f_lo for ui in rows], dtype=np.uint64)
-        for c, name in enumerate(_COLUMNS):
-            recs[name] = np.uint64(buf[c].data_ptr()) + off * np.uint64(4)
+        off = [self.units[ui][3] - f_lo for ui in rows]
+        for name, t in buf.items():
+            at = np.asarray([formats.part(name, o, 1).start for o in off], dtype=np.uint64)
+            recs[name] = np.uint64(t.data_ptr()) + at * np.uint64(t.element_size())
         return recs.tobytes()
 
     def undo_bytes(self) -> Tuple[int, int]:
         """Bytes the undo copies hold: (host memory, swap files)."""
-        host = sum(t.numel() * 4 for t in list(self.undo.values()))  # the worker adds
+        bufs = list(self.undo.values())  # the worker adds
+        host = sum(t.numel() * t.element_size() for buf in bufs for t in buf.values())
         swap = 0 if self.undo_state is None else int(self.undo_state.stats()["state_bytes"])
         return host, swap
 
@@ -276,6 +307,8 @@ class InBackward:
         """Put back the state bucket b's update overwrote (its worker is done)."""
         rows, _ = self.spec[b]
         if b in self.saved:
+            if not self.master:
+                self._copy_outputs(b, rows, save=False)
             if self.opt._tier != "nvme":
                 self.state.import_state(self._undo_records(b, rows, self._undo_buffer(b)))
             else:
@@ -310,10 +343,6 @@ class InBackward:
             if e is not None and err is None:
                 err = e
         return err
-
-    def _join_quietly(self) -> None:
-        """The end-of-backward callback: wait; an error is raised by ``step()``."""
-        self.join()
 
     def in_round(self) -> bool:
         """Whether the worker updated something since the last ``step()``."""
@@ -362,7 +391,10 @@ class InBackward:
         if self.compare_bytes:
             changed.update(k for k, g in check.items() if not self._same_bytes(k, g))
         else:
-            for k, fp in self._fingerprints_now(check).items():
+            now = self._fingerprints_now(check)
+            # kept for this step's own check of the buckets it redoes (_step_staged)
+            self.fp_now = {k: (check[k], check[k]._version, fp) for k, fp in now.items()}
+            for k, fp in now.items():
                 if self._staged_fingerprint(k) != fp:
                     changed.add(k)
         verdict = {}

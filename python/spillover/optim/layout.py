@@ -91,15 +91,18 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"OffloadAdamW supports float32 and bfloat16 parameters, got {dtype}")
 
 
-def shard_layout(numels: List[int], world: int) -> Tuple[List[int], int, int]:
+def shard_layout(
+    numels: List[int], world: int, align: int = _ALIGN
+) -> Tuple[List[int], int, int]:
     """Note [sharding] in sharded.py: each parameter's offset in the flat buffer of its
-    (dtype, device) (each padded to ``_ALIGN`` elements), the buffer's size (a multiple of
-    ``_ALIGN * world``) and the size of one rank's shard of it."""
+    (dtype, device) (each padded to `align` elements: ``_ALIGN``, or a block of 8-bit state,
+    Note [block alignment] in rust/optim/layout.rs), the buffer's size (a multiple of
+    ``align * world``) and the size of one rank's shard of it."""
     offsets, at = [], 0
     for n in numels:
         offsets.append(at)
-        at += _round_up(n, _ALIGN)
-    total = _round_up(max(at, 1), _ALIGN * world)
+        at += _round_up(n, align)
+    total = _round_up(max(at, 1), align * world)
     return offsets, total, total // world
 
 

@@ -15,6 +15,11 @@ Note [sharding]
     :mod:`spillover.dcp` instead (per-rank pieces produced when the writer asks for them,
     loadable at any world size).
 
+    With 8-bit state each parameter is padded to a block of 256 elements instead of 16, so a
+    rank's part of a parameter starts on one of its blocks and the blocks are those of one
+    process (Note [block alignment] in rust/optim/layout.rs): the state, and the parameters,
+    are those of a single-process run, bit for bit, at any world size.
+
     Next to DDP, construct the optimizer on the wrapped module's parameters with
     ``reduce_grads=False``: DDP's all-reduce has already averaged the gradients, each rank
     takes its shard of them without communicating, and only the parameter all-gather remains
@@ -48,6 +53,7 @@ from typing import Dict
 import numpy as np
 import torch
 
+from . import formats
 from .layout import owned_range, shard_layout
 from .space import _Space
 
@@ -78,16 +84,24 @@ class ShardedSpace(_Space):
         return self._step_sharded(hyper)
 
     def export(self, steps: np.ndarray) -> Dict[int, Dict[str, torch.Tensor]]:
-        """Full state of every member with state, gathered from every rank."""
+        """Full state of every member with state, as stored, gathered from every rank (the
+        scales of 8-bit state per block of the flat buffer: the shard and each parameter
+        start on a block)."""
         has_state = [steps[i] > 0 for i in self.members]
         rows = [ui for ui, u in enumerate(self.units) if has_state[u[0]]]
         out: Dict[int, Dict[str, torch.Tensor]] = {}
         import torch.distributed as dist
 
-        shard = {n: torch.zeros(self.shard, dtype=torch.float32) for n in self._names()}
-        self._export_rows(rows, lambda ui, n: shard[n][self.units[ui][3] :].data_ptr())
+        shard = {n: self._column(n, self.shard).zero_() for n in self._names()}
+
+        def addr(ui: int, name: str) -> int:
+            t = shard[name]
+            at = formats.part(name, self.units[ui][3], 1).start
+            return t.data_ptr() + at * t.element_size()
+
+        self._export_rows(rows, addr)
         for name in self._names():
-            full = torch.empty(self.total, dtype=torch.float32)
+            full = self._column(name, self.total)
             part = shard[name]
             if self.device.type != "cpu":  # nccl gathers device tensors
                 part, full = part.to(self.device), full.to(self.device)
@@ -95,13 +109,15 @@ class ShardedSpace(_Space):
             full = full.cpu()
             for k, p in enumerate(self.params):
                 if has_state[k]:
-                    off, n = self.offsets[k], self.numels[k]
-                    out.setdefault(k, {})[name] = full[off : off + n].clone().view(p.shape)
+                    piece = full[formats.part(name, self.offsets[k], self.numels[k])].clone()
+                    out.setdefault(k, {})[name] = (
+                        piece if name in formats.SCALES else piece.view(p.shape)
+                    )
         return out
 
     def _layout(self) -> None:
         world, rank = self.opt._world, self.opt._rank
-        self.offsets, self.total, self.shard = shard_layout(self.numels, world)
+        self.offsets, self.total, self.shard = shard_layout(self.numels, world, self.align)
         for k, (off, n) in enumerate(zip(self.offsets, self.numels)):
             a, b = owned_range(off, n, self.shard, rank)
             if a < b:

@@ -19,6 +19,7 @@ import torch
 from .. import _native, _runtime
 from ..activations.link import block_tensor
 from ..errors import PoolExhaustedError
+from . import formats
 from . import layout as _layout
 from .copies import _Copies
 from .inbwd import INBWD_STATS
@@ -79,7 +80,12 @@ class _Space(abc.ABC):
         # to the gradient, so comparing the bytes is exact and cheaper than fingerprints
         # (Note [speculative update]); _force_staging keeps the GPU path's fingerprints.
         self.compare_bytes = device.type == "cpu" and not opt._force_staging
-        self.master = dtype != torch.float32 or self.staged
+        # Note [state formats]: an fp32 master unless the parameter (or its staged copy, the
+        # output buffer) is its own, or master_weights=False makes it so.
+        self.master = opt._keeps_master(dtype, device)
+        self.bits = opt._state_bits
+        # Units of 8-bit state start on blocks of their parameter (Note [block alignment]).
+        self.align = formats.BLOCK if self.bits == 8 else _layout._ALIGN
         self.esize = torch.empty((), dtype=dtype).element_size()
         self.numels = [_local(p).numel() for p in self.params]
         # units: (member position, start in the parameter, length, offset in the flat buffers)
@@ -95,6 +101,9 @@ class _Space(abc.ABC):
             max(0, start + n - max(start, self.numels[k] - self.numels[k] % _TORCH_TAIL))
             for k, start, n, _ in self.units
         ]
+        # Note [stochastic rounding] in rust/optim/quant.rs: each unit's first element's key,
+        # its parameter's index and its offset in it, the same on every tier, layout and rank.
+        self.rec["key"] = [(members[k] << 40) + start for k, start, _, _ in self.units]
         for k, p in enumerate(self.params):
             if self.staged and len(self.units_of.get(k, [])) > 1 and not p.is_contiguous():
                 raise ValueError(
@@ -185,12 +194,18 @@ class _Space(abc.ABC):
 
     def _make_state(self, lens: List[int]) -> Any:
         opt = self.opt
-        cols = 3 if self.master else 2
+        per = formats.bytes_per_param(self.bits, self.master)
         chunk_bytes = opt._chunk_bytes or (
             _NVME_CHUNK_BYTES if opt._tier == "nvme" else _HOST_CHUNK_BYTES
         )
-        chunk_elems = max(1024, chunk_bytes // (4 * cols) // 1024 * 1024)
-        kw: Dict[str, Any] = dict(master=self.master, chunk_elems=chunk_elems, tier=opt._tier)
+        chunk_elems = max(1024, int(chunk_bytes / per) // 1024 * 1024)  # whole blocks
+        kw: Dict[str, Any] = dict(
+            master=self.master,
+            state_bits=self.bits,
+            seed=opt._rounding_seed,
+            chunk_elems=chunk_elems,
+            tier=opt._tier,
+        )
         if opt._tier == "nvme":
             # swap_for has already warned (once) with the engine's warning.
             kw.update(swap=opt._swap, buffers=opt._nvme_buffers)
@@ -307,21 +322,33 @@ class _Space(abc.ABC):
     # ---- checkpoints ----
 
     def _names(self) -> Tuple[str, ...]:
-        return ("master", "exp_avg", "exp_avg_sq") if self.master else ("exp_avg", "exp_avg_sq")
+        """The state's columns (Note [state formats])."""
+        return formats.columns(self.bits, self.master)
+
+    def _column(self, name: str, n: int, shape: Any = None) -> torch.Tensor:
+        """A new tensor for column `name` of `n` parameter elements, as stored (the moments
+        shaped `shape` when given)."""
+        dt = formats.dtype(self.bits, name)
+        if shape is not None and name not in formats.SCALES:
+            return torch.empty(shape, dtype=dt)
+        return torch.empty(formats.numel(name, n), dtype=dt)
 
     def export(self, steps: np.ndarray) -> Dict[int, Dict[str, torch.Tensor]]:
-        """Full state of every member with state: {member position: {name: fp32 tensor}}."""
+        """Full state of every member with state, as stored: {member position: {name:
+        tensor}}, the moments (and master) shaped as the parameter, the scales of 8-bit
+        state flat, one per block of the flattened parameter."""
         has_state = [steps[i] > 0 for i in self.members]
         rows = [ui for ui, u in enumerate(self.units) if has_state[u[0]]]
         out: Dict[int, Dict[str, torch.Tensor]] = {}
         for k, p in enumerate(self.params):
             if has_state[k]:
-                shape = _local(p).shape
-                out[k] = {n: torch.empty(shape, dtype=torch.float32) for n in self._names()}
+                lp = _local(p)
+                out[k] = {n: self._column(n, lp.numel(), lp.shape) for n in self._names()}
 
         def addr(ui: int, name: str) -> int:
-            k, start, _, _ = self.units[ui]
-            return out[k][name].data_ptr() + 4 * start
+            k, start, n, _ = self.units[ui]
+            t = out[k][name]
+            return t.data_ptr() + formats.part(name, start, n).start * t.element_size()
 
         self._export_rows(rows, addr)
         return out

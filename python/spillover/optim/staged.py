@@ -1,10 +1,30 @@
 """The staged path of a state space: parameters on a device (or ``update_in_backward``).
 
 Note [staged gradients]
-    With parameters on a GPU, a post-accumulate-grad hook copies each gradient into a pinned
-    pool block on a side stream as soon as backward has produced it, so the copies overlap the
-    rest of backward. ``step()`` uses a staged copy only when it provably holds the gradient's
-    current bytes; otherwise it copies again. Two checks, the cheap one first:
+    With parameters on a GPU, gradients reach the host's pinned pool blocks one of two ways:
+
+    - **at ``step()``** (the default): ``step()``'s bucket pipeline starts the next bucket's
+      device-to-host copies before the current bucket's CPU update, so every copy but the
+      first bucket's runs under CPU work that is slower than the link (Note [step in arrival
+      order]); nothing runs in backward's hooks and nothing needs checking;
+    - **in the hooks** (``_hook_copies=True``, private): a post-accumulate-grad hook copies each
+      gradient on a side stream as soon as backward has produced it, so the copies overlap the
+      rest of backward, and ``step()`` must prove each copy still holds the gradient's bytes.
+
+    Why the default is at ``step()``: what the hooks take off ``step()`` is the first bucket's
+    copy (all copies are 1.3 ms at 25 GB/s for 31 MiB of gradients, 10.7 ms at 3 GB/s), while
+    they cost two fingerprint passes over every gradient (hook and ``step()``: device kernels
+    on a GPU, ~6 ops per gradient of host dispatch on the autograd thread) and their clipping,
+    GradScaler and all-reduce cases copy again. Measured with
+    ``python benches/python/optim_bench.py --parts sim`` (the simulated device, 8M fp32
+    parameters, backward + ``step()`` medians, this repository's 2-core host under load 4-5):
+    hooks 196.9 / 362.7 / 123.9 / 321.8 ms against at ``step()`` 126.0 / 306.9 / 80.4 /
+    264.8 ms at 3 GB/s and 25 GB/s with 20 and 200 ms of backward (1.18-1.56x slower with
+    hook copies). The GPU runs (``benches/gpu/optim_mode.py``, the probe) time both, so a GPU
+    can overturn it.
+
+    With hook copies, ``step()`` uses a staged copy only when it provably holds the
+    gradient's current bytes; otherwise it copies again. Two checks, the cheap one first:
 
     - ``p.grad`` must still be the tensor that was copied, at the same version counter (a new
       tensor, clipping, a second backward, ``zero_()`` move it: copied again, nothing hashed);
@@ -55,8 +75,9 @@ Note [step in arrival order]
     user may still clip, unscale (GradScaler), all-reduce or edit gradients, change the learning
     rate (schedulers), or skip the step (GradScaler on inf/NaN), and every one of these decides
     what the update computes. An update started during backward would have to be undone or
-    would be wrong in each case, so it is not the default; what overlaps backward is the
-    copying, and (with the fingerprint) all of it is kept unless the user changed the gradient.
+    would be wrong in each case, so it is not the default; what overlaps the CPU updates is the
+    next bucket's copying (and, with hook copies, the copying overlaps backward, all of it kept
+    unless the fingerprint says the user changed the gradient).
     ``update_in_backward=True`` starts them during backward and undoes the ones these change:
     Note [update in backward].
 
@@ -77,9 +98,9 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from .fingerprint import _fingerprint_parts, _fp_chunks, _fp_combine
+from .fingerprint import _FP_LANES, _fingerprint_parts, _fp_chunks, _fp_combine
 from .inbwd import InBackward
-from .layout import _ALIGN, _local, _round_up
+from .layout import _local, _round_up
 from .space import _Space
 
 
@@ -104,6 +125,8 @@ class StagedSpace(InBackward, _Space):
     ):
         # Note [update in backward]: the bookkeeping the hooks and the worker share (lock).
         self.lock = threading.Lock()
+        #: this step's fingerprints taken by verify_round: k -> (gradient, version, fingerprint)
+        self.fp_now: Dict[int, Tuple[Any, int, Tuple[int, ...]]] = {}
         self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
         self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
         self._new_round()
@@ -119,7 +142,7 @@ class StagedSpace(InBackward, _Space):
         at = 0
         for k, n in enumerate(self.numels):
             self._add_units(k, 0, n, at)
-            at += _round_up(n, _ALIGN)
+            at += _round_up(n, self.align)  # Note [block alignment]
 
     def _alloc_buffers(self) -> None:
         super()._alloc_buffers()
@@ -128,7 +151,8 @@ class StagedSpace(InBackward, _Space):
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.fp_rows = [(int(starts[k]), int(starts[k + 1])) for k in range(len(counts))]
         self.fp_host = torch.zeros(
-            (int(starts[-1]), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            (int(starts[-1]), _FP_LANES), dtype=torch.int64,
+            pin_memory=self.device.type == "cuda"
         )
 
     def step(self, hyper: np.ndarray) -> np.ndarray:
@@ -235,7 +259,15 @@ class StagedSpace(InBackward, _Space):
         candidates = set(fresh_candidates)
         now = {}
         if not self.compare_bytes:
-            now = self._fingerprints_now({k: grads[k] for k in fresh_candidates})
+            # taken already by this step's verify_round (update in backward) when the gradient
+            # is the same tensor at the same version: not taken twice
+            cached, self.fp_now = self.fp_now, {}
+            for k in fresh_candidates:
+                c = cached.get(k)
+                if c is not None and c[0] is grads[k] and c[1] == grads[k]._version:
+                    now[k] = c[2]
+            now.update(self._fingerprints_now(
+                {k: grads[k] for k in fresh_candidates if k not in now}))
         order = self._bucket_order(arrival, grads)
         self.order = order
         initialized = self.state.initialized()
@@ -292,6 +324,17 @@ class StagedSpace(InBackward, _Space):
             self._send_back(b, mine)
         return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
 
+    def fill_outputs(self) -> None:
+        """Without a master column (``master_weights=False``) the output buffers hold the
+        values the updates read and write (Note [state formats] in formats.py): after an
+        import, fill them from the parameters."""
+        for b, (rows, _, _, _, _) in enumerate(self.buckets):
+            self._wait_h2d(b)
+            for ui in rows:
+                k, start, n, _ = self.units[ui]
+                flat = _local(self.params[k]).detach().reshape(-1)[start : start + n]
+                self.copies.wait(self.copies.to_host(self.out_view[ui], flat))
+
     def _send_back(self, b: int, rows: List[int]) -> None:
         """Copy the parameters of bucket b's units `rows` from its output buffer."""
         back = []
@@ -320,16 +363,16 @@ class StagedSpace(InBackward, _Space):
                 return False
         return True
 
-    def _staged_fingerprint(self, k: int) -> Tuple[int, int]:
+    def _staged_fingerprint(self, k: int) -> Tuple[int, ...]:
         """Note [gradient fingerprint] of member k's staged copy (waits for it)."""
         return self._staged_fingerprint_of(self.staged_grads[k], k)
 
-    def _staged_fingerprint_of(self, st: _Staged, k: int) -> Tuple[int, int]:
+    def _staged_fingerprint_of(self, st: _Staged, k: int) -> Tuple[int, ...]:
         self.copies.wait(st.fp_event)
         lo, hi = self.fp_rows[k]
         return _fp_combine(self.fp_host[lo:hi].numpy())
 
-    def _fingerprints_now(self, grads: Dict[int, torch.Tensor]) -> Dict[int, Tuple[int, int]]:
+    def _fingerprints_now(self, grads: Dict[int, torch.Tensor]) -> Dict[int, Tuple[int, ...]]:
         """Note [gradient fingerprint] of each gradient as it is now: computed on its device
         after everything queued before ``step()``, brought back in one copy."""
         if not grads:

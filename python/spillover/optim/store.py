@@ -44,9 +44,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from . import formats
 from .layout import (
     _ALIGN,
     _CUMULATIVE,
+    _HOST_CHUNK_BYTES,
     _NVME_CHUNK_BYTES,
     BUFFER_RECORD,
     _check_dtype,
@@ -58,7 +60,7 @@ from .layout import (
     shard_layout,
 )
 from .sharded import ShardedSpace
-from .space import DirectSpace, _flat_f32, _Space
+from .space import DirectSpace, _check_numel, _flat_f32, _Space
 from .staged import StagedSpace
 
 
@@ -76,6 +78,8 @@ class StateStore:
     _link: Any
     _hook_copies: bool
     _inbwd: bool
+    _state_bits: int
+    _master_weights: bool
     _past: Dict[str, float]
     _settle: Any
     _spaces: List[_Space]  # Note [lazy state]: grows as parameters get gradients
@@ -113,28 +117,38 @@ class StateStore:
 
     def _pool_need(self) -> int:
         """Pool bytes the parameters that require grad now can lease (Note [node budget] in
-        _runtime.py): per kind of parameter, this rank's part of the state (host tier: fp32
-        exp_avg, exp_avg_sq and a master copy where one is kept; NVMe tier: the pipeline's
-        buffers) and, on the staged path, the gradient and output staging buffers."""
+        _runtime.py): per kind of parameter, this rank's part of the state (host tier:
+        exp_avg, exp_avg_sq as stored and a master copy where one is kept, Note [state
+        formats]; NVMe tier: the pipeline's buffers) and, on the staged path, the gradient and
+        output staging buffers."""
         kinds: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        align = formats.BLOCK if self._state_bits == 8 else _ALIGN  # Note [block alignment]
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad:
                     lp = _local(p)
                     key = (lp.dtype, lp.device)
-                    kinds[key] = kinds.get(key, 0) + _round_up(lp.numel(), _ALIGN)
+                    kinds[key] = kinds.get(key, 0) + _round_up(lp.numel(), align)
         need = 0
         for (dtype, device), n in kinds.items():
-            n = -(-n // self._world) + _ALIGN if self._world > 1 else n
+            n = -(-n // self._world) + formats.BLOCK if self._world > 1 else n
             staged = self._stages(device)
-            cols = 3 if dtype != torch.float32 or staged else 2
+            per = formats.bytes_per_param(self._state_bits, self._keeps_master(dtype, device))
             if self._tier == "host":
-                need += n * cols * 4
+                need += int(n * per)
+                if self._state_bits != 32:  # byte columns end on cache lines: 8 KiB a chunk
+                    need += 8192 * (1 + int(n * per) // _HOST_CHUNK_BYTES)
             else:
                 need += self._nvme_buffers * (self._chunk_bytes or _NVME_CHUNK_BYTES)
             if staged:
                 need += 2 * n * torch.empty((), dtype=dtype).element_size()
         return need
+
+    def _keeps_master(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether parameters of `dtype` on `device` get an fp32 master column (Note [state
+        formats]): not when an fp32 parameter on the CPU is its own, nor with
+        ``master_weights=False`` (the parameter, or its staged copy, is the value updated)."""
+        return (dtype != torch.float32 or self._stages(device)) and self._master_weights
 
     def _stages(self, device: torch.device) -> bool:
         """Whether the parameters on `device` take the staged path (Note [staged gradients]
@@ -222,7 +236,8 @@ class StateStore:
     # ---- checkpoints ----
 
     def _gather_state(self) -> Dict[int, Dict[str, torch.Tensor]]:
-        """{global index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master']}} for params with state."""
+        """{global index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master'][, scales]}} for params
+        with state, as stored (Note [state formats])."""
         self._settle("state_dict()")
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for space in self._spaces:
@@ -235,17 +250,39 @@ class StateStore:
 
     def _load_state(self, state: Dict[int, Dict[str, Any]]) -> None:
         """Replace every space by new ones for the parameters `state` has (a positive step
-        count) for (Note [lazy state]); the others have no state afterwards."""
+        count) for (Note [lazy state]); the others have no state afterwards. Entries of
+        another format than this optimizer's are converted, with one warning (Note [state
+        formats])."""
         members = sorted(i for i, st in state.items() if _float(st.get("step", 0)) > 0)
         flat: Dict[int, Dict[str, torch.Tensor]] = {}
+        other: Dict[int, int] = {}  # format -> entries converted from it
         for i in members:  # refuse a bad checkpoint before dropping the state there is
             p = self._params[i]
-            flat[i] = {n: _flat_f32(state[i][n], p, n) for n in ("exp_avg", "exp_avg_sq")}
+            n = _local(p).numel()
+            what = f"OffloadAdamW.load_state_dict: state of parameter {i}"
+            bits = formats.entry_bits(state[i], what)
+            cols = {}
+            for c in formats.columns(bits, False):
+                t = state[i][c]
+                t = _check_numel(t, p, c) if c in formats.MOMENTS else torch.as_tensor(t)
+                if t.numel() != formats.numel(c, n):
+                    raise ValueError(
+                        f"{what}: '{c}' has {t.numel()} elements, {formats.numel(c, n)} expected"
+                    )
+                cols[c] = t.detach().to("cpu").reshape(-1).contiguous()
+            if bits != self._state_bits:
+                cols = formats.to_f32(cols, bits)
+                other[bits] = other.get(bits, 0) + 1
             if state[i].get("master") is not None:  # else it starts from the parameter
-                flat[i]["master"] = _flat_f32(state[i]["master"], p, "master")
+                cols["master"] = _flat_f32(state[i]["master"], p, "master")
+            flat[i] = cols
+        for bits, count in other.items():
+            warn_conversion(bits, self._state_bits, count, "load_state_dict")
         self.import_state(
             {i: _float(state[i]["step"]) for i in members},
-            lambda u: {n: t[u.start : u.start + u.length] for n, t in flat[u.param].items()},
+            lambda u: {
+                c: t[formats.part(c, u.start, u.length)] for c, t in flat[u.param].items()
+            },
         )
 
     # ---- the state-store interface (spillover.dcp saves and loads through it) ----
@@ -254,9 +291,14 @@ class StateStore:
         """Whether parameter `index` (in ``param_groups`` order) has, once it has state, an
         fp32 master copy among its state (``"master"`` in its units' columns): when it is not
         its own fp32 master (bf16, or on a device) or its gradients are staged
-        (``update_in_backward``)."""
+        (``update_in_backward``), unless ``master_weights=False``."""
         lp = _local(self._params[index])
-        return lp.dtype != torch.float32 or self._stages(lp.device)
+        return self._keeps_master(lp.dtype, lp.device)
+
+    @property
+    def state_bits(self) -> int:
+        """How the moments are stored: 32, 16 or 8 (Note [state formats])."""
+        return self._state_bits
 
     def has_state(self, index: int) -> bool:
         """Whether parameter `index` has state now (Note [lazy state])."""
@@ -272,7 +314,8 @@ class StateStore:
         between such a backward and its ``step()`` (naming `what`)."""
         self._settle(what)
         out = [
-            StateUnit(space.members[k], start, n, space._names(), space.sharded, space, ui)
+            StateUnit(space.members[k], start, n, space._names(), space.sharded, space, ui,
+                      space.bits)
             for space in self._spaces
             for ui, (k, start, n, _) in enumerate(space.units)
             if self._steps[space.members[k]] > 0
@@ -280,8 +323,9 @@ class StateStore:
         return sorted(out, key=lambda u: (u.param, u.start))
 
     def export_unit(self, unit: StateUnit) -> Dict[str, torch.Tensor]:
-        """The state of `unit` now: one new 1-D fp32 tensor of ``unit.length`` per column."""
-        cols = {c: torch.empty(unit.length, dtype=torch.float32) for c in unit.columns}
+        """The state of `unit` now, as stored: one new 1-D tensor per column (``unit.dtype(c)``
+        of ``unit.numel(c)`` elements)."""
+        cols = {c: torch.empty(unit.numel(c), dtype=unit.dtype(c)) for c in unit.columns}
         rec = np.zeros(1, BUFFER_RECORD)
         rec["unit"] = unit._row
         for c, t in cols.items():
@@ -302,7 +346,8 @@ class StateStore:
             return out
         for idx in self._kinds(members).values():
             numels = [_local(self._params[i]).numel() for i in idx]
-            offsets, _, shard = shard_layout(numels, self._world)
+            align = formats.BLOCK if self._state_bits == 8 else _ALIGN
+            offsets, _, shard = shard_layout(numels, self._world, align)
             for i, off, n in zip(idx, offsets, numels):
                 a, b = owned_range(off, n, shard, self._rank)
                 if a < b:
@@ -314,8 +359,10 @@ class StateStore:
     ) -> None:
         """Replace all state by state for exactly the parameters in `steps` (index: step
         count), laid out as ``owned_ranges`` says; each new unit's columns are ``read(unit)``:
-        1-D fp32 CPU tensors of ``unit.length`` (a missing ``"master"`` starts from the
-        parameter)."""
+        1-D CPU tensors, either as stored (``unit.columns``, ``unit.dtype(c)``, exact) or
+        fp32 ``exp_avg`` / ``exp_avg_sq`` values without scales (quantized as they are
+        imported: a conversion, Note [state formats]); a missing ``"master"`` starts from the
+        parameter."""
         self._drop_spaces()
         self._steps[:] = 0
         for i, s in steps.items():
@@ -325,41 +372,63 @@ class StateStore:
         for space in self._spaces[first:]:
             if not space.units:
                 continue
-            recs = np.zeros(len(space.units), BUFFER_RECORD)
-            recs["unit"] = np.arange(len(space.units))
+            forms: Dict[str, List[Any]] = {"stored": [], "f32": []}
             keep = []
             for ui, (k, start, n, _) in enumerate(space.units):
                 unit = StateUnit(
-                    space.members[k], start, n, space._names(), space.sharded, space, ui
+                    space.members[k], start, n, space._names(), space.sharded, space, ui,
+                    space.bits,
                 )
-                cols = read(unit)
-                for c in unit.columns:
-                    t = cols.get(c)
-                    if t is None and c == "master":
-                        flat = _local(space.params[k]).detach().reshape(-1)
-                        t = flat[start : start + n].to(device="cpu")
-                    if t is None or t.numel() != n:
-                        raise ValueError(
-                            f"OffloadAdamW.import_state: no {n} elements of {c} for parameter "
-                            f"{unit.param} [{start}, {start + n})"
-                        )
-                    t = t.to(dtype=torch.float32).contiguous()
+                cols = dict(read(unit))
+                if cols.get("master") is None and "master" in unit.columns:
+                    flat = _local(space.params[k]).detach().reshape(-1)
+                    cols["master"] = flat[start : start + n].to("cpu", torch.float32)
+                form = unit.form_of(cols)
+                rec = np.zeros(1, BUFFER_RECORD)
+                rec["unit"] = ui
+                for c in unit.columns if form == "stored" else unit.columns_f32:
+                    t = cols[c].contiguous()
                     keep.append(t)
-                    recs[c][ui] = t.data_ptr()
-            space.state.import_state(recs.tobytes())
+                    rec[c] = t.data_ptr()
+                forms[form].append(rec)
+            for form, recs in forms.items():
+                if recs:
+                    space.state.import_state(np.concatenate(recs).tobytes(), form=form)
             del keep
             if isinstance(space, StagedSpace):  # Note [update in backward]: loaded units can
                 space.inited = np.asarray(space.state.initialized(), dtype=bool)  # update then
+                if not space.master:
+                    space.fill_outputs()  # the staged copy is the value updated
+
+
+def warn_conversion(src: int, dst: int, count: int, how: str) -> None:
+    """Note [state formats]: one warning per conversion a load makes."""
+    import warnings
+
+    lost = (
+        "rounded into the lower precision of the optimizer's format"
+        if dst < src
+        else "exact in value; what the checkpoint's quantization lost stays lost"
+    )
+    warnings.warn(
+        f"OffloadAdamW ({how}): the checkpoint holds {formats.FORMAT_NAMES[src]} state "
+        f"(state_bits={src}) for {count} parameter(s) and this optimizer keeps state_bits={dst}; "
+        f"converted through fp32 ({lost}). Build the optimizer with state_bits={src} to load "
+        "it as it is.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class StateUnit:
     """One unit of the state one rank holds (the state-store interface): elements
     [start, start + length) of the flattened local tensor of parameter `param` (index in
     ``param_groups`` order), its `columns` (``"master"`` when kept, ``"exp_avg"``,
-    ``"exp_avg_sq"``), and whether it is this rank's part of a ZeRO-sharded layout (no other
-    rank holds it) or a replica (every rank holds the same)."""
+    ``"exp_avg_sq"``, and the scales of 8-bit state: Note [state formats]), stored as `bits`,
+    and whether it is this rank's part of a ZeRO-sharded layout (no other rank holds it) or a
+    replica (every rank holds the same)."""
 
-    __slots__ = ("param", "start", "length", "columns", "sharded", "_space", "_row")
+    __slots__ = ("param", "start", "length", "columns", "sharded", "_space", "_row", "bits")
 
     def __init__(
         self,
@@ -370,6 +439,44 @@ class StateUnit:
         sharded: bool,
         space: Any,
         row: int,
+        bits: int = 32,
     ):
         self.param, self.start, self.length, self.columns = param, start, length, columns
-        self.sharded, self._space, self._row = sharded, space, row
+        self.sharded, self._space, self._row, self.bits = sharded, space, row, bits
+
+    def dtype(self, col: str) -> torch.dtype:
+        """The dtype of column `col` as stored."""
+        return formats.dtype(self.bits, col)
+
+    def numel(self, col: str) -> int:
+        """Elements of column `col` (the scales: one per block of 256)."""
+        return formats.numel(col, self.length)
+
+    @property
+    def columns_f32(self) -> Tuple[str, ...]:
+        """The columns of the fp32 form (a conversion)."""
+        return tuple(c for c in self.columns if c not in formats.SCALES)
+
+    def form_of(self, cols: Dict[str, torch.Tensor]) -> str:
+        """``"stored"`` when `cols` holds this unit's columns as stored, ``"f32"`` when fp32
+        moments to convert; a ValueError naming what is missing otherwise."""
+        def fits(names: Tuple[str, ...], dtype: Any) -> bool:
+            return all(
+                isinstance(cols.get(c), torch.Tensor)
+                and cols[c].dtype == (dtype or self.dtype(c))
+                and cols[c].numel() == self.numel(c)
+                for c in names
+            )
+
+        if fits(self.columns, None):
+            return "stored"
+        master_ok = "master" not in self.columns or fits(("master",), None)
+        if master_ok and fits(formats.MOMENTS, torch.float32):
+            return "f32"
+        got = {c: (tuple(t.shape), t.dtype) for c, t in cols.items() if hasattr(t, "dtype")}
+        raise ValueError(
+            f"OffloadAdamW.import_state: parameter {self.param} [{self.start}, "
+            f"{self.start + self.length}): expected "
+            f"{ {c: (self.numel(c), self.dtype(c)) for c in self.columns} } as stored, or "
+            f"fp32 exp_avg / exp_avg_sq of {self.length} elements; got {got}"
+        )

@@ -1,5 +1,16 @@
 """The cost model: what a decision frees and what it costs, from a machine's measured rates.
 
+Note [host cost in the plan]
+    On a GPU the host's time per saved tensor is as large as the device's compute per tensor
+    (the review of 2026-12-03: ~80-250 us per pack and unpack in Python before the link moved
+    to Rust, against 50-150 us of H200 compute), and charging bytes / link alone, the plan
+    offloaded tensors whose host cost exceeded what offloading them saved. So the calibration
+    measures the host seconds one offloaded tensor costs (pack + unpack through this device's
+    link) and one op of a wrapped region costs when it is rerun (the replay's dispatch), and
+    the model charges them: an offload pays its host cost, never hidden (the host is the
+    critical path when it is the bottleneck); a recomputed op pays its dispatch beside its
+    device time. A tensor whose host cost exceeds the time its offload saves is not offloaded.
+
 Pure functions of the records and rates (no torch run): which recomputed ops the runtime skips,
 which outputs selective saves (Note [selective pays]), and :class:`Costs`, the memory and time
 one planning pass holds and spends under its decisions so far (the search in
@@ -64,7 +75,7 @@ def worth_saving(rec: RegionRecord, machine: Machine) -> Dict[int, str]:
     memory saved per second added is at least full recompute's (a mediant of rates at least
     the bar). Chain ends first: a softmax output spares the scores matmul, scale and mask."""
     ops = [o for o in rec.ops if not o.after_stop]
-    total = sum(machine.op_seconds(o) for o in ops if o.forced != "view")
+    total = sum(machine.rerun_seconds(o) for o in ops if o.forced != "view")
     needed = sum(o.bytes for o in ops if o.needed)
     if total <= 0 or needed <= 0:
         return {}
@@ -77,7 +88,7 @@ def worth_saving(rec: RegionRecord, machine: Machine) -> Dict[int, str]:
         before = region_skipped(rec.ops, lambda x: action[x.index])
         action[o.index] = "keep"
         gained = region_skipped(rec.ops, lambda x: action[x.index]) - before
-        cost = machine.op_seconds(o) + sum(machine.op_seconds(x) for x in rec.ops
+        cost = machine.rerun_seconds(o) + sum(machine.rerun_seconds(x) for x in rec.ops
                                            if x.index in gained)
         rate = o.bytes / cost if cost > 0 else float("inf")
         if rate < bar:
@@ -162,8 +173,8 @@ class Costs:
         self.fwd = [0.0] * len(regions)
         for ri, r in enumerate(regions):
             for o in r.ops:
-                sec = machine.op_seconds(o)
-                self.fwd[ri] += sec
+                self.fwd[ri] += machine.op_seconds(o)
+                sec = machine.rerun_seconds(o)
                 k = (ri, o.index)
                 if o.after_stop:
                     self.ops[k] = ("recompute", "", "after the last saved tensor: never rerun")
@@ -253,7 +264,9 @@ class Costs:
         # straight into the tensor, Note [gathered storages] in rust/tier/gather.rs: an upper
         # bound).
         copies = 2 if self.chunked(it) else 1
-        return (0.0 if hidden else t) + copies * it.op.bytes * self.per_byte_cpu, hidden
+        # Note [host cost in the plan]: the host's time per offloaded tensor is never hidden
+        host = self.machine.host_seconds_per_offload
+        return (0.0 if hidden else t) + copies * it.op.bytes * self.per_byte_cpu + host, hidden
 
 
     def _dead(self, ri: int, ops: List[OpRecord]) -> set:
@@ -270,7 +283,7 @@ class Costs:
             for o in r.ops:
                 if (not o.after_stop and o.index not in dead
                         and self.ops[(ri, o.index)][0] == "recompute"):
-                    t += self.machine.op_seconds(o)
+                    t += self.machine.rerun_seconds(o)
         self.recompute = t
 
 

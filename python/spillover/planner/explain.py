@@ -92,7 +92,7 @@ def explain_records(
             k = (o.name, o.shape, decision, why)
             g = groups.get(k)
             if g is None:
-                sec = machine.op_seconds(o) if machine and decision == "recompute" else None
+                sec = machine.rerun_seconds(o) if machine and decision == "recompute" else None
                 link = None
                 if machine and decision.startswith("offload"):
                     bw = machine.link_bytes_per_s
@@ -147,7 +147,7 @@ def explain_records(
         summary["held after forward (regions)"] = format_size(held)
         if machine is not None:
             rc = sum(
-                machine.op_seconds(o) for r in records if r.mode == "checkpoint"
+                machine.rerun_seconds(o) for r in records if r.mode == "checkpoint"
                 for o in r.ops if o.action == "recompute" and not o.after_stop
             )
             summary["est. recompute per step"] = ms(rc)

@@ -20,6 +20,10 @@ class Machine:
     h2d_bytes_per_s: float
     nvme_write_bytes_per_s: Optional[float] = None
     nvme_read_bytes_per_s: Optional[float] = None
+    #: Note [host cost in the plan]: host seconds one offloaded tensor costs (pack + unpack)
+    host_seconds_per_offload: float = 0.0
+    #: ... and one op of a wrapped region when it is rerun (the replay's dispatch)
+    host_seconds_per_op: float = 0.0
 
     @classmethod
     def from_calibration(cls, data: Dict[str, Any], device: str) -> Machine:
@@ -32,6 +36,8 @@ class Machine:
             h2d_bytes_per_s=d["h2d_bytes_per_s"],
             nvme_write_bytes_per_s=data.get("nvme_write_bytes_per_s"),
             nvme_read_bytes_per_s=data.get("nvme_read_bytes_per_s"),
+            host_seconds_per_offload=float(d.get("host_seconds_per_offload") or 0.0),
+            host_seconds_per_op=float(d.get("host_seconds_per_op") or 0.0),
         )
 
     def flops_per_s(self, dtype: str) -> float:
@@ -45,6 +51,11 @@ class Machine:
         if op.compute_bound:
             t += op.flops / self.flops_per_s(op.dtype)
         return t
+
+    def rerun_seconds(self, op: OpRecord) -> float:
+        """What recomputing the op costs: its device time (:meth:`op_seconds`) and the host's
+        dispatch of it in the region's replay (Note [host cost in the plan])."""
+        return self.op_seconds(op) + self.host_seconds_per_op
 
     @property
     def link_bytes_per_s(self) -> float:

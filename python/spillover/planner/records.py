@@ -110,8 +110,8 @@ class OpRecord:
     flops: int
     moved_bytes: int  # inputs + outputs, for the memory-bound part of its cost
     compute_bound: bool
-    #: why the op is never saved ("view", "mutates an input", "random") or always saved
-    #: ("effect"); None when the policy or planner decides.
+    #: why the op is never saved ("view", "mutates an input", "random", "allocates only") or
+    #: always saved ("effect"); None when the policy or planner decides.
     forced: Optional[str] = None
     needed: bool = False  # autograd saved (a view of) its output
     #: never rerun: recomputation stops before it, or only saved ops read its output

@@ -81,7 +81,7 @@ class Greedy(Costs):
             self.ops[k] = ("offload", "", "")
             gained = self._dead(it.region, ops) - before
             self.ops[k] = decided
-            saved_s = it.seconds + sum(self.machine.op_seconds(o) for o in ops
+            saved_s = it.seconds + sum(self.machine.rerun_seconds(o) for o in ops
                                        if o.index in gained)
             cost, _ = self.offload_cost(it)
             if not gained or cost >= saved_s:
@@ -142,7 +142,10 @@ class PlainOffload(Greedy):
         last = self.regions[self.last].needed_bytes if self.regions else 0
         exposed = max(0.0, t - self.hide_seconds, self.transfer_seconds(last))
         self.offloaded = total
-        self.transfer = exposed + 2 * total * self.per_byte_cpu
+        # Note [host cost in the plan]: every tensor the context takes costs the host its time
+        n = sum(1 for r in self.regions for o in r.ops if o.needed and o.bytes)
+        self.transfer = (exposed + 2 * total * self.per_byte_cpu
+                         + n * self.machine.host_seconds_per_offload)
         self.link_used = t
         why = "region runs plainly: the offload context takes what autograd saves"
         for ri, r in enumerate(self.regions):

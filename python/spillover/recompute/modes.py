@@ -130,6 +130,18 @@ class _Saved:
         return v
 
 
+def _written_after_pack(entry: Any) -> None:
+    """A cached entry whose storage a later op of the region writes in place: its copies, if it
+    was offloaded, may read the written bytes (Note [in-place after pack] in link/device.py).
+    They are marked modified: no longer a link fault for the verify mode, and an unpack of the
+    same storage elsewhere raises the error autograd raises for a saved tensor modified."""
+    for saved in tree_leaves(entry, is_leaf=lambda x: isinstance(x, _Saved)):
+        v = saved.value if isinstance(saved, _Saved) else None
+        stored = getattr(v, "stored", None)
+        for c in getattr(stored, "copies", ()) or ():
+            c.modified = True
+
+
 class _Run:
     """One call of one region: what it decides, what it saved, what it recorded.
 
@@ -293,7 +305,7 @@ class _SaveMode(TorchDispatchMode):
             action = self.decide(n, func, args, kwargs, out)
         elif why == "effect":
             action = "keep"
-        else:  # "mutates an input", "random"
+        else:  # "mutates an input", "random", "allocates only"
             action = "recompute"
         rec.action = action
         if action == "recompute":
@@ -339,6 +351,7 @@ class _SaveMode(TorchDispatchMode):
             for key, idx, rec in self.cached.pop(p, ()) if p is not None else ():
                 entry = self.storage[key].get(idx)
                 if entry is not None and entry is not RECOMPUTE:
+                    _written_after_pack(entry)
                     self.storage[key][idx] = RECOMPUTE
                     rec.action = "recompute"
                     rec.reason = "modified in place later in the region"

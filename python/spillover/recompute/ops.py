@@ -4,11 +4,14 @@ Note [never saved]
     Some outputs are always recomputed whatever the policy says: views and other aliases (free
     to recompute; saving one would pin its base), outputs of ops that write an input, and random
     ops — replay restores the RNG state once and must draw in the same order, so skipping a
-    cached random op would shift every later draw. Ops with an ordered side effect are always
-    saved, not replayed (as torch does). An output that a later op of the region modifies in
-    place is dropped from the cache at that moment and recomputed (torch raises instead; see
-    ``_SaveMode._invalidate`` in modes.py).
-    Guarded by tests/python/test_recompute.py::test_random_and_inplace_ops.
+    cached random op would shift every later draw — and allocations (``empty``, ``empty_like``,
+    ...): their bytes are garbage until a later op writes them in place (dropout's mask is
+    ``empty_like`` then ``bernoulli_``), so saving one offloads garbage and races the write.
+    Ops with an ordered side effect are always saved, not replayed (as torch does). An output
+    that a later op of the region modifies in place is dropped from the cache at that moment
+    and recomputed (torch raises instead; see ``_SaveMode._invalidate`` in modes.py).
+    Guarded by tests/python/test_recompute.py::test_random_and_inplace_ops and
+    tests/python/test_verify_device.py::test_a_region_writing_what_it_saved_is_no_false_positive.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ except ImportError:  # older torch: every key is the op
 _is_effect = getattr(_tc, "_is_cacheable_effect", lambda op: False)
 
 _forced_cache: Dict[Any, Optional[str]] = {}
+#: Ops whose output is uninitialized memory (Note [never saved]).
+ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
+                         "aten::new_empty", "aten::new_empty_strided", "aten::empty_permuted"})
 
 
 def forced(func: Any) -> Optional[str]:
     """Note [never saved]: why this op's output is never (or always) saved, else None:
-    "view", "mutates an input", "random" (never) or "effect" (always)."""
+    "view", "mutates an input", "random", "allocates only" (never) or "effect" (always)."""
     try:
         return _forced_cache[func]
     except KeyError:
@@ -62,6 +68,8 @@ def forced(func: Any) -> Optional[str]:
             why = "view"
         elif torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             why = "random"
+        elif schema.name in ALLOCATIONS:
+            why = "allocates only"
     _forced_cache[func] = why
     return why
 

@@ -186,7 +186,7 @@ class _StaticPolicy(RegionPolicy):
         return _tc.create_selective_checkpoint_contexts(self.torch_policy)
 
     def torch_policy(self, sac_ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        if forced(func) in ("view", "mutates an input", "random"):
+        if forced(func) in ("view", "mutates an input", "random", "allocates only"):
             return _tc.CheckpointPolicy.PREFER_RECOMPUTE
         out = getattr(sac_ctx, "op_output", None)
         if self.decide(func, args, kwargs, out) == "save":

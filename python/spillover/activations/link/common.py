@@ -19,7 +19,8 @@ def block_tensor(block: Any) -> torch.Tensor:
 
 
 def default_cap_bytes(bandwidth_bytes_per_s: Optional[float] = None) -> int:
-    """Note [back-pressure]: 20 ms of the link (16 GB/s when unknown), in [64 MiB, 2 GiB]."""
+    """Note [back-pressure] in rust/link/mod.rs: 20 ms of the link (16 GB/s when unknown), in
+    [64 MiB, 2 GiB]."""
     bw = bandwidth_bytes_per_s or 16e9
     return int(min(max(bw * 0.020, 64 * MiB), 2048 * MiB))
 

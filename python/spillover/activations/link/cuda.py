@@ -1,5 +1,6 @@
-"""The CUDA link's primitives: torch.cuda streams and events (Note [stream ordering] in
-policy.py)."""
+"""torch.cuda streams and events from Python: the primitives of the optimizer's staged copies
+(optim/copies.py). The activations' copies are issued from Rust (rust/link/cuda.py's driver
+calls, Note [stream ordering] in rust/link/mod.rs)."""
 
 from __future__ import annotations
 

@@ -45,9 +45,12 @@ Note [in-place after pack]
     place before backward, and an asynchronous copy could read a half-modified tensor. So the
     saved tensor is watched: its version counter is compared when the copy is seen complete
     (``LinkCopy.modified``), and again at unpack while it is alive; either mismatch raises the
-    error autograd itself would raise. The watch is a weak reference: a strong one would close
-    a cycle through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor)
-    that gc cannot see.
+    error autograd itself would raise. A region that writes a storage it saved marks the copies
+    modified itself (``_written_after_pack`` in recompute/modes.py: the tensor it watched may be
+    gone by then). A modified copy's verify mismatch is that write, not a fault of the link, and
+    is not raised: nothing reads those bytes without raising the in-place error first. The
+    watch is a weak reference: a strong one would close a cycle through the autograd graph
+    (tensor -> grad_fn -> saved handle -> copy -> tensor) that gc cannot see.
 
 Note [pieces come back piece by piece]
     A storage offloaded in pieces (larger than half an NVMe pool, or than one host arena) comes
@@ -220,12 +223,13 @@ class DeviceLink:
                 storage, offset, (nbytes,))
             cs = device_checksum(src)
             checksum = (cs.data_ptr(), cs)
-        handle, cid, victims = self.native.pack(step, storage.data_ptr() + offset, nbytes,
-                                                stream, storage if self.sim else None, checksum)
-        c = LinkCopy(self, cid, nbytes, storage, stream, watch, errors)
-        if checksum is not None:
-            c.packed_sum, c.what = checksum[1], verify
-        with self._lock:
+        with self._lock:  # a poll on another thread must find the copy once it can land
+            handle, cid, victims = self.native.pack(step, storage.data_ptr() + offset, nbytes,
+                                                    stream, storage if self.sim else None,
+                                                    checksum)
+            c = LinkCopy(self, cid, nbytes, storage, stream, watch, errors)
+            if checksum is not None:
+                c.packed_sum, c.what = checksum[1], verify
             self._copies[cid] = c
             for v in victims:  # the compute stream waits for them already
                 d = self._copies.get(v)
@@ -255,9 +259,13 @@ class DeviceLink:
                 else:
                     c._src = None
                 w = c._watch() if c._watch is not None else None
-                if w is not None:  # Note [in-place after pack]
-                    c.modified = w._version != c._version
+                if w is not None and w._version != c._version:  # Note [in-place after pack]
+                    c.modified = True
                 c._watch = None
+                if c.modified and isinstance(error, IntegrityError):
+                    # the source was written in place after its pack: not a fault of the link;
+                    # an unpack of these bytes raises the in-place error instead
+                    error = None
                 if error is not None:
                     if c.what and isinstance(error, IntegrityError):
                         error = IntegrityError(f"{c.what}: {error} (check 1 of Note [verify on "
@@ -364,39 +372,7 @@ class DeviceLink:
 
     def bring_back(self, parts: List[Tuple[Any, Optional[LinkCopy]]]) -> torch.Tensor:
         """The bytes of ``parts`` (``(pool view, the copy that filled it)`` each, in order:
-        one part, or the pieces of a storage: Note [the newest sources stay]
-    Backward unpacks first what forward saved last, and those are the copies most likely still
-    holding their source (Note [source returned]). A copy that lands keeps its source while the
-    sources kept this way and those the ledger holds fit the cap together, newest first; the
-    oldest go as new copies come, every one at the end of backward. So the last cap bytes of
-    a forward come back to backward without crossing the link twice, where dropping each
-    source as its copy landed sent it over and back (the review's G6). A returned source used
-    on another stream than the one it was made on is ``record_stream``-ed there.
-
-Note [polls]
-    Each poll queries the device for every copy that landed and for the first that has not (a
-    call each: Note [device calls] in rust/link). Pack and unpack poll at most every 100 us:
-    what lands between two polls waits for the next one -- its source kept a little longer,
-    its entry sealed a little later -- which costs nothing a step can see, where a poll per
-    pack doubled the device calls of a pack of small tensors. ``synchronize``, ``wait`` and
-    ``done()`` poll at once.
-
-Note [errors go to their owner]
-    One link serves every context of the process. An error of a copy whose step was abandoned
-    (its forward raised: a full disk, a failed write) must not come out of another context's
-    next pack: each step hands its own list to ``pack`` and reaps only that one; an abandoned
-    step's list goes with it. Errors of copies started without a list go to whoever reaps next.
-
-Note [in-place after pack]
-    Under saved_tensors_hooks autograd no longer checks that a saved tensor was not modified in
-    place before backward, and an asynchronous copy could read a half-modified tensor. So the
-    saved tensor is watched: its version counter is compared when the copy is seen complete
-    (``LinkCopy.modified``), and again at unpack while it is alive; either mismatch raises the
-    error autograd itself would raise. The watch is a weak reference: a strong one would close
-    a cycle through the autograd graph (tensor -> grad_fn -> saved handle -> copy -> tensor)
-    that gc cannot see.
-
-Note [pieces come back piece by piece]) in one
+        one part, or the pieces of a storage: Note [pieces come back piece by piece]) in one
         new tensor of the current stream, copied on it now (urgent)."""
         total = sum(v.nbytes for v, _ in parts)
         out = self._empty(total)

@@ -1,5 +1,6 @@
 """The simulated device: the CPU pretending to be a GPU behind a link, for tests and
-benchmarks on machines without one (Note [stream ordering] in policy.py)."""
+benchmarks on machines without one (the optimizer's staged copies: its streams and events from
+Python; the activation link's simulator is rust/link/sim.rs)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class _Worker:
             if op is None:
                 return
             op()
-            del op  # Note [source lifetime]: an op's tensors go when it ends
+            del op  # an op's tensors go when it ends
 
 
 _workers: Any = weakref.WeakSet()
@@ -172,7 +173,7 @@ class SimDevice:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         """``dst.copy_(src)`` on ``stream``: done ``latency + bytes / bandwidth`` after the
         stream starts it. From pageable host memory to the device, the host waits for it, as
-        CUDA's driver, staging pageable bytes, may (Note [pageable sources] in h2d.py)."""
+        CUDA's driver, staging pageable bytes, may."""
         n = src.numel() * src.element_size()
         seconds = self.latency + (n / self.bandwidth if self.bandwidth else 0.0)
         errors, get_dst, get_src = stream.errors, self._hold(dst), self._hold(src)
@@ -184,7 +185,7 @@ class SimDevice:
                 d, s = get_dst(), get_src()
                 if s is None:
                     raise RuntimeError("spillover: a device tensor was freed before the copy "
-                                       "reading it ran (Note [source lifetime])")
+                                       "reading it ran")
                 if d is not None:  # a device output freed meanwhile: as on CUDA, bytes go nowhere
                     d.copy_(s)
             except Exception as e:
@@ -280,7 +281,7 @@ class SimDevice:
     def order_after(self, stream: Any, other: Any) -> None:
         """After the compute stream, nothing to wait for: it runs what the host enqueues as it
         is enqueued (its lag is when the host *sees* its events), so what it queued has run
-        (Note [backward's tensors in the compute pool] in frees.py). After a side stream: its
+        (Note [backward's tensors in the compute pool] in device.py). After a side stream: its
         work queued so far."""
         if other is not _HOST:
             self.wait(stream, self.record(other))
