@@ -215,6 +215,17 @@ def _largest(fit: Fit, mode: str, dim: str, x0: int, e0: ModeEstimate, deadline:
             break
         x *= 2
         pts.append((x, _at(fit, mode, dim, x)))
+    quantum = 1 if dim == "batch" else 128
+    while len(pts) < need or pts[0][1].device_peak_bytes > mem:
+        # over the memory from the start: smaller sizes, down to the smallest
+        x = pts[0][0] // 2 // quantum * quantum
+        if x < quantum or time.perf_counter() > deadline:
+            break
+        pts.insert(0, (x, _at(fit, mode, dim, x)))
+    if pts[0][1].device_peak_bytes > mem:
+        return 0, f"not even {pts[0][0]} fits"
+    if len(pts) < need:
+        return -1, "skipped (time)"
     xl, el = pts[-1]
     if el.peak_phase == "optimizer" and el.device_peak_bytes <= mem:
         return -1, f">= {xl} (the optimizer step's peak up to there)"
@@ -317,9 +328,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          for dim, v in d.items()]
                 print(f"  {m:<10} " + ", ".join(parts))
             if "auto" in modes:
-                best = {dim: max(d[dim][0] for d in largest.values() if dim in d)
-                        for dim in dims}
-                print("  auto       " + ", ".join(f"{k} {v}" for k, v in best.items())
+                best = {dim: max((d[dim][0] for d in largest.values() if dim in d),
+                                 default=-1) for dim in dims}
+                print("  auto       " + ", ".join(f"{k} {v if v >= 0 else '-'}"
+                                                  for k, v in best.items())
                       + " (its most frugal plans: the largest number above)")
             kinds = {v[1] for d in largest.values() for v in d.values() if v[0] >= 0}
             print("  (" + "; ".join(sorted(kinds)) + ", fitted on traces at other sizes)")
