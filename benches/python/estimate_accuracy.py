@@ -57,7 +57,7 @@ import spillover
 from spillover._peak import high_water, reset_high_water, rss
 from spillover.config import format_size
 from spillover.demo import Allocator
-from spillover.estimate.trace import pick_loss
+from spillover.estimate.fakes import pick_loss
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
 MODES = ("none", "full", "selective", "host", "nvme", "auto")

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import spillover
-from spillover.estimate.trace import pick_loss
+from spillover.estimate.fakes import pick_loss
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
 POOL = 64 << 20

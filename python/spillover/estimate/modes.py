@@ -43,9 +43,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import _runtime
 from ..recompute import ops as _ops
 from .devices import Device
+from .fakes import fake_copy, fake_inputs, storage_keys
 from .offload import OffloadFigures, SimContext
 from .optime import OpTimer
-from .trace import OpCost, Trace, Tracker, fake_copy, fake_inputs, run_step, storage_keys
+from .trace import OpCost, Trace, Tracker, run_step
 
 __all__ = ["MODES", "ModeEstimate", "Runner", "OPTIMIZERS", "SHARDINGS"]
 

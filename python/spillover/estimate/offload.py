@@ -51,6 +51,7 @@ from .. import _runtime
 from ..activations import registry
 from ..planner.cost import HIGH_WATER
 from .devices import Device
+from .drive import DriveModel, _blocks
 from .trace import Tracker
 
 __all__ = ["SimContext", "OffloadFigures"]
@@ -115,7 +116,7 @@ class _Handle:
         self.numel_base = t.untyped_storage().nbytes() // max(1, t.element_size())
 
 
-class SimContext:
+class SimContext(DriveModel):
     """Note [simulated offload]. ``pool_bytes``: the pool's size (None: the default pool,
     starting at 64 MiB and growing to ``pool_cap``)."""
 
@@ -293,97 +294,6 @@ class SimContext:
         fig.pool_peak = max(fig.pool_peak, min(self._in_use, self.capacity))
         return e
 
-    # -- Note [written from the tensor] (rust/tier/direct.rs): the NVMe tier on a CPU host --
-
-    def _pack_direct(self, e: _Entry, t: torch.Tensor, nbytes: int) -> None:
-        """Each piece is copied into the pool while it has room to spare, or when backward
-        needs it first (dropping clean entries); else written from the tensor, which is held
-        until its last such write lands (the first piece waiting for the hold)."""
-        dev = self.device
-        if e.chunked:
-            piece = max(4096, (self.capacity // 8) // 4096 * 4096)
-            pieces = [min(piece, nbytes - o) for o in range(0, nbytes, piece)]
-        else:
-            pieces = [nbytes]
-        done = 0.0
-        for i, n in enumerate(pieces):
-            k = self._piece
-            self._piece += 1
-            self._sizes.append(n)
-            blk = _blocks(n)
-            if self._pool_room() >= blk or (self._needed_first(k, n) and self._drop_clean(blk)):
-                self.tracker.clock += n / dev.link_bytes_per_s  # the copy, on these cores
-                self._pool[(e.seq, i)] = [blk, None]
-                self._dirty.append((e.seq, i))
-                self._dirty_bytes += blk
-                self._write_behind()
-                continue
-            if i == 0:
-                self._hold(n)
-            done = self._write(n)
-            self._writing_bytes += n
-            self._largest_written = max(self._largest_written, n)
-            self._writing.append((done, n))
-        e.in_pool = all((e.seq, i) in self._pool for i in range(len(pieces)))
-        e.pieces = len(pieces)
-        if done:
-            e.source = t
-            e.write_done = done
-            self._held_direct.append(e)
-
-    def _pool_room(self) -> int:
-        """Free bytes of the pool: leased without dropping anything or waiting."""
-        return self.capacity - sum(b for b, _ in self._pool.values())
-
-    def _needed_first(self, k: int, n: int) -> bool:
-        """The learned order says backward unpacks piece ``k`` within the pool less the
-        read-ahead window (rust/tier/policy.rs, ``needed_within``)."""
-        learned = self._learned
-        if k >= len(learned) or learned[k] != n:
-            return False
-        window = min(self.capacity // 4, 256 << 20)
-        return self._after[k] + n <= self.capacity - window
-
-    def _drop_clean(self, blk: int) -> bool:
-        """Make room by dropping written (clean) pool entries, earliest packed first."""
-        now = self.tracker.clock
-        for key in list(self._pool):
-            if self._pool_room() >= blk:
-                break
-            b, done = self._pool[key]
-            if done is not None and done <= now:
-                del self._pool[key]
-        return self._pool_room() >= blk
-
-    def _write(self, n: int) -> float:
-        dev = self.device
-        start = max(self._disk_free, self.tracker.clock)
-        self._disk_free = start + n / (dev.nvme_write_bytes_per_s or float("inf"))
-        self.figures.bytes_written += n
-        return self._disk_free
-
-    def _write_behind(self) -> None:
-        """Once a quarter of the pool is dirty, the earliest packed dirty entries are written
-        (Note [write early, drop late] in rust/tier/policy.rs)."""
-        while self._dirty and self._dirty_bytes > self.capacity // 4:
-            key = self._dirty.popleft()
-            entry = self._pool.get(key)
-            if entry is None:
-                continue
-            self._dirty_bytes -= entry[0]
-            entry[1] = self._write(entry[0])
-
-    def _hold(self, n: int) -> None:
-        """Wait, oldest write first, while more than the pool plus the largest storage written
-        so far would be in flight (the write hold)."""
-        self._poll_writes(self.tracker.clock)
-        limit = self.capacity + max(self._largest_written, n)
-        while self._writing and self._writing_bytes + n > limit:
-            wait = max(0.0, self._writing[0][0] - self.tracker.clock)
-            self.tracker.clock += wait
-            self.figures.stall_seconds += wait
-            self._poll_writes(self.tracker.clock)
-
     def _grow(self, blocks: int) -> bool:
         """Note [growing pool] in _growth.py: a default pool doubles, or to what its entries
         and this one need, up to its cap; a pool of the user's size does not grow."""
@@ -395,13 +305,6 @@ class SimContext:
             return False
         self.capacity = new
         return True
-
-    def _poll_writes(self, now: float) -> None:
-        while self._writing and self._writing[0][0] <= now:
-            _, n = self._writing.popleft()
-            self._writing_bytes -= n
-        while self._held_direct and self._held_direct[0].write_done <= now:
-            self._held_direct.popleft().source = None
 
     def _gone(self, seq: int, nbytes: int) -> None:
         self._entries.pop(seq, None)
@@ -464,18 +367,6 @@ class SimContext:
         fig.stall_seconds += wait
         return torch.empty(h.numel_base, dtype=h.dtype)
 
-    def _read(self, e: _Entry) -> None:
-        dev = self.device
-        if e.read_done is None:
-            start = max(self._disk_free, self.tracker.clock)
-            self._disk_free = start + e.nbytes / dev.nvme_read_bytes_per_s
-            e.read_done = self._disk_free
-            self.figures.bytes_read += e.nbytes
-        wait = max(0.0, e.read_done - self.tracker.clock)
-        self.tracker.clock += wait
-        self.figures.stall_seconds += wait
-        e.on_disk = False
-
     def _stage_ahead(self, current: _Entry) -> None:
         """GPU: the next entries backward needs (descending pack order), staged onto the
         device now; NVMe: their reads issued (the tier's read-ahead)."""
@@ -524,11 +415,6 @@ def _key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return id(t)
-
-
-def _blocks(nbytes: int) -> int:
-    """Pool bytes an entry leases (4 KiB granules)."""
-    return (nbytes + 4095) // 4096 * 4096
 
 
 def _as_dtype(t: torch.Tensor, h: _Handle) -> torch.Tensor:

@@ -223,7 +223,7 @@ def input_bytes(args: Tuple[Any, ...]) -> int:
 
 
 #: The device regions name in their records while ``spillover.estimate`` traces a GPU's step on
-#: fake CPU tensors (Note [fake device] in spillover/estimate/trace.py); None: the tensors'.
+#: fake CPU tensors (Note [fake device] in spillover/estimate/fakes.py); None: the tensors'.
 DEVICE_OVERRIDE = threading.local()
 
 
