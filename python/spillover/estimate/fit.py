@@ -34,7 +34,7 @@ import torch
 
 from ..config import format_size, parse_size
 from .devices import device_spec
-from .modes import MODES, OPTIMIZERS, SHARDINGS, ModeEstimate, Runner
+from .modes import MODES, OPTIMIZERS, SECONDS_PER_DAY, SHARDINGS, ModeEstimate, Runner
 
 __all__ = ["main", "load_config", "build_model"]
 
@@ -181,6 +181,11 @@ class Fit:
                              for o in r.ops if o.needed) - int(eb.pool_bytes * 0.75))
         e.nvme_write_bytes_per_step = e.nvme_read_bytes_per_step = int(max(0, nv))
         e.nvme_bytes_per_step = 2 * e.nvme_write_bytes_per_step
+        drive = self.device.nvme_drive_bytes
+        e.drive_writes_per_day = (e.nvme_write_bytes_per_step * SECONDS_PER_DAY
+                                  / e.step_seconds / drive
+                                  if drive and e.nvme_write_bytes_per_step and e.step_seconds > 0
+                                  else None)  # this plan's writes, not the 4-layer trace's
         e.fits = e.device_peak_bytes <= self.device.memory_bytes and plan.fits
         e.note = f"plan {plan.variant}" + ("" if plan.fits else ", over its budget")
         e.timeline, e.trace, e.planner, e.plan = [], None, None, plan
@@ -366,8 +371,16 @@ def _closed(cfg: Any, args: argparse.Namespace, results: Dict[str, ModeEstimate]
     for m, closed in (("none", cf.none_peak), ("full", cf.full_peak)):
         if m in results:
             pred = results[m].device_peak_bytes - ws
+            why = ""
+            if results[m].peak_phase.startswith("optimizer"):
+                # Note [closed form]: the formula's peak is backward's; the trace's is the
+                # optimizer step's when foreach AdamW's parameter-sized temporary (its
+                # denominator) beside parameters, gradients and state outweighs activations
+                why = (f"; the traced peak is the optimizer step's ({format_size(cf.params)} "
+                       "of parameters, gradients, two states and foreach AdamW's temporary "
+                       "each), which the formula does not count")
             print(f"  {m:<5} peak: traced {format_size(pred)}, closed form {format_size(closed)}"
-                  f" ({100 * (pred - closed) / closed:+.1f} %)")
+                  f" ({100 * (pred - closed) / closed:+.1f} %{why})")
 
 
 if __name__ == "__main__":  # pragma: no cover
