@@ -65,7 +65,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import torch
 
@@ -189,14 +189,14 @@ def _link(device: torch.device, nbytes: int, repeats: int) -> Dict[str, float]:
     return {"d2h_bytes_per_s": nbytes / sec, "h2d_bytes_per_s": nbytes / sec}
 
 
-def _host_costs(device: torch.device, quick: bool) -> Dict[str, float]:
-    """Note [host cost in the plan]: host seconds per offloaded tensor and per op in a wrapped
-    region, medians of interleaved rounds against the same work without spillover."""
+def host_cost_times(device: torch.device, n: int, rounds: int) -> Dict[str, float]:
+    """Medians of ``rounds`` interleaved rounds (after one warm-up) of a chain of ``n`` ops on a
+    4 KiB tensor, forward + backward: run plainly ("plain"), under a host offload context saving
+    every tensor ("offloaded"), and as a full checkpoint region ("wrapped"), in seconds. Run it
+    on a thread of its own (:func:`on_own_thread`) to keep the caller's step out of it."""
     from .activations import offload_context
     from .recompute.region import checkpoint
 
-    n = 50 if quick else 200
-    rounds = 3 if quick else 5
     x = torch.randn(1024, device=device, requires_grad=True)  # 4 KiB: its copy is nothing
     ctx = offload_context("host", min_offload_bytes=0, host_pool_bytes=64 << 20)
     sync = _sync_for(device)
@@ -217,9 +217,9 @@ def _host_costs(device: torch.device, quick: bool) -> Dict[str, float]:
     def wrapped() -> None:
         checkpoint(chain, x, policy="full").sum().backward()
 
-    times: Dict[str, List[float]] = {"plain": [], "offloaded": [], "wrapped": []}
     fns = {"plain": plain, "offloaded": offloaded, "wrapped": wrapped}
-    with torch.enable_grad():
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for r in range(rounds + 1):
             for k, fn in fns.items():
                 sync()
@@ -229,10 +229,17 @@ def _host_costs(device: torch.device, quick: bool) -> Dict[str, float]:
                 if r:
                     times[k].append(time.perf_counter() - t0)
                 x.grad = None
-    base = statistics.median(times["plain"])
-    per_offload = max(0.0, (statistics.median(times["offloaded"]) - base) / n)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _host_costs(device: torch.device, quick: bool) -> Dict[str, float]:
+    """Note [host cost in the plan]: host seconds per offloaded tensor and per op in a wrapped
+    region, medians of interleaved rounds against the same work without spillover."""
+    n = 50 if quick else 200
+    t = host_cost_times(device, n, 3 if quick else 5)
+    per_offload = max(0.0, (t["offloaded"] - t["plain"]) / n)
     # a full region runs each op twice under its dispatch modes (forward, recompute)
-    per_op = max(0.0, (statistics.median(times["wrapped"]) - 2 * base) / (2 * n))
+    per_op = max(0.0, (t["wrapped"] - 2 * t["plain"]) / (2 * n))
     return {"host_seconds_per_offload": per_offload, "host_seconds_per_op": per_op}
 
 
@@ -300,17 +307,28 @@ def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
 def measure_device(device: torch.device, quick: bool = False) -> Dict[str, Any]:
     """Throughput and link bandwidth of one device (not cached; see :func:`calibrate`), outside
     any step the caller is in (Note [calibration outside the step])."""
+    def work() -> Dict[str, Any]:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            out = _measure_device(device, quick)
+        out.update(_host_costs(device, quick))
+        return out
+
+    return on_own_thread(work)
+
+
+T = TypeVar("T")
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own, which starts with none of the caller's thread-local
+    state (Note [calibration outside the step]); what it raises is raised here."""
     box: Dict[str, Any] = {}
 
     def work() -> None:
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                out = _measure_device(device, quick)
-            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-                out.update(_host_costs(device, quick))
-            box["out"] = out
+            box["out"] = fn()
         except BaseException as e:  # raised again on the caller's thread
             box["error"] = e
 

@@ -24,9 +24,7 @@ Note [device figures]
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import threading
-import time
 from typing import Any, Dict, Mapping, Optional, Union
 
 import psutil
@@ -114,49 +112,18 @@ _cpu: Optional[Device] = None
 
 def _measure_host_costs() -> Dict[str, float]:
     """Host seconds per dispatched op, per op of a wrapped region on top of it, and per
-    offloaded tensor (Note [device figures]): medians of interleaved rounds."""
-    from ..activations import offload_context
-    from ..recompute.region import checkpoint
-    from ..suspend import no_offload
+    offloaded tensor (Note [device figures]): medians of interleaved rounds, measured as the
+    calibration measures them (``calibrate.host_cost_times``)."""
+    from .. import calibrate
 
-    n, rounds = 100, 5
-    x = torch.randn(1024, requires_grad=True)  # 4 KiB: its copy is nothing
-    ctx = offload_context("host", min_offload_bytes=0, host_pool_bytes=64 * MiB)
-
-    def chain(h: torch.Tensor) -> torch.Tensor:
-        for _ in range(n):
-            h = h.sin()
-        return h
-
-    def plain() -> None:
-        chain(x).sum().backward()
-
-    def offloaded() -> None:
-        with ctx:
-            y = chain(x).sum()
-        y.backward()
-
-    def wrapped() -> None:
-        checkpoint(chain, x, policy="full").sum().backward()
-
-    fns = {"plain": plain, "offloaded": offloaded, "wrapped": wrapped}
-    times: Dict[str, list] = {k: [] for k in fns}
-    with torch.enable_grad(), torch.autocast("cpu", enabled=False), no_offload():
-        for r in range(rounds + 1):
-            for k, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                if r:
-                    times[k].append(time.perf_counter() - t0)
-                x.grad = None
-    base = statistics.median(times["plain"])
+    n = 100
+    t = calibrate.on_own_thread(lambda: calibrate.host_cost_times(torch.device("cpu"), n, 5))
+    base = t["plain"]
     # forward n sins + backward n (sin's backward: cos and mul) + the sum: ~3n + 2 ops
-    per_op = base / (3 * n + 2)
     return {
-        "host_seconds_per_op": per_op,
-        "host_seconds_per_offload": max(0.0, (statistics.median(times["offloaded"]) - base) / n),
-        "host_seconds_per_region_op": max(
-            0.0, (statistics.median(times["wrapped"]) - 2 * base) / (2 * n)),
+        "host_seconds_per_op": base / (3 * n + 2),
+        "host_seconds_per_offload": max(0.0, (t["offloaded"] - base) / n),
+        "host_seconds_per_region_op": max(0.0, (t["wrapped"] - 2 * base) / (2 * n)),
     }
 
 
