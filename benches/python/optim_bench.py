@@ -67,39 +67,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, List
 
 import torch
+from optim_common import params_like, race, sizes, warm
 
 import spillover
 from spillover import _native
 from spillover._runtime import host_pool
-
-
-def sizes(total: int, n: int) -> List[int]:
-    """`n` sizes summing to about `total`, varied, none a multiple of 16."""
-    base = total // n
-    out = []
-    for i in range(n):
-        s = int(base * (0.5 + (i % 7) / 6.0))
-        out.append(s - s % 16 + 3)
-    scale = total / sum(out)
-    return [max(19, int(s * scale) | 1) for s in out]
-
-
-def params_like(szs: List[int], dtype: torch.dtype, seed: int) -> List[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
-    ps = []
-    for s in szs:
-        p = torch.nn.Parameter(torch.randn(s, generator=g).to(dtype))
-        p.grad = (torch.randn(s, generator=g) * 1e-2).to(dtype)
-        ps.append(p)
-    return ps
 
 
 class MasterRecipe:
@@ -117,24 +96,6 @@ class MasterRecipe:
         torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
         self.opt.step()
         torch._foreach_copy_([p.data for p in self.params], self.masters)
-
-
-def race(methods: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, float]:
-    for f in methods.values():  # warm-up: allocates state, faults pages in
-        f()
-        f()
-    times: Dict[str, List[float]] = {k: [] for k in methods}
-    # Every order in turn, so each method follows each other one equally often (what ran just
-    # before matters here: foreach leaves freed temporaries behind, and an idle core slows
-    # down).
-    orders = list(itertools.permutations(methods))
-    for r in range(rounds):
-        for k in orders[r % len(orders)]:
-            gc.collect()
-            t0 = time.perf_counter()
-            methods[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def row(name: str, t: float, ref: float, note: str = "") -> str:
@@ -207,16 +168,6 @@ def bench_bf16(args, pool_bytes: int) -> List[str]:
     return out
 
 
-def warm(seconds: float = 0.2) -> None:
-    """Keep every core busy for a moment. On this project's VM an idle vCPU comes back slow
-    (the kernel that follows an I/O-bound phase ran ~1.5x slower), and in training the step
-    follows backward, so both the optimizer and the engine are timed on warm cores."""
-    a = torch.randn(256, 256)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a @ a
-
-
 def engine_seconds(pool, dirs, nbytes: int, chunk: int = 8 << 20, depth: int = 8) -> float:
     """Write then read `nbytes` through a fresh swap engine, `depth` requests of `chunk` in
     flight: the bandwidth the optimizer's pipeline can at best reach."""
@@ -276,212 +227,6 @@ def bench_nvme(args, pool_bytes: int) -> List[str]:
     ]
     del opt, ours
     gc.collect()
-    return out
-
-
-def bench_staged(args, pool_bytes: int) -> List[str]:
-    from spillover import optim as so
-
-    szs = sizes(int(args.staged_params), 16)
-    n = sum(szs)
-    # Four optimizers in one pool (pools are shared per capacity): 20 B/param each for the
-    # master, the two moments and the two staging buffers, plus slack.
-    own_pool = 4 * n * 20 + (96 << 20) + 4096
-
-    def setup(staged: bool, inbwd: bool = False):
-        ps = params_like(szs, torch.float32, 0)
-        g = torch.Generator().manual_seed(1)
-        coef = [torch.randn(p.shape, generator=g) * 1e-2 for p in ps]
-        opt = spillover.OffloadAdamW(
-            ps,
-            lr=1e-3,
-            tier="host",
-            host_pool_bytes=own_pool,
-            _force_staging=staged,
-            _hook_copies=staged,  # this part times the hooks' copies and fingerprints
-            update_in_backward=inbwd,
-        )
-        return ps, coef, opt
-
-    step_times: Dict[str, List[float]] = {}  # the step() call alone, per optimizer
-
-    def train(ps, coef, opt, edit: bool, step: bool = True):
-        def run():
-            for p in ps:
-                p.grad = None
-            sum((p * c).sum() for p, c in zip(ps, coef)).backward()
-            if edit:  # moves no version counter: only the fingerprint sees it
-                for p in ps:
-                    p.grad.data.mul_(0.5)
-            if step:
-                t0 = time.perf_counter()
-                opt.step()
-                step_times.setdefault(id(opt), []).append(time.perf_counter() - t0)
-
-        return run
-
-    direct = setup(False)
-    reused = setup(True)
-    stale = setup(True)
-    inbwd = setup(True, inbwd=True)
-    methods = {
-        "backward only": train(*direct, edit=False, step=False),
-        "in place (not staged)": train(*direct, edit=False),
-        "staged, copies reused": train(*reused, edit=False),
-        "staged, .data write: copied again": train(*stale, edit=True),
-        "staged, update_in_backward": train(*inbwd, edit=False),
-    }
-    t = race(methods, args.rounds)
-    grads = [p.grad for p in reused[0]]
-    fp_times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for gr in grads:
-            so._fingerprint_parts(gr)
-        fp_times.append(time.perf_counter() - t0)
-    fp = min(fp_times)
-    gib = n * 4 / (1 << 30)
-    bwd = t["backward only"]
-    st = reused[2].stats(), stale[2].stats()
-
-    def call(setup_: Any) -> str:
-        return f"{statistics.median(step_times[id(setup_[2])]) * 1e3:.1f} ms (median)"
-
-    out = [
-        f"\n### staged path on CPU tensors, {n / 1e6:.0f}M fp32 parameters in {len(szs)} "
-        f"tensors ({gib:.2f} GiB of gradients; optimizer time = step time - backward only)\n",
-        "| method | step ms (median) | optimizer ms | note |",
-        "| --- | --- | --- | --- |",
-    ]
-    for k, v in t.items():
-        note = ""
-        if k.startswith("staged, copies"):
-            note = f"grad_copies {st[0]['grad_copies']}, stale {st[0]['grad_stale_copies']}"
-            note += f"; step() call alone {call(reused)}"
-        elif k.startswith("staged, .data"):
-            note = f"grad_copies {st[1]['grad_copies']}, stale {st[1]['grad_stale_copies']}"
-        elif k.endswith("update_in_backward"):
-            note = (
-                f"step() call alone {call(inbwd)} (the updates ran during backward, on the "
-                "worker thread; step() fingerprints the gradients)"
-            )
-        opt_ms = "" if k == "backward only" else f"{(v - bwd) * 1e3:.1f}"
-        out.append(f"| {k} | {v * 1e3:.1f} | {opt_ms} | {note} |")
-    out.append(
-        f"\nfingerprint alone (torch int64 ops on this CPU): {fp * 1e3:.1f} ms for {gib:.2f} GiB "
-        f"= {gib / fp:.2f} GiB/s; the staged step fingerprints every gradient twice (hook and "
-        "step); on a GPU host both run on the device"
-    )
-    del direct, reused, stale, inbwd, grads
-    gc.collect()
-    return out
-
-
-class _Sleep(torch.autograd.Function):
-    """Simulated device compute: the backward of one layer takes `seconds`."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(ctx.seconds)
-        return g, None
-
-
-def bench_sim(args, pool_bytes: int) -> List[str]:
-    from spillover.activations.link import sim
-
-    class Link(sim.SimDevice):
-        """The compute stream's waits are kept for the next forward (a GPU's host goes on)."""
-
-        def __init__(self, bandwidth):
-            super().__init__(bandwidth)
-            self.pending: List[Any] = []
-
-        def wait(self, stream, ev):
-            if stream is sim._HOST:
-                self.pending.append(ev)
-            else:
-                super().wait(stream, ev)
-
-        def forward_starts(self):
-            for ev in self.pending:
-                self.synchronize(ev)
-            self.pending = []
-
-    szs = sizes(int(args.sim_params), 16)
-    n = sum(szs)
-    own_pool = 3 * n * 20 + (96 << 20) + 4096
-
-    def setup(bw: float, mode: str):
-        ps = params_like(szs, torch.float32, 0)
-        g = torch.Generator().manual_seed(1)
-        coef = [torch.randn(p.shape, generator=g) * 1e-2 for p in ps]
-        link = Link(bw)
-        opt = spillover.OffloadAdamW(
-            ps, lr=1e-3, tier="host", host_pool_bytes=own_pool, _force_staging=True,
-            _link=link, _hook_copies=mode != "at step() (default)",
-            update_in_backward=mode == "update_in_backward",
-        )
-        return ps, coef, opt, link
-
-    def train(ps, coef, opt, link, seconds):
-        def run():
-            link.forward_starts()
-            for p in ps:
-                p.grad = None
-            acc = torch.zeros(())
-            for p, c in zip(ps, coef):
-                acc = _Sleep.apply(acc + (p * c).sum(), seconds / len(ps))
-            acc.backward()
-            opt.step()
-
-        return run
-
-    out = [
-        f"\n### simulated device: {n / 1e6:.0f}M fp32 parameters in {len(szs)} tensors "
-        f"({n * 4 / (1 << 20):.0f} MiB of gradients), step = backward + step(), ms (median)\n",
-        "| link GB/s | backward ms | hook copies | at step() (default) | update_in_backward |"
-        " hooks / at step() | hooks - 2 fingerprints - at step() |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    from spillover.optim import fingerprint
-
-    grads = [torch.randn(s_) for s_ in szs]
-    fp_times = []
-    for _ in range(3):  # the host's fingerprint of every gradient (the sim charges 2 per step)
-        t0 = time.perf_counter()
-        for gr in grads:
-            fingerprint._fingerprint_parts(gr)
-        fp_times.append(time.perf_counter() - t0)
-    fp = min(fp_times)
-    del grads
-    modes = ("hook copies", "at step() (default)", "update_in_backward")
-    for bw in args.sim_bandwidths.split(","):
-        for bwd in args.sim_backwards.split(","):
-            made = {m: setup(float(bw) * 1e9, m) for m in modes}
-            t = race({m: train(*made[m], float(bwd) / 1e3) for m in modes}, args.rounds)
-            for m in modes:
-                made[m][3].forward_starts()
-                for space in made[m][2]._spaces:  # the copies in flight, before freeing
-                    space.close()
-            cells = " | ".join(f"{t[m] * 1e3:.1f}" for m in modes)
-            ratio = t["hook copies"] / t["at step() (default)"]
-            net = (t["hook copies"] - 2 * fp - t["at step() (default)"]) * 1e3
-            out.append(f"| {bw} | {bwd} | {cells} | {ratio:.2f} | {net:+.1f} |")
-            del made
-            gc.collect()
-    out.append(
-        f"\nfingerprint of every gradient on this host: {fp * 1e3:.1f} ms (the hook-copies mode "
-        "takes two per step: hook and step(); on a GPU they are device kernels on the copy "
-        "stream). "
-        "Copy of all gradients over the link: "
-        + ", ".join(f"{n * 4 / (float(b) * 1e9) * 1e3:.1f} ms at {b} GB/s"
-                    for b in args.sim_bandwidths.split(","))
-    )
     return out
 
 
@@ -560,6 +305,7 @@ def main() -> None:
     )
     parts = args.parts.split(",")
     from optim_lowbit import bench_lowbit, bench_lowbit_nvme
+    from optim_staged import bench_sim, bench_staged
 
     def bench_fingerprint(args: Any, pool_bytes: int) -> List[str]:
         # the gradient fingerprint alone (fingerprint_cost.py, which also measures an older

@@ -16,33 +16,16 @@ and 8): bytes read + written per step, their ratio, and the step time of each, i
 from __future__ import annotations
 
 import gc
-import itertools
 import statistics
 import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
+from optim_common import race_spread, sizes, warm
 
 import spillover
 from spillover.optim import formats
-
-
-def race_spread(methods: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, List[float]]:
-    """Every method once per round, the rounds cycling through every order (as
-    optim_bench.race); the times of every round."""
-    for f in methods.values():
-        f()
-        f()
-    times: Dict[str, List[float]] = {k: [] for k in methods}
-    orders = list(itertools.permutations(methods))
-    for r in range(rounds):
-        for k in orders[r % len(orders)]:
-            gc.collect()
-            t0 = time.perf_counter()
-            methods[k]()
-            times[k].append(time.perf_counter() - t0)
-    return times
 
 
 def _setups(szs: List[int], dtype: torch.dtype, kinds: List[Tuple[str, int, bool]],
@@ -77,7 +60,6 @@ def _table(times: Dict[str, List[float]], per: Dict[str, float], ref: str) -> Li
 
 
 def bench_lowbit(args, pool_bytes: int) -> List[str]:
-    from optim_bench import sizes  # the same parameter sizes as the other parts
 
     szs = sizes(int(args.params), args.tensors)
     # The largest state here: bf16 parameters, 12 + 8 + 6.03 + 2.03 bytes per parameter.
@@ -116,7 +98,6 @@ def bench_lowbit(args, pool_bytes: int) -> List[str]:
 
 
 def bench_lowbit_nvme(args, pool_bytes: int) -> List[str]:
-    from optim_bench import sizes, warm
 
     szs = sizes(int(args.nvme_params), max(8, args.tensors // 4))
     n = sum(szs)
