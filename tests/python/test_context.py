@@ -304,3 +304,28 @@ def test_inplace_after_save_is_an_error(when):
         y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.backward()
+
+
+def test_a_storage_written_after_its_pack_is_packed_again():
+    """One step saves ``a`` (for ``y``, whose backward never runs), writes ``a`` in place, and
+    saves it again (for ``z``): the second save must be the written bytes, not a view of the
+    first save's copy (a dedup by storage address alone handed back the stale bytes)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def step(ctx=None):
+        x.grad = None
+        with ctx if ctx is not None else torch.enable_grad():
+            a = x * 2
+            y = a.sin()  # saves a; y's backward never runs
+            a.mul_(3)
+            z = a.cos().sum()  # saves a again, written
+        z.backward()
+        del y
+        return x.grad.clone()
+
+    ref = step()
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=16 << 20)
+    for _ in range(2):
+        assert torch.equal(step(ctx), ref)
+    assert ctx.stats(total=True).tensors_offloaded > 0
