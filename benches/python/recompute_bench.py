@@ -175,6 +175,10 @@ def parser() -> argparse.ArgumentParser:
                     help="host pool of auto's NVMe context (on a CPU host the pool is the memory "
                          "the budget counts: a smaller one leaves auto more of it)")
     ap.add_argument("--explain", action="store_true", help="print explain() for each wrap mode")
+    ap.add_argument("--seed", choices=("trace", "estimate", "none"), default="trace",
+                    help="auto's first step: planned from a trace of it on fake tensors made "
+                         "inside it (trace, the default), from spillover.estimate before it "
+                         "(estimate), or a learning step (none, as before Note [seeded plan])")
     ap.add_argument("--json-out", metavar="PATH", help="write every measurement here (JSON)")
     ap.add_argument("--phase", choices=("all", "memory", "time"), default="all",
                     help=argparse.SUPPRESS)
@@ -216,7 +220,10 @@ def measure(args: argparse.Namespace) -> None:
         m.load_state_dict(base.state_dict())
         policy = WRAP_POLICY.get(mode)
         if mode in AUTO_MODES:
-            planner = spillover.Planner(budget_bytes=1)  # set from this run's measurements
+            # budget set from this run's measurements; --seed (Note [seeded plan] in
+            # spillover/estimate/seed.py): "trace" plans the first step from a trace of it
+            # made inside it, "estimate" from spillover.estimate before it, "none" learns first
+            planner = spillover.Planner(budget_bytes=1, seed_from_trace=args.seed == "trace")
             planners[mode] = (planner, budget_source(mode, modes))
             policy = planner
         models[mode] = spillover.wrap(m, policy=policy)
@@ -273,6 +280,7 @@ def measure(args: argparse.Namespace) -> None:
         least_peak: dict = {}
         peak_by, held_by = {}, {}
         run_peak: dict = {}  # the most any step of the mode reached (learning, tuning included)
+        auto_steps: dict = {m: [] for m in planners}  # (peak, seconds, plan) of every step
         for step in range(2):
             if step == 1:
                 # auto measures its first planned steps and re-plans (Note [peak feedback] in
@@ -283,11 +291,29 @@ def measure(args: argparse.Namespace) -> None:
                             break
                         dt, peak, held = step_once(mode, True)
                         run_peak[mode] = max(run_peak.get(mode, 0), peak)
+                        auto_steps[mode].append((peak, dt, planner.plan.variant
+                                                 if planner.plan else "learning"))
                         print(f"  memory tuning {mode:<13} peak {peak / 2**20:8.0f} MiB, plan "
                               f"{planner.plan.variant if planner.plan else '-'}", flush=True)
             for mode in modes:
+                if mode in planners:
+                    planner = planners[mode][0]
+                    if args.seed == "estimate" and planner.plan is None:
+                        # ahead of training, outside the step: the estimate's tuned plan
+                        est = spillover.estimate(base, idx, tgt, modes=["auto"],
+                                                 budget=planner.budget_bytes,
+                                                 host_pool_bytes=args.auto_pool)
+                        seeded = est.planner(planner.budget_bytes)
+                        planner.seed(seeded.plan, seeded.planned_records, seeded.peak_offsets,
+                                     seeded.outside_bytes, seeded.loss_bytes,
+                                     seeded.loss_min_bytes,
+                                     predicted_peak=seeded.seeded["predicted_peak"])
+                    before = planner.plan.variant if planner.plan else "learning"
                 dt, peak, held = step_once(mode, True)
                 run_peak[mode] = max(run_peak.get(mode, 0), peak)
+                if mode in planners:
+                    auto_steps[mode].append((peak, dt, planner.plan.variant if before ==
+                                             "learning" and planner.seeded else before))
                 least_peak[mode] = min(least_peak.get(mode, peak), peak)
                 for planner, ref in planners.values():
                     if ref == mode:  # the budget is the reference's peak of the whole step
@@ -306,6 +332,9 @@ def measure(args: argparse.Namespace) -> None:
             plans[m] = path
         with open(args.json, "w") as f:
             json.dump({"peak": peak_by, "held": held_by, "run_peak": run_peak,
+                       "auto_steps": auto_steps,
+                       "seeded": {m: dict(planners[m][0].seeded or {},
+                                          note=planners[m][0].seed_note) for m in planners},
                        "budgets": budgets, "plans": plans,
                        "variants": {m: planners[m][0].plan.variant for m in planners}}, f)
         if args.explain:
@@ -350,7 +379,7 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
              str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch), "--vocab",
              str(args.vocab), "--attn",
              attn, "--pool", args.pool, "--auto-pool", args.auto_pool, "--allocator",
-             args.allocator]
+             args.allocator, "--seed", args.seed]
     print(f"\n### attention {attn}", flush=True)
     # Memory first, in a child whose allocator is pinned (see the module docstring); then each
     # timed step in a child of its own that runs one mode only, round by round.
@@ -442,8 +471,23 @@ def run_kind(args: argparse.Namespace, attn: str) -> dict:
             whole = mem_run["run_peak"][m]
             print(f"{m}: whole-run peak (its learning and tuning steps included) "
                   f"{format_size(whole)} = {whole / budgets[m]:.2f}x its budget (goal <= 1.05x)")
+            steps = mem_run["auto_steps"][m]
+            if steps:
+                (p0, t0, v0), (_pl, tl, vl) = steps[0], steps[-1]
+                print(f"{m}: first step ({v0}): peak {format_size(p0)} = {p0 / budgets[m]:.2f}x "
+                      f"its budget, {t0:.2f} s = {t0 / tl:.2f}x the last memory step's ({vl}, "
+                      f"{tl:.2f} s; both with the mmap threshold pinned); steps: "
+                      + ", ".join(f"{p / 2**20:.0f} MiB {t:.2f} s {v}" for p, t, v in steps))
+                sd = mem_run["seeded"][m]
+                if sd.get("variant"):
+                    print(f"{m}: the first step's plan came from a trace on fake tensors "
+                          f"({sd.get('fake_steps')} fake steps, {sd.get('seconds', 0):.2f} s of "
+                          f"its time; predicted peak {format_size(sd.get('predicted_peak') or 0)})")
+                elif sd.get("note"):
+                    print(f"{m}: not seeded: {sd['note']}")
     return {
         "attn": attn,
+        "auto_steps": mem_run["auto_steps"],
         "modes": {m: {"t": times[m], "t_median": med[m][0], "peak": mem_run["peak"][m],
                       "held": mem_run["held"][m], "run_peak": mem_run["run_peak"][m],
                       "budget": budgets.get(m),

@@ -203,8 +203,10 @@ def run_mode(mode: Mode, batches: List[tuple], device: torch.device, alloc: Allo
             alloc.for_memory(True)
             loss, dt, ctx = _step(mode, *batches[0], device, None)
             mode.model.zero_grad(set_to_none=True)
+            seeded = " (planned from a trace of the step on fake tensors)" if (
+                i == 0 and planner.seeded is not None) else ""
             progress(f"{mode.name:<9} planning {i + 1}  {dt:6.2f} s  "
-                     f"{planner.plan.variant if planner.plan else 'learning'}")
+                     f"{planner.plan.variant if planner.plan else 'learning'}{seeded}")
             del loss, ctx
     for step, (idx, tgt) in enumerate(batches):
         gc.collect()

@@ -1,6 +1,11 @@
 """The keep / offload / recompute planner on real models: learning, re-planning, the budget,
 peak feedback, selective, and the calibration cache (its search on synthetic steps:
-test_planner_search.py)."""
+test_planner_search.py).
+
+The planners here pass ``seed_from_trace=False``: these tests drive the learning step and the
+tuning after it (scripted peaks, measured peaks), which a plan made from a trace of the first
+step on fake tensors skips (Note [seeded plan] in spillover/estimate/seed.py; that path:
+test_estimate_seed.py)."""
 
 import copy
 import json
@@ -30,7 +35,7 @@ def test_learns_plans_and_replans_on_shape_change(tiny_gpt_cl):
     ref_short = gpt_step(base, short)
     # measure_peak=False: the budget bounds the modeled bytes held after forward, nothing
     # is re-planned from measured peaks (tested on its own below)
-    planner = Planner(budget_bytes=1 * MiB, machine=CPU, measure_peak=False)
+    planner = Planner(budget_bytes=1 * MiB, machine=CPU, measure_peak=False, seed_from_trace=False)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
     assert_bitwise(ref, gpt_step(model, batch))  # learning step (full recompute)
     assert planner.plan is None and planner.learning
@@ -48,14 +53,14 @@ def test_learns_plans_and_replans_on_shape_change(tiny_gpt_cl):
 def test_plan_respects_the_budget_on_a_real_model(tiny_gpt_cl):
     base, batch = tiny_gpt_cl
     ref = gpt_step(base, batch)
-    probe = Planner(budget_bytes=1, machine=CPU)
+    probe = Planner(budget_bytes=1, machine=CPU, seed_from_trace=False)
     m = spillover.wrap(copy.deepcopy(base), policy=probe)
     gpt_step(m, batch)
     gpt_step(m, batch)
     full, plain = probe.plan.full_bytes, probe.plan.plain_bytes
     assert 0 < full < plain and probe.outside_bytes > 0
     budget = (full + plain) // 2
-    planner = Planner(budget_bytes=budget, machine=CPU, measure_peak=False)
+    planner = Planner(budget_bytes=budget, machine=CPU, measure_peak=False, seed_from_trace=False)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
     for _ in range(3):
         assert_bitwise(ref, gpt_step(model, batch))
@@ -72,7 +77,7 @@ def test_standalone_checkpoint_with_a_shared_planner():
     cfg = GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, seq=32)
     model = GPT(cfg)
     idx, tgt = synthetic_batch(cfg, 2)
-    planner = Planner(budget_bytes=1, machine=CPU, measure_peak=False)
+    planner = Planner(budget_bytes=1, machine=CPU, measure_peak=False, seed_from_trace=False)
 
     def step(use):
         model.zero_grad(set_to_none=True)
@@ -142,7 +147,7 @@ def test_learned_bytes_match_what_autograd_saves(tiny_gpt_cl):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         base.blocks[0](x)
-    planner = Planner(budget_bytes=1, machine=CPU)
+    planner = Planner(budget_bytes=1, machine=CPU, seed_from_trace=False)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
     gpt_step(model, batch)
     rec = planner._records[0]
@@ -195,7 +200,7 @@ class _FakeMeter:
 
 
 def _metered_steps(base, batch, budget, peaks, steps):
-    planner = Planner(budget_bytes=budget, machine=CPU)
+    planner = Planner(budget_bytes=budget, machine=CPU, seed_from_trace=False)
     meter = planner._meter = _FakeMeter(peaks)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
     plans = []
@@ -213,7 +218,7 @@ def test_peak_feedback_corrects_the_plan_until_it_fits(tiny_gpt_cl):
     from spillover.planner import learning_peak
 
     base, batch = tiny_gpt_cl
-    probe = Planner(budget_bytes=1, machine=CPU, measure_peak=False)
+    probe = Planner(budget_bytes=1, machine=CPU, measure_peak=False, seed_from_trace=False)
     m = spillover.wrap(copy.deepcopy(base), policy=probe)
     gpt_step(m, batch)
     gpt_step(m, batch)

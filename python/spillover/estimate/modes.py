@@ -201,7 +201,8 @@ class Runner:
             wrap(model, policy=SelectivePolicy(machine=dev.machine()),
                  chunked_loss=self.chunked_loss)
         elif mode == "auto":
-            planner = Planner(budget_bytes=max(1, self.budget_for()), machine=dev.machine())
+            planner = Planner(budget_bytes=max(1, self.budget_for()), machine=dev.machine(),
+                              seed_from_trace=False)  # it is the trace
             planner._meter = _TraceMeter(tracker, "cpu")
             wrap(model, policy=planner, chunked_loss=self.chunked_loss)
         opt = self._optimizer(model)
@@ -401,6 +402,16 @@ class Runner:
             return 0
         return max((sum(p.numel() * p.element_size() for p in b.parameters())
                     for _, b in blocks), default=0)
+
+
+def roofline_seconds(device: Device, op: OpCost) -> float:
+    """Note [step time] without measured op times: FLOPs at the matmul rate, bytes at the
+    memory rate, and the host's dispatch."""
+    dev = op.moved / device.memory_bytes_per_s
+    if op.compute_bound:
+        dev += op.flops / device.flops_per_s(op.dtype)
+    host = device.host_seconds_per_op
+    return dev + host if device.kind == "cpu" else max(dev, host)
 
 
 def _leaves(x: Any) -> List[torch.Tensor]:

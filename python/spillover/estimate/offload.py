@@ -121,7 +121,8 @@ class SimContext(DriveModel):
     starting at 64 MiB and growing to ``pool_cap``)."""
 
     def __init__(self, tier: str, device: Device, tracker: Tracker, pool_bytes: Optional[int],
-                 pool_cap: int, params: set, min_offload_bytes: int = 1 << 20):
+                 pool_cap: int, params: set, min_offload_bytes: int = 1 << 20,
+                 learns_order: bool = True):
         if tier not in ("host", "nvme"):
             raise ValueError(f"tier={tier!r}: expected host or nvme")
         self.tier = tier
@@ -134,6 +135,8 @@ class SimContext(DriveModel):
             _runtime.MIN_POOL, self.cap)
         self.params = params
         self.min_offload_bytes = min_offload_bytes
+        #: False: every step is the tier's first (no learned order), as a new context's is
+        self.learns_order = learns_order
         self.figures = OffloadFigures()
         self._hooks: Any = None
         # seq -> entry, while a handle of it lives (the graph holds the handles)
@@ -178,13 +181,15 @@ class SimContext(DriveModel):
         one); pushed where ``current_context()`` finds it."""
         self._dedup = {}
         self._kept_keys = set()
-        if self._sizes:
+        if self._sizes and self.learns_order:
             self._learned, self._sizes = self._sizes, []
             after, acc = [], 0
             for n in reversed(self._learned):
                 after.append(acc)
                 acc += n
             self._after = after[::-1]
+        elif not self.learns_order:
+            self._sizes = []
         self._piece = 0
         # what the process's module hook fills in (Note [parameters by identity])
         self._rec = _StepRecord()

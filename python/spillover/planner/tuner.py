@@ -77,6 +77,8 @@ class Planner:
         measure_peak: measure the peak of the learning step and of the first planned steps and
             correct the plan by it (Note [peak feedback]); with False the budget bounds what
             the step holds after forward, as modeled, and nothing is measured.
+        seed_from_trace: under ``wrap``, plan the first step from a trace of it on fake tensors
+            instead of a learning step (Note [seeded plan] in spillover/estimate/seed.py).
     """
 
     #: planned steps whose measured peak may still re-plan (Note [peak feedback])
@@ -85,7 +87,7 @@ class Planner:
     SLACK = 0.05
 
     def __init__(self, budget_bytes: Optional[int | str] = None, machine: Optional[Machine] = None,
-                 measure_peak: bool = True):
+                 measure_peak: bool = True, seed_from_trace: bool = True):
         cfg = Config.load()
         if budget_bytes is not None:
             cfg = cfg.replace(device_budget_bytes=budget_bytes)
@@ -121,13 +123,19 @@ class Planner:
         self.tuning_left = 0  # measured steps left in Phase.TUNING
         self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
         self.last_peak: Optional[int] = None
+        #: Note [seeded plan] (spillover/estimate/seed.py): whether the first step traces the
+        #: step on fake tensors and follows the plan made there; what that gave (or why not)
+        self.seed_from_trace = seed_from_trace
+        self.seeded: Optional[Dict[str, Any]] = None
+        self.seed_note = ""
+        self.first_peaks: List[int] = []  # the measured peaks of the steps after a seed
 
     def __reduce__(self) -> Any:
         # Pickled with a wrapped model (Note [pickling a wrapped model] in recompute/blocks.py):
         # the settings travel; what it learned and planned is this machine's and is learned
         # again in the loaded model's first step.
         return (_planner_from, (self.budget_bytes, self._machine, self.measure_peak,
-                                self.explicit_steps))
+                                self.explicit_steps, self.seed_from_trace))
 
     # -- steps --
 
@@ -182,6 +190,8 @@ class Planner:
                 self.plan = None
             elif ran and self.plan is not None and peak is not None \
                     and self.phase is Phase.TUNING:
+                if self.seeded is not None:
+                    self.first_peaks.append(peak)
                 self._tune(peak)
             self._all_learned = True
             self._records = []
@@ -267,6 +277,28 @@ class Planner:
                 a = rp.actions.get(o.index)
                 if a is not None:
                     o.action, o.tier = a[1], a[2]
+
+    def seed(self, plan: Plan, records: List[RegionRecord], peak_offsets: Dict[str, int],
+             outside_bytes: int = 0, loss_bytes: int = 0, loss_min_bytes: int = 0,
+             predicted_peak: Optional[int] = None, **about: Any) -> None:
+        """Follow ``plan``, made from ``records`` (one step, in call order) with the measured
+        ``peak_offsets`` of Note [peak feedback], from the next step on, without a learning
+        step: the entry point of a plan made from a trace of the step on fake tensors
+        (Note [seeded plan] in spillover/estimate/seed.py). The next ``TUNING_STEPS`` steps are
+        measured and corrected as a learned plan's are; ``predicted_peak`` (the trace's peak
+        of the step, over its start) is shown by ``explain()`` beside the measured one."""
+        with self._lock:
+            self.plan = plan
+            self.planned_records = records
+            self.last_records = records
+            self.peak_offsets = dict(peak_offsets)
+            self.outside_bytes = outside_bytes
+            self.loss_bytes = loss_bytes
+            self.loss_min_bytes = loss_min_bytes
+            self.measured = []
+            self.tuning_left = self.TUNING_STEPS if self.measure_peak else 0
+            self.phase = Phase.TUNING if self.tuning_left else Phase.SETTLED
+            self.seeded = {"predicted_peak": predicted_peak, "variant": plan.variant, **about}
 
     def use_plan(self, plan: Plan) -> None:
         """Follow ``plan`` from the next step on, without learning or measuring (e.g. a plan
@@ -389,8 +421,8 @@ def default_budget_text(planner: Planner) -> str:
 
 
 def _planner_from(budget_bytes: Optional[int], machine: Optional[Machine], measure_peak: bool,
-                  explicit_steps: bool) -> Planner:
-    planner = Planner(budget_bytes, machine, measure_peak)
+                  explicit_steps: bool, seed_from_trace: bool = True) -> Planner:
+    planner = Planner(budget_bytes, machine, measure_peak, seed_from_trace)
     planner.explicit_steps = explicit_steps
     return planner
 

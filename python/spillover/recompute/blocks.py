@@ -96,6 +96,7 @@ class _WrapState:
         self.loss_region: Any = None
         self.loss_line: Optional[str] = None
         self.loss_scope: Any = None  # what loss.end_scope restores, while a forward runs
+        self.seeding = False  # a trace of the first step runs (Note [seeded plan])
 
     def __getstate__(self) -> Dict[str, Any]:
         # Note [pickling a wrapped model]: not a forward's counting hooks, nor the key a
@@ -109,9 +110,24 @@ class _WrapState:
     def add_record(self, rec: RegionRecord) -> None:
         self.step_records.append(rec)
 
-    def pre_forward(self, model: nn.Module, args: Any) -> None:
+    def pre_forward(self, model: nn.Module, args: Any, kwargs: Any = None) -> None:
         if not torch.is_grad_enabled() or _compiling():
             return
+        # Note [seeded plan] (estimate/seed.py): a hook that sees the call's keywords (wrap's;
+        # hf.enable's sees the arguments only, and its steps learn)
+        seed = getattr(self.policy, "seed", None)
+        if seed is not None and kwargs is not None and not getattr(self, "seeding", False):
+            self.seeding = True
+            traced = False
+            try:
+                traced = seed(model, self, tuple(args), dict(kwargs))
+            finally:
+                self.seeding = False
+                # the trace's own call ran the loss region's hooks, whose post disarmed it:
+                # arm it again for this call (its pre hook ran before this one)
+                rearm = getattr(self.loss_region, "pre", None)
+                if traced and rearm is not None:
+                    rearm(model, tuple(args), dict(kwargs))
         if self.step_records:
             self.records = self.step_records
         self.step_records = []
@@ -363,7 +379,7 @@ def wrap(
         blk.__class__ = _wrapped_class(type(blk))
         blk.__dict__["_spillover_block"] = (state, name)
     state.handles = [
-        model.register_forward_pre_hook(state.pre_forward),
+        model.register_forward_pre_hook(state.pre_forward, with_kwargs=True),
         model.register_forward_hook(state.post_forward, always_call=True),
     ]
     model.__dict__["_spillover_state"] = state

@@ -406,7 +406,30 @@ class _Auto(RegionPolicy):
             ex.summary["phase"] = planner.phase.value + (
                 f", last measured peak {format_size(planner.last_peak)}"
                 if planner.last_peak is not None else "")
+        seeded = planner.seeded
+        if seeded is not None:  # Note [seeded plan] in spillover/estimate/seed.py
+            pred = seeded.get("predicted_peak")
+            ex.summary["seeded"] = (
+                f"planned from a trace on fake tensors ({seeded.get('fake_steps', 0)} fake "
+                f"steps, {seeded.get('seconds', 0.0):.1f} s): {seeded['variant']}, predicted "
+                f"peak {format_size(pred) if pred is not None else '-'}; measured "
+                + (", ".join(format_size(p) for p in planner.first_peaks) or "not yet"))
+        elif planner.seed_note:
+            ex.summary["seeded"] = f"no: {planner.seed_note}; learned instead"
         return ex
+
+    def seed(self, model: nn.Module, state: Any, args: Tuple[Any, ...],
+             kwargs: Dict[str, Any]) -> bool:
+        """A wrapped model's first forward: plan it from a trace on fake tensors (Note [seeded
+        plan] in spillover/estimate/seed.py), once; on failure the planner learns as before.
+        Returns whether a trace ran (it called the model)."""
+        pol = self.planner
+        if not pol.seed_from_trace or not pol.learning or pol.seed_note or pol.seeded:
+            return False
+        from ..estimate.seed import seed_planner
+
+        pol.seed_note = seed_planner(model, state, args, kwargs) or ""
+        return True
 
     def attach(self, model: nn.Module) -> None:
         if type(model).forward is not nn.Module.forward:
