@@ -30,6 +30,7 @@ import torch
 
 from .activations import offload_context
 from .config import format_size
+from .demo_plot import draw, predict
 from .loss import limit_chunk
 from .models import ATTENTION_KINDS, GPT, GPTConfig, synthetic_batch
 
@@ -86,6 +87,7 @@ class Sampler:
         self.device = device
         self.interval = interval
         self.samples: List[Tuple[float, int]] = []
+        self.marks: Dict[str, float] = {}  # seconds at which forward and backward end
         self._stop = threading.Event()
         self._proc = psutil.Process()
         self._t0 = 0.0
@@ -177,10 +179,14 @@ def _step(mode: Mode, idx: torch.Tensor, tgt: torch.Tensor, device: torch.device
                 loss = mode.model(idx, tgt)
         else:
             loss = mode.model(idx, tgt)
+        if sampler is not None:
+            _sync(device)
+            sampler.marks["forward"] = time.perf_counter() - sampler._t0
         loss.backward()
         _sync(device)
     finally:
         if sampler is not None:
+            sampler.marks["backward"] = time.perf_counter() - sampler._t0
             sampler.__exit__(None, None, None)
     return loss, time.perf_counter() - t0, ctx
 
@@ -194,6 +200,7 @@ def run_mode(mode: Mode, batches: List[tuple], device: torch.device, alloc: Allo
     stats: Dict[str, float] = {"bytes_offloaded_host": 0, "bytes_offloaded_nvme": 0,
                                "prefetch_hits": 0, "prefetch_misses": 0, "stall_seconds": 0.0}
     timeline: List[Tuple[float, int]] = []
+    marks: Dict[str, float] = {}
     planner = mode.planner
     if planner is not None:
         for i in range(planner.TUNING_STEPS + 2):
@@ -227,6 +234,7 @@ def run_mode(mode: Mode, batches: List[tuple], device: torch.device, alloc: Allo
                     else 0
                 peaks.append(sampler.peak + pool)
                 timeline = [(t, m + pool) for t, m in sampler.samples]
+                marks = dict(sampler.marks)
             if not memory_step or len(batches) == 2:
                 times.append(dt)
             if ctx is not None:
@@ -244,6 +252,7 @@ def run_mode(mode: Mode, batches: List[tuple], device: torch.device, alloc: Allo
         "grads": grads,
         "params": first_params,
         "timeline": timeline,
+        "marks": marks,
         "bytes_offloaded_host": stats["bytes_offloaded_host"] / n,
         "bytes_offloaded_nvme": stats["bytes_offloaded_nvme"] / n,
         "prefetch_hits": stats["prefetch_hits"],
@@ -349,28 +358,22 @@ def _table(rows: List[Dict[str, Any]], device: torch.device) -> str:
     return "\n".join(line.rstrip() for line in out)
 
 
-def _plot(rows: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
-    for r in rows:
-        if r["timeline"]:
-            ts, ms = zip(*r["timeline"])
-            ax.plot(ts, [m / 2**20 for m in ms], label=r["mode"], linewidth=1.4)
-    ax.set_xlabel("seconds into the step (forward, then backward)")
-    ax.set_ylabel("activation memory (MiB)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+def _estimate_mode(name: str, act_bytes: int, full_peak: int, device: torch.device
+                   ) -> Optional[Dict[str, Any]]:
+    """What ``spillover.estimate`` runs for the demo's mode ``name`` (its pool and budget as
+    :class:`Mode` sets them); None for a mode it has no counterpart of."""
+    if name in ("none", "full", "selective"):
+        return {"mode": name}
+    if name == "host":
+        return {"mode": "host", "pool": max(64 << 20, 2 * act_bytes)}
+    if name == "nvme":
+        return {"mode": "nvme", "pool": max(64 << 20, act_bytes // 4)}
+    if name == "auto":
+        budget = max(1 << 20, full_peak or act_bytes // 3)
+        pool = max(8 << 20, budget // 16) if device.type == "cpu" else max(64 << 20,
+                                                                            2 * act_bytes)
+        return {"mode": "auto", "budget": budget, "pool": pool}
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -388,6 +391,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "models run it)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", default="spillover-demo", help="folder for the PNG and the JSON")
+    p.add_argument("--no-predict", action="store_true",
+                   help="leave spillover.estimate's predicted curves out of the PNG")
     args = p.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -462,9 +467,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if r.get("plan_line"):
             print(r["plan_line"])
     os.makedirs(args.out, exist_ok=True)
-    png = _plot(rows, os.path.join(args.out, "timeline.png"),
-                f"spillover demo: GPT {cfg.n_layers}x{cfg.d_model}, seq {cfg.seq}, {cfg.attn} "
-                f"attention, batch {batch}, {device}")
+    wanted = {r["mode"]: _estimate_mode(r["mode"], act_bytes, full_peak, device) for r in rows}
+    predicted = {} if args.no_predict else predict(
+        base, *batches[0], device, {m: how for m, how in wanted.items() if how is not None},
+        lambda msg: print("  " + msg, flush=True))
+    png = draw(rows, predicted, os.path.join(args.out, "timeline.png"),
+               f"spillover demo: GPT {cfg.n_layers}x{cfg.d_model}, seq {cfg.seq}, {cfg.attn} "
+               f"attention, batch {batch}, {device}: memory over each step's start, measured "
+               "and predicted", device)
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
         json.dump({

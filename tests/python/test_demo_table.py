@@ -68,3 +68,20 @@ def test_demo_runs_on_sdpa_and_records_the_marking(tmp_path, capsys):
         res = json.load(f)
     assert res["model"]["attn"] == "sdpa"
     assert res["dominated_by"] == dominated(res["rows"])
+    # the picture's inputs: each mode's forward end inside its measured step, and a predicted
+    # curve per mode (spillover.estimate ran for none, full and auto)
+    for r in res["rows"]:
+        assert 0 < r["marks"]["forward"] < r["marks"]["backward"]
+        assert r["marks"]["backward"] <= r["timeline"][-1][0] + 1e-6
+    assert "predicted each mode's memory" in out and "no predicted curve" not in out
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_predicted_curve_drawn_on_the_measured_clock():
+    """Forward onto forward, backward onto backward; a curve without marks is left as it is."""
+    from spillover.demo_plot import _stretch
+
+    curve = [(0.0, 0), (1.0, 10), (2.0, 20), (4.0, 5)]
+    out = _stretch(curve, {"forward": 2.0, "backward": 4.0}, {"forward": 0.5, "backward": 1.5})
+    assert out == [(0.0, 0), (0.25, 10), (0.5, 20), (1.5, 5)]
+    assert _stretch(curve, {}, {"forward": 0.5, "backward": 1.5}) == curve

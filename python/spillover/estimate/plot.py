@@ -41,14 +41,15 @@ def timeline_panels(path: str, title: str,
         for label, pts in curves.items():
             if not pts:
                 continue
+            color = next((c for k, c in colors.items() if label.startswith(k)), None)
             ts = [t for t, _ in pts]
             ms = [m / MiB for _, m in pts]
-            ax.plot(ts, ms, label=label, linewidth=1.3, color=colors.get(label))
+            ax.plot(ts, ms, label=label, linewidth=1.3, color=color)
             i = max(range(len(ms)), key=ms.__getitem__)
             top = max(top, ms[i])
             ax.annotate(f"peak {ms[i]:.0f} MiB", (ts[i], ms[i]), xytext=(4, -12),
-                        textcoords="offset points", fontsize=8, color=colors.get(label))
-            ax.plot([ts[i]], [ms[i]], marker="o", markersize=3, color=colors.get(label))
+                        textcoords="offset points", fontsize=8, color=color)
+            ax.plot([ts[i]], [ms[i]], marker="o", markersize=3, color=color)
         for name, style in (("forward", "--"), ("backward", ":")):
             if name in marks:
                 ax.axvline(marks[name], color="grey", linestyle=style, linewidth=0.9)
@@ -56,11 +57,11 @@ def timeline_panels(path: str, title: str,
             ax.text(marks["forward"], top * 1.02 if top else 1, " backward →", fontsize=7,
                     color="grey", va="bottom")
         ax.set_ylim(0, top * 1.18 if top else 1)
-        ax.set_ylabel(f"{mode}\nMiB", fontsize=8)
+        ax.set_ylabel(f"{mode}\n{ylabel}", fontsize=8)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
         if len(curves) > 1:
-            ax.legend(fontsize=7, loc="upper left")
+            ax.legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("seconds into the step (dashed: forward ends; dotted: backward "
                            "ends, the optimizer step after it)", fontsize=8)
     fig.suptitle(title, fontsize=10)
