@@ -168,6 +168,44 @@ def test_largest_batch_per_mode_fits_and_the_next_does_not():
         est.largest()
 
 
+def _tiny_llama():
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    ids = torch.randint(0, 32000, (2, 128), generator=torch.Generator().manual_seed(0))
+    return T.LlamaForCausalLM(cfg), ids
+
+
+def _hf_step(m, ids):
+    m.zero_grad(set_to_none=True)
+    m(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad for p in m.parameters()]
+
+
+def test_hf_enable_is_seeded_too():
+    """hf.enable's hooks see the call's keywords (a transformers model is called with them):
+    its first step follows a traced plan, bitwise equal to hf.enable's full recomputation
+    with the same loss chunk."""
+    from spillover.integrations import hf
+
+    base, ids = _tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hf.enable(copy.deepcopy(base), policy="auto", budget_bytes="8MiB")
+        model.train()
+        grads = _hf_step(model, ids)
+        state = model._spillover_state
+        planner = state.policy.planner
+        assert planner.seeded is not None, planner.seed_note
+        assert not planner.learning
+        assert state.loss_region.calls == 1
+        full = hf.enable(copy.deepcopy(base), policy="full")
+        full.train()
+        with spillover.loss.limit_chunk(state.policy.loss_cap()):
+            assert_bitwise(_hf_step(full, ids), grads)
+
+
 def test_hf_llama_first_step_runs_its_loss_region():
     """A transformers causal LM: the trace's own call ran the loss region's hooks (which
     disarm it when a call ends); the real first step still computes the loss by the chunked

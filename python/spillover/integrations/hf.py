@@ -121,10 +121,10 @@ class _HFState(_WrapState):
     # A step begins at the outermost of the hooked forwards: PEFT's LoraModel calls the base
     # model's forward directly (no hooks), so the wrapper and every PreTrainedModel inside are
     # hooked, and only the outermost call of a forward counts.
-    def pre_forward(self, model: nn.Module, args: Any) -> None:
+    def pre_forward(self, model: nn.Module, args: Any, kwargs: Any = None) -> None:
         self._depth += 1
         if self._depth == 1:
-            super().pre_forward(model, args)
+            super().pre_forward(model, args, kwargs)
 
     def post_forward(self, model: nn.Module, args: Any, out: Any) -> None:
         self._depth = max(0, self._depth - 1)
@@ -241,7 +241,7 @@ def enable(model: nn.Module, policy: Policy = "selective", *,
         id(m): m for m in [*owners, *(m for m in hf.modules() if isinstance(m, pretrained))]
     }
     for m in hooked.values():
-        state.handles += [m.register_forward_pre_hook(state.pre_forward),
+        state.handles += [m.register_forward_pre_hook(state.pre_forward, with_kwargs=True),
                           m.register_forward_hook(state.post_forward, always_call=True)]
     hf.__dict__["_set_gradient_checkpointing"] = _SetCheckpointing(hf, original, state.func)
     for o in owners:

@@ -113,8 +113,8 @@ class _WrapState:
     def pre_forward(self, model: nn.Module, args: Any, kwargs: Any = None) -> None:
         if not torch.is_grad_enabled() or _compiling():
             return
-        # Note [seeded plan] (estimate/seed.py): a hook that sees the call's keywords (wrap's;
-        # hf.enable's sees the arguments only, and its steps learn)
+        # Note [seeded plan] (estimate/seed.py): the first step planned from a trace of this
+        # call (wrap's and hf.enable's hooks see its keywords)
         seed = getattr(self.policy, "seed", None)
         if seed is not None and kwargs is not None and not getattr(self, "seeding", False):
             self.seeding = True
