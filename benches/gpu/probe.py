@@ -30,6 +30,8 @@ Checks (the review of 2026-12-03 names what each confirms or refutes):
                captured over an eager forward's offloaded tensors (raises)
   streams      half the blocks on a side stream: gradients bitwise equal to no offload
   verify       the verify mode on the device: no false positive, and its cost
+  estimate     spillover.estimate's device peak against max_memory_allocated per mode (none,
+               full, selective, host) on a 4-layer GPT (benches/gpu/estimate_check.py)
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, os.path.join(ROOT, "benches", "python")]
+
+from estimate_check import check_estimate  # noqa: E402
 
 import spillover  # noqa: E402
 from spillover import _runtime  # noqa: E402
@@ -479,7 +483,7 @@ def check_verify(p: Probe) -> Dict[str, Any]:
 CHECKS = [("env", 20, check_env), ("pool", 25, check_pool), ("link", 40, check_link),
           ("optimizer", 50, check_optimizer), ("step", 90, check_steps),
           ("capture", 15, check_capture), ("streams", 15, check_streams),
-          ("verify", 20, check_verify)]
+          ("verify", 20, check_verify), ("estimate", 30, check_estimate)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
