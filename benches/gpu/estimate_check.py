@@ -7,19 +7,19 @@ AdamW's state (what the estimate counts: Note [step time] and its device peak "a
 ``max_memory_allocated`` counts it"); the estimate gets this GPU's figures (``h100``/``h200``
 when the name says so, else an H100's rates with this device's memory). In a dry run on the CPU
 the measured peak is the CPU allocator's events over the step's start plus what the step
-starts with (tests/python/test_estimate.py's way). Goal: within 5 % in every mode.
+starts with (``spillover.estimate.measured.step_peak``, as tests/python/test_estimate.py
+measures it). Goal: within 5 % in every mode.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import warnings
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 import torch
 
 import spillover
+from spillover.estimate.devices import known_gpu
+from spillover.estimate.measured import step_peak
 
 POOL = 64 << 20
 MODES = ("none", "full", "selective", "host")
@@ -28,74 +28,8 @@ MODES = ("none", "full", "selective", "host")
 def _spec(dev: str) -> Any:
     if dev == "cpu":
         return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    for known in ("h200", "h100"):
-        if known in name:
-            return known
-    return {"base": "h100", "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
-
-
-def _storages(ts: Any) -> int:
-    seen, total = set(), 0
-    for t in ts:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
-
-
-def measure(mode: str, cfg: Any, batch: Tuple[torch.Tensor, torch.Tensor], dev: str,
-            swapdir: str) -> int:
-    """The measured device peak of one step of ``mode`` (see the module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from spillover.models import GPT
-
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    ctx = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if mode in ("full", "selective"):
-            spillover.wrap(model, policy=mode)
-        elif mode == "host":
-            spillover.wrap(model, policy="offload")
-            ctx = spillover.offload_context("host", host_pool_bytes=POOL, nvme_path=swapdir)
-    opt = torch.optim.AdamW(model.parameters())
-    idx, tgt = batch
-
-    def step() -> None:
-        with ctx if ctx is not None else contextlib.nullcontext():
-            loss = model(idx, tgt)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # AdamW's state; selective's regions learn
-    gc.collect()
-    if dev != "cpu":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
-    start = _storages(list(model.parameters()) + list(model.buffers()) + [idx, tgt]
-                      + [v for s in opt.state.values() for v in s.values()])
-    if ctx is not None:
-        start += ctx.stats().pool_capacity
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    cur = peak = 0
-    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                       if e.name() == "[memory]"):
-        cur += n
-        peak = max(peak, cur)
-    return start + peak
+    return known_gpu(torch.cuda.get_device_name()) or {
+        "base": "h100", "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
 
 
 def check_estimate(p: Any) -> Dict[str, Any]:
@@ -118,7 +52,8 @@ def check_estimate(p: Any) -> Dict[str, Any]:
     ok = True
     for mode in MODES:
         pred = est[mode].device_peak_bytes
-        meas = measure(mode, cfg, batch, dev, swapdir)  # type: ignore[arg-type]
+        torch.manual_seed(0)
+        meas = step_peak(mode, GPT(cfg).to(dev), batch, {}, swapdir, POOL)
         err = (pred - meas) / meas
         ok &= abs(err) <= 0.05
         rows[mode] = {"predicted": pred, "measured": meas, "error": err}

@@ -51,13 +51,13 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import spillover
 from spillover._peak import high_water, reset_high_water, rss
 from spillover.config import format_size
 from spillover.demo import Allocator
 from spillover.estimate.fakes import pick_loss
+from spillover.estimate.measured import allocator_events, storages_bytes
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
 MODES = ("none", "full", "selective", "host", "nvme", "auto")
@@ -175,18 +175,10 @@ class Real:
         self.opt.zero_grad(set_to_none=True)
 
     def start_bytes(self) -> int:
-        seen, total = set(), 0
         ts = list(self.model.parameters()) + list(self.model.buffers()) + list(self.args)
         ts += list(self.kwargs.values())
-        ts += [v for s in self.opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor)]
-        for t in ts:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    total += st.nbytes()
-        return total
+        ts += [v for s in self.opt.state.values() for v in s.values()]
+        return storages_bytes(ts)
 
     def pool(self) -> int:
         return self.ctx.stats().pool_capacity if self.ctx is not None else 0
@@ -197,16 +189,15 @@ class Real:
         gc.collect()
         start = self.start_bytes() + self.pool()
         t0 = time.perf_counter_ns()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                t0 = time.perf_counter_ns()
-                self.mapped.clear()
-                self.step()
-            mapped = list(self.mapped)
+
+        def step() -> None:
+            nonlocal t0
+            t0 = time.perf_counter_ns()
+            self.mapped.clear()
+            self.step()
+
         # the profiler stamps its events with the wall clock, in ns (time.time_ns)
-        evs = sorted([(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                      if e.name() == "[memory]"] + mapped)
+        evs = sorted(allocator_events(step) + list(self.mapped))
         cur = peak = 0
         series = []
         first = evs[0][0] if evs else t0

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .estimate.devices import known_gpu
 from .estimate.plot import timeline_panels
 
 __all__ = ["predict", "draw"]
@@ -27,11 +28,7 @@ def _device_name(device: torch.device) -> Optional[str]:
     """The estimate's device for ``device``: this CPU (measured), or a GPU it has figures for."""
     if device.type == "cpu":
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for known in ("h200", "h100"):
-        if known in name:
-            return known
-    return None
+    return known_gpu(torch.cuda.get_device_name(device))
 
 
 def predict(base: Any, idx: torch.Tensor, tgt: torch.Tensor, device: torch.device,

@@ -8,8 +8,6 @@ Estimate's table, fields and errors; ``python -m spillover fit`` on the Llama-3-
 The whole table (every model and mode, host RAM and step time too):
 benches/python/estimate_accuracy.py."""
 
-import contextlib
-import gc
 import os
 import subprocess
 import sys
@@ -17,71 +15,21 @@ import warnings
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import spillover
-from spillover.estimate.fakes import pick_loss
+from spillover.estimate.measured import step_peak
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
 POOL = 64 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _storages_bytes(ts):
-    seen, total = set(), 0
-    for t in ts:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
-
-
 def measured_peak(mode, factory, args, kwargs, tmp_path):
     """The real step's peak of live tensor storages: what it starts with (parameters,
     buffers, inputs, AdamW's state after a warm-up step), the offload pool, and the most the
-    allocator's events add over that during the step."""
+    allocator's events add over that during the step (spillover.estimate.measured)."""
     torch.manual_seed(0)
-    model = factory()
-    model.train()
-    ctx = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if mode in ("full", "selective"):
-            spillover.wrap(model, policy=mode)
-        elif mode == "host":
-            spillover.wrap(model, policy="offload")
-            ctx = spillover.offload_context("host", host_pool_bytes=POOL,
-                                            nvme_path=str(tmp_path))
-    opt = torch.optim.AdamW(model.parameters())
-
-    def step():
-        with ctx if ctx is not None else contextlib.nullcontext():
-            loss = pick_loss(model(*args, **kwargs))
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # warm-up: optimizer state, the pool; selective's regions learn
-    gc.collect()
-    start = _storages_bytes(list(model.parameters()) + list(model.buffers()) + list(args)
-                            + list(kwargs.values())
-                            + [v for s in opt.state.values() for v in s.values()])
-    if ctx is not None:
-        start += ctx.stats().pool_capacity
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    evs = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                 if e.name() == "[memory]")
-    cur = peak = 0
-    for _, n in evs:
-        cur += n
-        peak = max(peak, cur)
-    return start + peak
+    return step_peak(mode, factory(), args, kwargs, str(tmp_path), POOL)
 
 
 def gpt_case():

@@ -33,7 +33,7 @@ import torch
 from ..config import parse_size
 from ..planner.machine import Machine
 
-__all__ = ["Device", "device_spec", "DEVICES"]
+__all__ = ["Device", "device_spec", "DEVICES", "known_gpu"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -104,6 +104,12 @@ DEVICES: Dict[str, Device] = {
     "h100": _gpu("h100", 81559, 3.35),
     "h200": _gpu("h200", 143771, 4.8),
 }
+
+
+def known_gpu(name: str) -> Optional[str]:
+    """The :data:`DEVICES` key a GPU's name (``torch.cuda.get_device_name()``) names, if any."""
+    low = name.lower()
+    return next((k for k in DEVICES if k in low), None)
 
 
 _cpu_lock = threading.Lock()

@@ -117,24 +117,17 @@ class Estimate:
         model this estimate traced, run with the same inputs' shapes under an offload context
         of the same tier and pool. Its first steps are measured and corrected as usual."""
         from ..planner import Planner
-        from .seed import _retarget
+        from .seed import hand_over
 
         m = self["auto"]
         tmp = m.planner
         if tmp is None or tmp.plan is None:
             raise ValueError("Estimate.planner: the auto mode made no plan (see its note)")
         p = Planner(budget_bytes=budget_bytes if budget_bytes is not None else self.budget)
-        plan, records = tmp.plan, tmp.planned_records
-        if self.device.kind == "cuda":
-            for r in records:
-                r.signature = _retarget(r.signature, "cpu", "cuda:0")
-            for rp in plan.regions:
-                rp.signature = _retarget(rp.signature, "cpu", "cuda:0")
         trace = m.trace
-        p.seed(plan, records, tmp.peak_offsets, outside_bytes=tmp.outside_bytes,
-               loss_bytes=tmp.loss_bytes, loss_min_bytes=tmp.loss_min_bytes,
-               predicted_peak=(m.device_peak_bytes - trace.base) if trace is not None else None,
-               fake_steps=tmp.steps, seconds=0.0)
+        hand_over(tmp, p, "cuda:0" if self.device.kind == "cuda" else "cpu",
+                  (m.device_peak_bytes - trace.base) if trace is not None else None,
+                  seconds=0.0)
         return p
 
     # -- the largest that fits --

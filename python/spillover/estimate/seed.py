@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["seed_planner"]
+__all__ = ["seed_planner", "hand_over"]
 
 
 def _retarget(x: Any, old: str, new: str) -> Any:
@@ -163,10 +163,15 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
             region.calls = calls
     if tmp.plan is None:
         return "the trace made no plan"
-    plan = tmp.plan
-    records = tmp.planned_records
-    if target is None and device != "cpu":  # never: a GPU's trace is named by its device
-        target = device
+    hand_over(tmp, planner, device, peak, seconds=time.perf_counter() - t0)
+    return None
+
+
+def hand_over(tmp: Any, planner: Any, device: str, predicted_peak: Optional[int],
+              **about: Any) -> None:
+    """``tmp``'s plan, tuned on fake steps, to ``planner`` (``Planner.seed``), its records and
+    regions named for ``device`` (fake tensors are the CPU's)."""
+    plan, records = tmp.plan, tmp.planned_records
     for r in records:
         r.device = device
         r.signature = _retarget(r.signature, "cpu", device)
@@ -174,7 +179,5 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
         rp.signature = _retarget(rp.signature, "cpu", device)
     planner.seed(plan, records, tmp.peak_offsets, outside_bytes=tmp.outside_bytes,
                  loss_bytes=tmp.loss_bytes, loss_min_bytes=tmp.loss_min_bytes,
-                 predicted_peak=peak, seconds=time.perf_counter() - t0,
-                 fake_steps=tmp.steps)
-    return None
+                 predicted_peak=predicted_peak, fake_steps=tmp.steps, **about)
 

@@ -120,14 +120,14 @@ class _WrapState:
             self.seeding = True
             traced = False
             try:
-                traced = seed(model, self, tuple(args), dict(kwargs))
+                traced = seed(model, self, args, kwargs)
             finally:
                 self.seeding = False
                 # the trace's own call ran the loss region's hooks, whose post disarmed it:
                 # arm it again for this call (its pre hook ran before this one)
                 rearm = getattr(self.loss_region, "pre", None)
                 if traced and rearm is not None:
-                    rearm(model, tuple(args), dict(kwargs))
+                    rearm(model, args, kwargs)
         if self.step_records:
             self.records = self.step_records
         self.step_records = []
