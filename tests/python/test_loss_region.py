@@ -1,5 +1,7 @@
-"""The loss region (spillover/loss/): a HF causal LM's head and loss through torch's chunked
-``linear_cross_entropy`` under ``spillover.wrap`` / ``hf.enable``, against HF's own loss.
+"""The loss region (spillover/loss/): a HF causal LM's head and loss by chunks under
+``spillover.wrap`` / ``hf.enable``, against HF's own loss: through torch's chunked
+``linear_cross_entropy`` where this torch has it, spillover's own chunks elsewhere (Note [which
+chunked loss]); tests/python/test_loss_fused.py runs spillover's chunks on every torch.
 
 Tolerance: the chunked loss sums in another order than ``F.cross_entropy`` over the whole
 logits, so loss and gradients are compared at rtol 1e-5, atol 1e-6 in fp32 (torch's own
@@ -25,7 +27,9 @@ from spillover.models import GPT, GPTConfig, synthetic_batch
 transformers = pytest.importorskip("transformers")
 from spillover.integrations import hf  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not L.available(), reason="torch without linear_cross_entropy")
+# torch's own op and its options (torch 2.13+); the rest runs on every torch
+needs_torch_op = pytest.mark.skipif(not L.available(),
+                                    reason="torch without linear_cross_entropy (2.13+)")
 
 VOCAB = 32000
 RTOL, ATOL = 1e-5, 1e-6
@@ -43,11 +47,21 @@ def tiny(kind: str):
                                       n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0, use_cache=False)
         return transformers.GPT2LMHeadModel(cfg).train()
-    if kind == "gemma2":  # final logit soft-capping: left as it is
+    if kind == "gemma2":  # final logit soft-capping (30): chunked with the loss
         cfg = transformers.Gemma2Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)
         return transformers.Gemma2ForCausalLM(cfg).train()
+    if kind == "cohere":  # logits * logit_scale
+        cfg = transformers.CohereConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, logit_scale=0.25, use_cache=False)
+        return transformers.CohereForCausalLM(cfg).train()
+    if kind == "granite":  # logits / logits_scaling
+        cfg = transformers.GraniteConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, logits_scaling=4.0, use_cache=False)
+        return transformers.GraniteForCausalLM(cfg).train()
     raise ValueError(kind)
 
 
@@ -122,6 +136,8 @@ def test_chunk_rows_rule():
     assert L.chunk_rows(32000) == 512
     assert L.chunk_rows(128256) == 256
     assert L.chunk_rows(50) == 1024
+    if not L.available():
+        return
     opt = L.options_for(32768)
     assert opt.batch_chunk_size == 512 and opt.chunking_method is None
 
@@ -137,6 +153,7 @@ def test_a_cap_shrinks_the_chunk_down_to_the_floor():
     assert L.chunk_rows(8192, cap_bytes=10 << 30, hidden_bytes=hidden) == 1024  # never more
 
 
+@needs_torch_op  # chunk_rows_seen watches torch's op; test_loss_fused.py has spillover's own
 def test_limit_chunk_uses_fewer_rows_within_torchs_tolerance(chunk_rows_seen):
     """A capped chunk: more, smaller chunks (the rows torch is given), the same loss and
     gradients within torch's tolerance; the scope reports the transient of the speed rule's
@@ -191,7 +208,8 @@ def test_loss_and_grads_match_hf_without_logits(kind, how):
     close(ref, got)
     assert state.loss_region.calls == 1
     assert model.lm_head.__dict__.get("forward") is None  # the head is itself again
-    assert "linear_cross_entropy" in spillover.explain(model).summary["loss region"]
+    line = spillover.explain(model).summary["loss region"]
+    assert ("linear_cross_entropy" if L.available() else "spillover's chunks") in line
 
 
 def test_gradient_accumulation_num_items_in_batch():
@@ -264,8 +282,33 @@ def test_without_labels_or_gradients_the_model_is_unchanged():
     assert torch.equal(out.loss, out.logits.float().mean())
 
 
-def test_softcapping_is_left_alone_and_named(caplog):
-    base = tiny("gemma2")
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_logit_transforms_are_chunked_with_the_loss(kind):
+    """Note [logit transforms]: Gemma 2's soft-capping, Cohere's and Granite's logit scales run
+    in spillover's own chunks (torch's op has none): HF's loss and gradients, no logits."""
+    base = tiny(kind)
+    ids, mask, labels = batch()
+    ref_out, ref = step(base, ids, mask, labels)
+    model = turn_on(copy.deepcopy(base), "wrap")
+    state = model._spillover_state
+    assert state.loss_region is not None, state.loss_line
+    assert "spillover's chunks" in spillover.explain(model).summary["loss region"]
+    before = L.paths_run()[L.OWN]
+    with SavedSizes() as ours:
+        out, got = step(model, ids, mask, labels)
+    assert L.paths_run()[L.OWN] == before + 1
+    assert out.logits is None
+    assert ours.largest < ids.numel() * VOCAB // 8, "a tokens x vocab tensor was saved"
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=ATOL)
+    close(ref, got)
+
+
+def test_a_transform_the_forward_does_not_show_is_left_alone_and_named(caplog):
+    """A config that sets a logit transform its model's forward does not apply between head and
+    loss as transformers writes it (here Llama, whose forward has no soft-capping): the model's
+    own head and loss, the reason logged and in explain()."""
+    base = tiny("llama")
+    base.config.final_logit_softcapping = 30.0
     with caplog.at_level(logging.INFO, logger="spillover"):
         model = turn_on(copy.deepcopy(base), "wrap")
     state = model._spillover_state
@@ -320,18 +363,24 @@ def test_under_offload_context_bitwise_to_without(private_pool_bytes):
 
 
 def test_torch_without_the_function(monkeypatch):
-    monkeypatch.delattr(F, "linear_cross_entropy")
-    monkeypatch.setattr(L.chunked, "_warned_missing", False)  # the warning is once a process
+    """Below torch 2.13 (the op hidden here): spillover's own chunks, no warning, no logits,
+    HF's loss and gradients within fp32 rounding; explain() names the path and why."""
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
     base = tiny("llama")
-    with pytest.warns(UserWarning, match="no torch.nn.functional.linear_cross_entropy"):
-        model = hf.enable(copy.deepcopy(base), policy="full")
-    assert model._spillover_state.loss_region is None
-    assert "has no linear_cross_entropy" in model._spillover_state.loss_line
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only
-        hf.enable(copy.deepcopy(base), policy="full")
+        warnings.simplefilter("error")
+        model = hf.enable(copy.deepcopy(base), policy="full")
+    line = model._spillover_state.loss_line
+    assert model._spillover_state.loss_region is not None, line
+    assert "spillover's chunks" in line and "has no linear_cross_entropy" in line
     ids, mask, labels = batch()
-    assert model(input_ids=ids, attention_mask=mask, labels=labels).logits is not None
+    ref_out, ref = step(base, ids, mask, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, got = step(model, ids, mask, labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=ATOL)
+    close(ref, got)
 
 
 def test_builtin_gpt_chunked_loss():
@@ -399,7 +448,8 @@ def test_wrap_turns_the_builtin_gpt_loss_region_on_and_unwrap_restores_it():
     plain = GPT(cfg)
     wrapped = spillover.wrap(copy.deepcopy(plain), policy="full")
     assert wrapped.spillover_chunked_loss is True
-    assert "chunked linear_cross_entropy" in spillover.explain(wrapped).summary["loss region"]
+    line = spillover.explain(wrapped).summary["loss region"]
+    assert ("chunked linear_cross_entropy" if L.available() else "spillover's chunks") in line
     idx, tgt = synthetic_batch(cfg, 4)
     for m in (plain, wrapped):
         m.zero_grad(set_to_none=True)
@@ -415,8 +465,9 @@ def test_wrap_turns_the_builtin_gpt_loss_region_on_and_unwrap_restores_it():
 
 
 def test_a_second_backward_through_the_chunked_loss_names_the_switch():
-    """torch's chunked op runs one backward per forward: retain_graph=True and a second
-    backward raise an error that says how to get the plain loss."""
+    """The chunked loss (torch's op, spillover's chunks alike) runs one backward per forward:
+    retain_graph=True and a second backward raise an error that says how to get the plain
+    loss."""
     cfg = GPTConfig(vocab=512, d_model=32, n_heads=2, n_layers=1, seq=32)
     torch.manual_seed(0)
     model = spillover.wrap(GPT(cfg), policy="full")

@@ -2,6 +2,16 @@
 :mod:`spillover.loss`): :func:`chunked_cross_entropy` and :func:`causal_lm_loss`, the rows per
 chunk, and the transient each call reports to a wrapped model's step.
 
+Note [which chunked loss]
+    Two implementations of the same chunked loss: torch's ``linear_cross_entropy`` (torch
+    2.13+) where it exists and the head is a plain linear layer (with or without bias), and
+    spillover's own (:mod:`.fused`, Note [chunks in forward]) on an older torch and for heads
+    that transform the logits (Note [logit transforms]), which torch's op does not take. Both
+    take the same rows per chunk and report the same transient; where both can run they agree
+    within fp32 rounding (tests/python/test_loss_fused.py). :func:`backend` says which one a
+    call takes; :func:`paths_run` counts the calls each made in this process (what the GPU
+    scripts print). The plain loss, logits in memory, runs only where the region is off.
+
 Note [loss chunks]
     torch's default chunking (``LinearCrossEntropyOptions()``, "aspect_ratio") is slow on CPU:
     on 2,046 tokens × d 256 → vocab 32,768, forward + backward took 2.1–5.3 s (6.5–11.3 s on a
@@ -44,15 +54,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
-from typing import Any, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["available", "chunk_rows", "options_for", "chunked_cross_entropy",
-           "causal_lm_loss", "begin_scope", "end_scope", "limit_chunk", "warn_missing"]
+from . import fused
+
+__all__ = ["available", "backend", "chunk_rows", "options_for", "chunked_cross_entropy",
+           "causal_lm_loss", "begin_scope", "end_scope", "limit_chunk", "paths_run",
+           "path_line", "TORCH", "OWN"]
+
+#: The names :func:`backend` and :func:`paths_run` give the two paths (Note [which chunked loss])
+TORCH = "torch's linear_cross_entropy"
+OWN = "spillover's chunks"
 
 _CHUNK_BYTES = 64 << 20  # Note [loss chunks]
 _MIN_ROWS, _MAX_ROWS = 256, 1024
@@ -113,6 +129,36 @@ def available() -> bool:
     return hasattr(F, "linear_cross_entropy") and hasattr(nn, "LinearCrossEntropyOptions")
 
 
+def backend(softcap: Optional[float] = None, scale: Optional[float] = None) -> str:
+    """The chunked loss a call takes on this torch (Note [which chunked loss]): :data:`TORCH`
+    or :data:`OWN`."""
+    plain_head = not softcap and (scale is None or float(scale) == 1.0)
+    return TORCH if plain_head and available() else OWN
+
+
+_ran: Dict[str, int] = {TORCH: 0, OWN: 0}
+
+
+def paths_run() -> Dict[str, int]:
+    """Calls of the chunked loss made in this process, per path (:data:`TORCH`, :data:`OWN`)."""
+    return dict(_ran)
+
+
+def path_line() -> str:
+    """One line for a log: which loss path ran in this process (torch's op, spillover's chunks,
+    or neither: the plain loss, logits in memory) and the torch and transformers versions."""
+    ran = [f"{name} ({n} calls)" for name, n in _ran.items() if n]
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = "not installed"
+    what = " and ".join(ran) if ran else "plain (no chunked loss ran: logits in memory)"
+    return (f"loss path: {what}; this torch's chunked loss: {backend()}; "
+            f"torch {torch.__version__}, transformers {tf}")
+
+
 def chunk_rows(vocab: int, cap_bytes: Optional[int] = None, hidden_bytes: int = 0) -> int:
     """Rows (tokens) per chunk for a head of ``vocab`` classes (Note [loss chunks]); with
     ``cap_bytes``, fewer where one fp32 chunk + ``hidden_bytes`` (the hidden states' gradient)
@@ -130,20 +176,6 @@ def options_for(vocab: int, rows: Optional[int] = None) -> Any:
     :func:`chunk_rows`)."""
     return nn.LinearCrossEntropyOptions(batch_chunk_size=rows or chunk_rows(vocab),
                                         chunking_method=None)
-
-
-_warned_missing = False
-
-
-def warn_missing() -> None:
-    global _warned_missing
-    if not _warned_missing:
-        _warned_missing = True
-        warnings.warn(
-            f"spillover: torch {torch.__version__} has no torch.nn.functional."
-            "linear_cross_entropy (torch 2.13+); the head and loss run unchunked, with the "
-            "tokens x vocab logits in memory. Upgrade torch for the chunked loss region, or "
-            "pass chunked_loss=False to silence this.", stacklevel=3)
 
 
 class _OneBackward(torch.autograd.Function):
@@ -169,18 +201,18 @@ class _OneBackward(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight).float(), targets)`` without the logits.
+                          bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                          reduction: str = "mean", softcap: Optional[float] = None,
+                          scale: Optional[float] = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)`` without the logits.
 
-    ``hidden`` is ``(..., d)``, ``targets`` the matching ``(...)`` class indices. On a torch
-    without ``linear_cross_entropy`` this is the plain computation (with one warning).
+    ``hidden`` is ``(..., d)``, ``targets`` the matching ``(...)`` class indices; ``reduction``
+    "mean" or "sum". ``softcap`` (``z = c * tanh(l / c)``) and ``scale`` (``z = s * l``) are
+    applied to the logits before the loss (Note [logit transforms]). torch's chunked op runs
+    where it can, spillover's own chunks elsewhere (Note [which chunked loss]).
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1).to(h.device)
-    if not available():
-        warn_missing()
-        return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=ignore_index,
-                               reduction=reduction)
     vocab, tokens = weight.shape[0], h.shape[0]
     hidden_bytes = h.numel() * h.element_size()
     rows = chunk_rows(vocab)
@@ -192,28 +224,38 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                                min(_FLOOR_ROWS, tokens) * vocab * 4 + hidden_bytes)
     if _scope.cap is not None and speed > _scope.cap:
         rows = chunk_rows(vocab, _scope.cap, hidden_bytes)  # Note [loss chunk under a budget]
+    path = backend(softcap, scale)
+    _ran[path] += 1
+    if path == OWN:
+        return fused.linear_cross_entropy(h, weight, y, bias=bias, ignore_index=ignore_index,
+                                          reduction=reduction, rows=rows, softcap=softcap,
+                                          scale=scale)
+    extra = {} if bias is None else {"linear_bias": bias}
     loss = F.linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction=reduction,
-                                  options=options_for(vocab, rows))
+                                  options=options_for(vocab, rows), **extra)
     return _OneBackward.apply(loss) if loss.requires_grad else loss
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],
                    *, num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
-                   ignore_index: int = -100,
-                   shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                   scale: Optional[float] = None) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``hidden @ weight.T`` without the logits.
 
     As HF: labels shift left by one (the last position gets ``ignore_index``) unless
     ``shift_labels`` is given; the mean over the positions not ignored, or, when
-    ``num_items_in_batch`` is given (gradient accumulation), the sum divided by it.
+    ``num_items_in_batch`` is given (gradient accumulation), the sum divided by it. ``bias``,
+    ``softcap`` and ``scale``: the head's bias and logit transform (Note [logit transforms]).
     """
     if shift_labels is None:
         if labels is None:
             raise ValueError("causal_lm_loss: pass labels= or shift_labels=")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = chunked_cross_entropy(hidden, weight, shift_labels, ignore_index=ignore_index,
-                                 reduction=reduction)
+    loss = chunked_cross_entropy(hidden, weight, shift_labels, bias=bias,
+                                 ignore_index=ignore_index, reduction=reduction,
+                                 softcap=softcap, scale=scale)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -4,17 +4,21 @@ models of one's own with a ``spillover_chunked_loss`` switch (:class:`FlagRegion
 
 Note [which HF models]
     The head and loss are taken over only where the result is the same math: a class in
-    transformers' causal-LM mapping whose ``forward`` passes ``self.lm_head(...)`` straight to
+    transformers' causal-LM mapping whose ``forward`` passes ``self.lm_head(...)`` to
     ``self.loss_function`` (checked on its source: nothing between the two lines but
-    ``loss = None`` / ``if labels is not None:``), whose loss function is HF's
-    ``ForCausalLMLoss`` and whose head is a plain ``nn.Linear`` without bias. Final logit
-    soft-capping (Gemma 2/3), logit scales (Cohere, Granite), a bias, a LoRA-adapted head or a
-    custom loss function leave the model as it was, with one info log and the reason in
-    ``spillover.explain(model)``. Only training calls change: ``labels`` given and gradients
-    enabled; ``logits_to_keep`` left at 0. The output's ``loss`` is set and its ``logits`` is
-    ``None``; a caller that needs the logits in training passes ``chunked_loss=False``. Inside
-    a PEFT wrapper the region sits on the causal LM the wrapper calls (:func:`target`), so
-    ``wrap``/``hf.enable`` before and after ``get_peft_model`` give the same model.
+    ``loss = None`` / ``if labels is not None:`` and, exactly as transformers writes them, one
+    of the logit transforms of :data:`_TRANSFORMS`: Gemma 2/3's final soft-capping, Cohere's
+    logit scale, Granite's logits scaling), whose loss function is HF's ``ForCausalLMLoss``
+    and whose head is a plain ``nn.Linear`` (a bias is taken along). A transform is chunked
+    with the loss by spillover's own chunks (Note [logit transforms] in fused.py), on every
+    torch. A config that sets a transform the forward does not show as one of those, a
+    LoRA-adapted or quantized head or a custom loss function leave the model as it was, with
+    one info log and the reason in ``spillover.explain(model)``. Only training calls change:
+    ``labels`` given and gradients enabled; ``logits_to_keep`` left at 0. The output's ``loss``
+    is set and its ``logits`` is ``None``; a caller that needs the logits in training passes
+    ``chunked_loss=False``. Inside a PEFT wrapper the region sits on the causal LM the wrapper
+    calls (:func:`target`), so ``wrap``/``hf.enable`` before and after ``get_peft_model`` give
+    the same model.
 
 Note [the loss region yields]
     The region computes the loss only where the model's own forward would: for a training call
@@ -42,10 +46,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .chunked import available, causal_lm_loss, chunk_rows, warn_missing
+from .chunked import OWN, TORCH, available, backend, causal_lm_loss, chunk_rows
 
 __all__ = ["LossRegion", "FlagRegion", "attach", "detach", "describe", "unsupported_reason",
-           "target", "FLAG"]
+           "target", "transform_of", "FLAG"]
 
 _log = logging.getLogger("spillover")
 
@@ -57,6 +61,22 @@ FLAG = "spillover_chunked_loss"
 # -- HuggingFace causal LMs (Note [which HF models]) -----------------------------------------
 
 _BETWEEN_OK = re.compile(r"^\s*(#.*)?$|^\s*loss\s*=\s*None\s*$|^\s*if labels is not None:\s*$")
+
+#: The logit transforms between head and loss taken over (Note [which HF models]): the lines as
+#: transformers writes them (stripped, comments off) -> the kind of transform
+_TRANSFORMS = {
+    ("if self.config.final_logit_softcapping is not None:",
+     "logits = logits / self.config.final_logit_softcapping",
+     "logits = torch.tanh(logits)",
+     "logits = logits * self.config.final_logit_softcapping"): "softcap",
+    ("logits = logits * self.logit_scale",): "scale",
+    ("logits = logits / self.config.logits_scaling",): "inverse scale",
+}
+#: Config attributes that change the logits, the transform the forward must show for each, and
+#: the values that leave the logits as they are
+_CONFIG_TRANSFORMS = {"final_logit_softcapping": ("softcap", (None,)),
+                      "logit_scale": ("scale", (None, 1, 1.0)),
+                      "logits_scaling": ("inverse scale", (None, 1, 1.0))}
 
 
 def _causal_lm_names() -> set:
@@ -70,14 +90,16 @@ def _causal_lm_names() -> set:
     return names
 
 
-_source_ok: Dict[type, Optional[str]] = {}
+_source_ok: Dict[type, Tuple[Optional[str], Optional[str]]] = {}
 
 
-def _forward_reason(cls: type) -> Optional[str]:
-    """Why ``cls.forward`` does something to the logits between head and loss, or None."""
+def _forward_reason(cls: type) -> Tuple[Optional[str], Optional[str]]:
+    """Why ``cls.forward`` does something to the logits between head and loss (None where
+    it does not), and the known transform it applies there (:data:`_TRANSFORMS`, or None)."""
     if cls in _source_ok:
         return _source_ok[cls]
     reason: Optional[str] = None
+    kind: Optional[str] = None
     try:
         lines = inspect.getsource(cls.forward).splitlines()
     except (OSError, TypeError):
@@ -87,11 +109,29 @@ def _forward_reason(cls: type) -> Optional[str]:
     if len(head) != 1 or len(loss) != 1 or not head[0] < loss[0]:
         reason = "its forward does not call self.lm_head once and then self.loss_function"
     else:
-        extra = [s.strip() for s in lines[head[0] + 1:loss[0]] if not _BETWEEN_OK.match(s)]
-        if extra:
+        extra = tuple(s.split("#", 1)[0].strip() for s in lines[head[0] + 1:loss[0]]
+                      if not _BETWEEN_OK.match(s))
+        kind = _TRANSFORMS.get(extra) if extra else None
+        if extra and kind is None:
             reason = f"its forward changes the logits before the loss ({extra[0]!r})"
-    _source_ok[cls] = reason
-    return reason
+    _source_ok[cls] = (reason, kind)
+    return reason, kind
+
+
+def transform_of(model: nn.Module) -> Dict[str, float]:
+    """The logit transform ``model``'s forward applies between head and loss, as the keyword
+    arguments of :func:`~spillover.loss.chunked.chunked_cross_entropy` (``softcap``,
+    ``scale``; empty for none), read from the model now (Note [logit transforms])."""
+    _, kind = _forward_reason(type(model))
+    cfg = getattr(model, "config", None)
+    if kind == "softcap":
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        return {"softcap": float(cap)} if cap else {}
+    if kind == "scale":
+        return {"scale": float(model.logit_scale)}
+    if kind == "inverse scale":
+        return {"scale": 1.0 / float(cfg.logits_scaling)}  # type: ignore[union-attr]
+    return {}
 
 
 def unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -99,19 +139,18 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     cls = type(model)
     if cls.__name__ not in _causal_lm_names():
         return f"{cls.__name__} is not a transformers causal LM"
-    cfg = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(cfg, attr, None) not in (None, 1, 1.0):
-            return f"config.{attr}={getattr(cfg, attr)!r} changes the logits before the loss"
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear:
         return (f"its lm_head is a {type(head).__name__}, not a plain nn.Linear "
                 "(an adapter or quantized head)")
-    if head.bias is not None:
-        return "its lm_head has a bias"
-    why = _forward_reason(cls)
+    why, kind = _forward_reason(cls)
     if why:
         return why
+    cfg = getattr(model, "config", None)
+    for attr, (needs, neutral) in _CONFIG_TRANSFORMS.items():
+        if getattr(cfg, attr, None) not in neutral and kind != needs:
+            return (f"config.{attr}={getattr(cfg, attr)!r} changes the logits before the loss "
+                    "in a way its forward does not show")
     lf = getattr(cls, "loss_function", None)
     try:
         fn = model.loss_function
@@ -154,8 +193,8 @@ class LossRegion:
 
     def describe(self) -> str:
         rows = chunk_rows(self.model.lm_head.weight.shape[0])
-        return (f"lm_head + loss through torch's chunked linear_cross_entropy, {rows} tokens "
-                "per chunk (no logits in training; chunked_loss=False for logits)")
+        return f"lm_head + loss {_through(backend(**transform_of(self.model)))}, {rows} " \
+            "tokens per chunk (no logits in training; chunked_loss=False for logits)"
 
     def install(self) -> None:
         self.handles = [
@@ -193,18 +232,25 @@ class LossRegion:
                  **kwargs: Any) -> torch.Tensor:
         """The loss function's stand-in: HF's ``ForCausalLMLoss`` arguments, the chunked loss
         over the hidden states the head was given."""
-        hidden = self._hidden
-        if logits is not self._empty or hidden is None:
+        hidden, empty = self._hidden, self._empty
+        transform = transform_of(self.model)
+        # the stand-in head's logits, or (a known transform between head and loss, Note [which
+        # HF models]) what the forward made of them: still no vocab columns
+        ours = logits is empty or (
+            empty is not None and bool(transform) and torch.is_tensor(logits)
+            and logits.shape == empty.shape)
+        if not ours or hidden is None:
             # logits the stand-in head did not make: HF's own loss on them
             from transformers.loss.loss_utils import ForCausalLMLoss
 
             return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                                    shift_labels, **kwargs)
         self._hidden = None
-        weight = self.model.lm_head.weight  # type: ignore[union-attr]
-        self._loss = causal_lm_loss(hidden, weight, labels,
+        head = self.model.lm_head
+        self._loss = causal_lm_loss(hidden, head.weight, labels,  # type: ignore[arg-type]
                                     num_items_in_batch=num_items_in_batch,
-                                    ignore_index=ignore_index, shift_labels=shift_labels)
+                                    ignore_index=ignore_index, shift_labels=shift_labels,
+                                    bias=head.bias, **transform)  # type: ignore[arg-type]
         return self._loss
 
     def pre(self, model: nn.Module, args: Tuple[Any, ...],
@@ -267,9 +313,16 @@ class FlagRegion:
         setattr(self.model, FLAG, self.before)
 
     def describe(self) -> str:
-        return ("head + loss through torch's chunked linear_cross_entropy (the model's "
-                f"{FLAG} switch; rows per chunk from its vocabulary, Note [loss chunks]; "
-                "chunked_loss=False for logits)")
+        return (f"head + loss {_through(backend())} (the model's {FLAG} switch; rows per "
+                "chunk from its vocabulary, Note [loss chunks]; chunked_loss=False for logits)")
+
+
+def _through(path: str) -> str:
+    """How :meth:`describe` names a path (Note [which chunked loss] in chunked.py)."""
+    if path == TORCH:
+        return "through torch's chunked linear_cross_entropy"
+    why = "" if available() else f", as torch {torch.__version__} has no linear_cross_entropy"
+    return f"through spillover's chunked linear + cross-entropy ({OWN}{why})"
 
 
 class _Handle:
@@ -295,13 +348,12 @@ def attach(model: nn.Module, chunked_loss: bool = True) -> Tuple[Optional[LossRe
     Returns the region (None where it is off) and a line for ``explain``: what runs, or why
     the head and loss stay as they were. A model outside transformers' causal LMs is left
     alone silently; a causal LM left alone is logged once per class (INFO, logger
-    "spillover"); a torch without the function warns once.
+    "spillover"). On a torch without ``linear_cross_entropy`` spillover's own chunks run
+    (Note [which chunked loss]).
     """
     if not chunked_loss:
         return None, "off (chunked_loss=False): the model's own head and loss"
     if isinstance(getattr(model, FLAG, None), bool):
-        if not available():
-            warn_missing()  # the model's chunked_cross_entropy calls run unchunked
         flag = FlagRegion(model)
         flag.install()
         return flag, flag.describe()
@@ -315,10 +367,6 @@ def attach(model: nn.Module, chunked_loss: bool = True) -> Tuple[Optional[LossRe
             _log.info("spillover: chunked loss region off for %s: %s", type(model).__name__,
                       reason)
         return None, line
-    if not available():
-        warn_missing()
-        return None, f"the model's own head and loss: torch {torch.__version__} has no " \
-            "linear_cross_entropy"
     region = LossRegion(model)
     region.install()
     return region, region.describe()
