@@ -43,6 +43,7 @@ Note [autocast in the chunks]
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Tuple
 
 import torch
@@ -67,8 +68,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                 softcap: Optional[float], scale: Optional[float]) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = b is not None and ctx.needs_input_grad[2]
-        cd = _compute_dtype(h)  # Note [autocast in the chunks]
-        with torch.autocast(h.device.type, enabled=False):
+        cd = _autocast_dtype(h)  # Note [autocast in the chunks]
+        off = contextlib.nullcontext() if cd is None else torch.autocast(h.device.type,
+                                                                          enabled=False)
+        cd = cd or h.dtype
+        with off:
             hx, wx = h.to(cd), w.to(cd)
             bx = None if b is None else b.to(cd)
             total, count, gh, gw, gb = _chunks(hx, wx, bx, y, ignore_index, reduction, rows,
@@ -88,14 +92,16 @@ class LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None, None, None
 
 
-def _compute_dtype(h: torch.Tensor) -> torch.dtype:
-    """Note [autocast in the chunks]: the dtype the head's GEMMs run in."""
+def _autocast_dtype(h: torch.Tensor) -> Optional[torch.dtype]:
+    """Note [autocast in the chunks]: the dtype autocast runs the head's GEMMs in on ``h``'s
+    device, or None where autocast is off (or has no such device: meta)."""
     kind = h.device.type
     try:
-        on = torch.is_autocast_enabled(kind)
-        return torch.get_autocast_dtype(kind) if on and h.is_floating_point() else h.dtype
-    except (TypeError, RuntimeError, AttributeError):  # a torch without the per-device calls
-        return h.dtype
+        if torch.is_autocast_enabled(kind) and h.is_floating_point():
+            return torch.get_autocast_dtype(kind)
+    except (TypeError, RuntimeError, AttributeError):  # no autocast for this device
+        pass
+    return None
 
 
 def _chunks(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], y: torch.Tensor,
