@@ -89,6 +89,17 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             micro-batch accumulates into them (Note [update in backward], Note [speculative
             update] in inbwd.py). One rank or ``shard=False``; pays with parameters on a GPU;
             costs 12 bytes of host memory per parameter for the undo copy.
+        overlap: ``None`` (the default: the exact update, bitwise equal to torch's fused
+            AdamW) or ``"delayed"``: a one-step delayed update (DeepSpeed ZeRO-Offload's),
+            **whose math differs from AdamW's**: ``step()`` hands the update to a worker thread
+            and returns, the host computes it while the device runs the next forward and
+            backward, and the next ``step()`` copies its parameters back, so each gradient is
+            computed on parameters one update older than those it updates (``p[t+1] =
+            AdamW(p[t], grad(p[t-1]))``). Its cost in quality is measured by
+            ``benches/python/lowbit_quality.py --only fp32,delayed``. ``state_dict()`` and
+            ``flush()`` first apply the pending update to the parameters. One rank or
+            ``shard=False``; not with ``update_in_backward``; Note [delayed update] in
+            delayed.py.
         state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored (Note [state formats] in
             formats.py): 32 (fp32, torch's AdamW state: 8 bytes per parameter, 12 with a master
             copy), 16 (bf16, rounded stochastically: 4 / 8 bytes) or 8 (one byte each plus an
@@ -134,6 +145,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         chunk_bytes: Optional[int] = None,
         nvme_buffers: int = 16,
         update_in_backward: bool = False,
+        overlap: Optional[str] = None,
         max_grad_norm: Optional[float] = None,
         state_bits: int = 32,
         master_weights: bool = True,
@@ -182,6 +194,18 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         self._link = _link
         self._hook_copies = bool(_hook_copies)
         self._inbwd = bool(update_in_backward)
+        if overlap not in (None, "delayed"):
+            raise ValueError(
+                f"OffloadAdamW: overlap must be None (the exact update) or 'delayed', got "
+                f"{overlap!r}"
+            )
+        self._delayed = overlap == "delayed"
+        if self._delayed and self._inbwd:
+            raise ValueError(
+                "OffloadAdamW: overlap='delayed' and update_in_backward=True are two ways to "
+                "hide the same host update; choose one (update_in_backward is exact, 'delayed' "
+                "is not: Note [delayed update])"
+            )
         if max_grad_norm is not None and not float(max_grad_norm) > 0.0:
             raise ValueError(f"OffloadAdamW: max_grad_norm must be > 0, got {max_grad_norm}")
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -209,6 +233,8 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         self._setup_distributed(shard, process_group)
         if self._inbwd:
             self._check_inbwd()
+        if self._delayed:
+            self._check_delayed()
         if self._max_grad_norm is not None and self._world > 1:
             raise ValueError(
                 "OffloadAdamW(max_grad_norm=...) works with one rank or shard=False: sharded "
@@ -242,8 +268,31 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 "not fire; use the default mode (update_in_backward=False)"
             )
 
+    def _check_delayed(self) -> None:
+        """Note [delayed update]: where it is offered."""
+        if self._world > 1:
+            raise ValueError(
+                "OffloadAdamW(overlap='delayed') works with one rank or shard=False: the "
+                "sharded step reduce-scatters the gradients and all-gathers the parameters at "
+                "step(); use the default (overlap=None), or shard=False"
+            )
+        if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            raise ValueError(
+                "OffloadAdamW(overlap='delayed') is not offered for DTensor parameters (FSDP2): "
+                "untested there; use the default (overlap=None)"
+            )
+
+    def flush(self) -> None:
+        """With ``overlap="delayed"``: wait for the update the last ``step()`` handed to the
+        host and copy its parameters back now (the next forward sees them), so the model holds
+        every step's update — before saving the model, or evaluating it. Nothing to do
+        otherwise. ``state_dict()`` calls it (Note [delayed update] in delayed.py)."""
+        for space in self._spaces:
+            space.flush()
+
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The one worker thread of update_in_backward (Note [update in backward])."""
+        """The one worker thread of update_in_backward (Note [update in backward]) and of
+        overlap="delayed" (Note [delayed update])."""
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="spillover-optim-update"
@@ -253,6 +302,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
     def _settle(self, what: str) -> None:
         """Wait for the update-in-backward worker; refuse `what` between a backward that
         updated parameters and its ``step()`` (the state is mid-step then)."""
+        self.flush()  # Note [delayed update]: the model and the state agree
         busy = False
         for space in self._spaces:
             space.join()

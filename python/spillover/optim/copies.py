@@ -158,6 +158,12 @@ class _Copies:
     def _record(self) -> Any:
         return None if self.dev is None else self.dev.record(self.d2h)
 
+    def hold_compute(self, ev: Any) -> None:
+        """The compute stream waits for the copy of event `ev` (no host wait): what is queued
+        on it after this call runs after the copy (Note [delayed update] in delayed.py)."""
+        if ev is not None and self.dev is not None:
+            self.dev.wait(self.dev.current_stream(), ev)
+
     def wait(self, ev: Any) -> None:
         """Block the host until the copy of event `ev` has landed (None: it has)."""
         if ev is not None and self.dev is not None:

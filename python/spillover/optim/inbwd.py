@@ -155,6 +155,7 @@ class InBackward:
     compare_bytes: bool
     _send_back: Callable[[int, List[int]], None]
     _step_staged: Callable[..., np.ndarray]
+    update_log: List[Tuple[int, float, float]]
     _count: Callable[[List[int]], np.ndarray]
     end_without_step: Callable[[], None]
 
@@ -230,10 +231,13 @@ class InBackward:
         with self.lock:
             self.saved.add(b)
         self._fill_hyper(idx, hyper)
+        t1 = time.perf_counter()
         self.state.step(self._flat_records(idx))
+        t2 = time.perf_counter()
+        self.update_log.append((b, t1, t2))
         with self.lock:
             self.counters["inbwd_buckets"] += 1
-            self.log[b] = (t0, time.perf_counter())
+            self.log[b] = (t0, t2)
 
     # ---- the undo copy ----
 

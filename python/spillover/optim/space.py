@@ -63,6 +63,7 @@ class _Space(abc.ABC):
     bucket_members: List[List[int]]
     compare_bytes: bool
     inbwd: bool
+    delayed: bool
     last_round: Tuple[int, int]
 
     def __init__(
@@ -125,6 +126,8 @@ class _Space(abc.ABC):
         # Note [update in backward] (StagedSpace): whether this space updates in backward,
         # the undo copy on the swap files, the last step's buckets kept and redone.
         self.inbwd = bool(opt._inbwd) and self.staged and not self.sharded
+        # Note [delayed update] (StagedSpace): the update handed to the worker at step()
+        self.delayed = bool(opt._delayed) and self.staged and not self.sharded
         self.undo_state: Any = None
         self.last_round = (0, 0)
         self._alloc_buffers()
@@ -298,6 +301,10 @@ class _Space(abc.ABC):
         return None
 
     def join(self) -> Optional[BaseException]:
+        return None
+
+    def flush(self) -> None:
+        """No update is pending here (Note [delayed update] is StagedSpace's)."""
         return None
 
     def in_round(self) -> bool:

@@ -92,12 +92,14 @@ Note [update in backward]
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from .delayed import Delayed
 from .fingerprint import _FP_LANES, _fingerprint_parts, _fp_chunks, _fp_combine
 from .inbwd import InBackward
 from .layout import _local, _round_up
@@ -114,7 +116,7 @@ class _Staged:
         self.events, self.fp_event, self.grad, self.version = events, fp_event, grad, version
 
 
-class StagedSpace(InBackward, _Space):
+class StagedSpace(Delayed, InBackward, _Space):
     """Parameters on a device, or ``update_in_backward``, one rank: hooks stage the gradients
     into pinned buckets during backward, ``step()`` updates the buckets in arrival order and
     copies the parameters back (Note [staged gradients]); units are at most ``_UNIT_MAX``
@@ -129,6 +131,10 @@ class StagedSpace(InBackward, _Space):
         self.fp_now: Dict[int, Tuple[Any, int, Tuple[int, ...]]] = {}
         self.inbwd_log: List[Tuple[int, float, float]] = []  # last round: (bucket, start, end)
         self.undo: Dict[Any, torch.Tensor] = {}  # Note [speculative update]: host buffers
+        self.later: List[Tuple[int, List[int], Any]] = []  # Note [delayed update]
+        #: each bucket's kernel pass, (bucket, start, end) in perf_counter seconds, appended
+        #: by every mode (benches read and clear it: the per-bucket breakdown of issue 41)
+        self.update_log: List[Tuple[int, float, float]] = []
         self._new_round()
         super().__init__(opt, dtype, device, members)
         self.buckets_of: Dict[int, List[int]] = {}
@@ -158,7 +164,19 @@ class StagedSpace(InBackward, _Space):
     def step(self, hyper: np.ndarray) -> np.ndarray:
         if self.inbwd:
             return self._step_inbwd(hyper)
+        if self.delayed:
+            return self._step_delayed(hyper)
         return self._step_staged(hyper)
+
+    def join(self) -> Optional[BaseException]:
+        """Wait for the worker: the delayed update (Note [delayed update]) and this round's
+        updates in backward; the first exception one raised."""
+        err = self.join_later()
+        return InBackward.join(self) or err
+
+    def close(self) -> None:
+        super().close()  # waited for the delayed update too: dropped
+        self.later = []
 
     def _register_hooks(self) -> None:
         ref = weakref.ref(self)
@@ -201,7 +219,7 @@ class StagedSpace(InBackward, _Space):
         g = p.grad
         if g is None or (self.expect[k] and self.fired[k] < self.expect[k]):
             return
-        if self.opt._hook_copies:
+        if self.opt._hook_copies and not self.delayed:  # Note [delayed update]
             self._stage_copy(k, g)
 
     def _stage_copy(self, k: int, g: torch.Tensor) -> bool:
@@ -319,7 +337,9 @@ class StagedSpace(InBackward, _Space):
                     self.copies.wait(ev)
             rows = np.asarray(mine, dtype=np.int64)
             self._fill_hyper(rows, hyper)
+            t0 = time.perf_counter()
             self.state.step(self._flat_records(rows))
+            self.update_log.append((b, t0, time.perf_counter()))
             updated.extend(mine)
             self._send_back(b, mine)
         return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])

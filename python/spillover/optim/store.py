@@ -78,6 +78,7 @@ class StateStore:
     _link: Any
     _hook_copies: bool
     _inbwd: bool
+    _delayed: bool
     _state_bits: int
     _master_weights: bool
     _past: Dict[str, float]
@@ -152,8 +153,9 @@ class StateStore:
 
     def _stages(self, device: torch.device) -> bool:
         """Whether the parameters on `device` take the staged path (Note [staged gradients]
-        in staged.py): on a device, or for update_in_backward (Note [update in backward])."""
-        return device.type != "cpu" or self._force_staging or self._inbwd
+        in staged.py): on a device, or for update_in_backward (Note [update in backward]) and
+        overlap="delayed" (Note [delayed update])."""
+        return device.type != "cpu" or self._force_staging or self._inbwd or self._delayed
 
     def _index(self) -> None:
         """Global indices of the parameters, in group order. Parameters added by

@@ -1,0 +1,185 @@
+"""The one-step delayed update of ``OffloadAdamW(overlap="delayed")``: the host updates step
+t's parameters while the device runs step t+1's forward and backward.
+
+Note [delayed update]
+    DeepSpeed ZeRO-Offload's "delayed parameter update", opt-in because its math differs
+    from AdamW's. With the default (exact) step, ``step()`` t copies the gradients of step t to
+    the host, updates, and copies the parameters back before the next forward can run: the
+    device waits for all of it (or, with ``update_in_backward``, for what backward did not
+    hide). With ``overlap="delayed"``, ``step()`` t
+
+    1. waits for the update it handed to the worker at ``step()`` t-1, bucket by bucket in
+       parameter order, and copies each bucket's parameters back as soon as its update is
+       done (the compute stream waits for these copies: the next forward sees them);
+    2. starts copying step t's gradients to the host (the compute stream waits for these
+       copies too, so a gradient written in place after ``step()`` — ``zero_grad(
+       set_to_none=False)``, the next backward accumulating — is written after it was read),
+       and hands each bucket's update to the worker thread (the kernel releases the GIL);
+    3. returns without waiting for them.
+
+    So the forward and backward of step t+1 run on the parameters step t-1's update produced,
+    while the host computes step t's update: the gradient an update applies was computed on
+    parameters one update older than those it updates, ``p[t+1] = AdamW(p[t],
+    grad(p[t-1]))`` (the first ``step()`` updates nothing the device sees; its update reaches
+    the device at the second). The update itself — the kernel, the state, the step counts,
+    clipping (``max_grad_norm``: the gradients are copied at ``step()``, after it),
+    GradScaler (a skipped step hands nothing over), hyper-parameters read at ``step()`` — is
+    the exact one's, on those gradients; only the parameters the gradients are computed on
+    differ. What this costs in quality is measured, not assumed: ``benches/python/
+    lowbit_quality.py --only fp32,delayed`` compares the validation loss with the exact
+    update's.
+
+    What the device still waits for: the copies of step 1 and 2 (both directions at once, on
+    two streams), and, when the host update takes longer than a forward and backward, the rest
+    of it (step 1 blocks the host). Hook copies (``_hook_copies``) are not used in this mode:
+    the hooks would write the staging buffers while the worker may still read them.
+
+    Parameters are written only by ``step()``, ``flush()`` and ``state_dict()`` on the
+    caller's thread (Note [parameter writes are ordered] in copies.py): the worker writes the
+    state and the output staging buffers. ``state_dict()`` (and DCP's save) first applies the
+    pending update to the parameters (``flush()``), so the model and the optimizer's state
+    agree in a checkpoint: save the optimizer's ``state_dict()`` before the model's, or call
+    ``opt.flush()`` first. A flush makes one step's forward see the newest parameters (one
+    step without delay). ``load_state_dict()`` waits for the worker and drops the pending
+    update (the loaded state replaces it; the parameters are the model's, as loaded).
+    Refused with several ranks sharding the state (the step's collectives), with
+    ``update_in_backward`` (another way to hide the same work) and with DTensor parameters
+    (untested).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .layout import _local
+
+
+class Delayed:
+    """The delayed half of ``staged.StagedSpace`` (mixed in): Note [delayed update]."""
+
+    opt: Any
+    lock: Any
+    state: Any
+    copies: Any
+    params: List[torch.Tensor]
+    units: List[Tuple[int, int, int, int]]
+    units_of: Dict[int, List[int]]
+    buckets: List[Any]
+    bucket_members: List[List[int]]
+    unit_global: np.ndarray
+    counters: Dict[str, int]
+    h2d_events: Dict[int, List[Any]]
+    staged_grads: Dict[int, Any]
+    out_view: List[torch.Tensor]
+    inited: np.ndarray
+    order: List[int]
+    update_log: List[Tuple[int, float, float]]
+    _check: Callable[[torch.Tensor], None]
+    _copy_grad: Callable[..., Tuple[List[Any], List[int]]]
+    _fill_hyper: Callable[..., None]
+    _flat_records: Callable[[np.ndarray], bytes]
+    _send_back: Callable[[int, List[int]], None]
+    _wait_h2d: Callable[[int], None]
+    end_step: Callable[[], None]
+
+    #: the update handed to the worker at the last step(): (bucket, units, future)
+    later: List[Tuple[int, List[int], Any]]
+
+    def _step_delayed(self, hyper: np.ndarray) -> np.ndarray:
+        """``step()`` with ``overlap="delayed"``: Note [delayed update]."""
+        self.staged_grads = {}
+        self.end_step()
+        grads: Dict[int, torch.Tensor] = {}
+        for k, p in enumerate(self.params):
+            if p.grad is not None:
+                self._check(_local(p))
+                grads[k] = p.grad
+        pending = {b: (rows, fut) for b, rows, fut in self.later}
+        self.later = []
+        # not state.initialized(): the update handed over last time may not have run yet;
+        # a unit handed over is initialized by the time its update has run
+        initialized = self.inited
+        copies = self.copies
+        updated: List[int] = []
+        order: List[int] = []
+        err: Optional[BaseException] = None
+        for b in range(len(self.buckets)):
+            if b in pending:  # 1. the last step's update of b: its parameters go back
+                rows, fut = pending.pop(b)
+                e = fut.exception()
+                if e is None:
+                    self._send_back(b, rows)
+                elif err is None:
+                    err = e
+            if err is not None:
+                continue  # raised below, once the rest of the round has been waited for
+            mine = [ui for ui in self.buckets[b][0] if self.units[ui][0] in grads]
+            if not mine:
+                continue
+            events: List[Any] = []  # 2. this step's gradients of b, to the worker
+            first = [ui for ui in mine if not initialized[ui]]
+            if first:  # the master starts from the parameter: into the output buffer
+                self._wait_h2d(b)
+                for ui in first:
+                    k, start, n, _ = self.units[ui]
+                    flat = _local(self.params[k]).detach().reshape(-1)[start : start + n]
+                    events.append(copies.to_host(self.out_view[ui], flat))
+            here = set(self.buckets[b][0])
+            for k in self.bucket_members[b]:
+                if k in grads:  # only its units in b: the others' buffers may still be read
+                    skip = frozenset(ui for ui in self.units_of[k] if ui not in here)
+                    evs, _ = self._copy_grad(k, grads[k], skip)
+                    events.extend(evs)
+            for ev in events:  # a gradient written in place after step() waits for its copy
+                copies.hold_compute(ev)
+            rows_idx = np.asarray(mine, dtype=np.int64)
+            self._fill_hyper(rows_idx, hyper)
+            recs = self._flat_records(rows_idx)
+            with self.lock:  # the copies back that read b's output buffer: the worker waits
+                waits = self.h2d_events.pop(b, []) + events
+            fut = self.opt._executor().submit(self._update_later, b, recs, waits)
+            self.later.append((b, mine, fut))
+            self.inited[rows_idx] = True
+            updated.extend(mine)
+            order.append(b)
+        if err is not None:
+            self.join_later()
+            self.later = []
+            raise err
+        self.order = order
+        return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
+
+    def _update_later(self, b: int, recs: bytes, waits: List[Any]) -> None:
+        """The worker: bucket b's update, once its copies have landed."""
+        for ev in waits:
+            self.copies.wait(ev)
+        t0 = time.perf_counter()
+        self.state.step(recs)
+        self.update_log.append((b, t0, time.perf_counter()))
+
+    def join_later(self) -> Optional[BaseException]:
+        """Wait for the update handed to the worker; the first exception it raised."""
+        err = None
+        for _, _, fut in list(self.later):
+            e = fut.exception()
+            if e is not None and err is None:
+                err = e
+        return err
+
+    def flush(self) -> None:
+        """Wait for the pending update and copy its parameters back (Note [delayed update]);
+        raises what the update raised."""
+        pending, self.later = self.later, []
+        err = None
+        for b, rows, fut in pending:
+            e = fut.exception()
+            if e is None:
+                self._send_back(b, rows)
+            elif err is None:
+                err = e
+        if err is not None:
+            raise err

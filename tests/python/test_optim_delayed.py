@@ -1,0 +1,287 @@
+"""``OffloadAdamW(overlap="delayed")`` (Note [delayed update] in spillover/optim/delayed.py):
+the update of step t's gradients is computed by the worker while the next forward and backward
+run, and reaches the parameters at the next ``step()``. Checked against the same delayed
+update written with torch's fused AdamW (bitwise where the CPU has FMA, as in test_optim.py):
+on CPU parameters, through the staged path's copies (``_force_staging``), through the
+simulated device, with buckets that split parameters, bf16 parameters, clipping, GradScaler's
+skipped steps, a scheduler, a checkpoint in the middle; and the bytes that cross the link
+(Note [optimizer copies]): gradients and parameters in the parameters' dtype, pinned pool
+blocks, never the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_optim_worker import make_model
+
+import spillover
+from spillover import _native
+from spillover import optim as so
+
+POOL = 72 << 20
+FMA = _native.AdamState.fma_available()
+F = torch.nn.functional
+
+
+def data(step, n=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(n, 33, generator=g).to(dtype), torch.randn(n, 5, generator=g).to(dtype)
+
+
+def assert_same(a, b, exact=FMA):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if exact:
+            assert torch.equal(x, y), f"tensor {i}: max |d| = {(x.float() - y.float()).abs().max()}"
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"tensor {i}")
+
+
+class Reference:
+    """The delayed update with torch's fused AdamW on fp32 masters: at step t the parameters
+    get the masters after step t-1's update, then the masters take step t's gradients
+    (Note [delayed update])."""
+
+    def __init__(self, model, clip=None, **kw):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, fused=True, **kw)
+        self.clip = clip
+        self.started = False
+
+    def step(self):
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        with torch.no_grad():
+            if self.started:
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+            for p, m in zip(self.params, self.masters):
+                m.grad = p.grad.float()
+            self.opt.step()
+        self.started = True
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def flush(self):
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+
+def train(model, opt, steps, dtype=torch.float32, hook=None, start=0):
+    for s in range(start, start + steps):
+        x, y = data(s, dtype=dtype)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x).float(), y.float()).backward()
+        if hook is not None:
+            hook(s)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "way", ["cpu", "staged", "split", "sim", "slow"],
+    ids=["cpu params", "force staging", "buckets split params", "simulated device",
+         "slow worker"])
+def test_delayed_equals_the_delayed_reference(monkeypatch, way):
+    """Every way the parameters reach the staging buffers gives the reference's parameters
+    after each step, and its state; also when the worker is slow to start each update, so
+    that step() finds the last update not yet run (it must wait for it, bucket by bucket)."""
+    kw = {}
+    if way == "slow":
+        import time
+
+        from spillover.optim import delayed
+
+        run = delayed.Delayed._update_later
+
+        def slow(self, *a):
+            time.sleep(0.02)
+            run(self, *a)
+
+        monkeypatch.setattr(delayed.Delayed, "_update_later", slow)
+        monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 1)  # a bucket per parameter
+    if way == "split":
+        monkeypatch.setattr(so.layout, "_UNIT_MAX", 64)
+        monkeypatch.setattr(so.layout, "_BUCKET_ELEMS", 100)
+    if way in ("staged", "split", "sim"):
+        kw["_force_staging"] = True
+    if way == "sim":
+        from spillover.activations.link.sim import SimDevice
+
+        kw["_link"] = SimDevice(2e9)
+    ours, ref = make_model(), make_model()
+    opt = spillover.OffloadAdamW(ours.parameters(), lr=1e-2, overlap="delayed",
+                                 host_pool_bytes=POOL, **kw)
+    ropt = Reference(ref, lr=1e-2)
+    for s in range(5):
+        train(ours, opt, 1, start=s)
+        train(ref, ropt, 1, start=s)
+        assert_same(list(ours.parameters()), list(ref.parameters()))
+    if way == "cpu":  # CPU parameters take the staged path in this mode
+        assert all(type(sp).__name__ == "StagedSpace" for sp in opt._spaces)
+    assert opt.stats()["steps"] == 5
+    state = opt.state_dict()  # flushes: the parameters get the last update
+    ropt.flush()
+    assert_same(list(ours.parameters()), list(ref.parameters()))
+    assert_same([state["state"][i]["master"].reshape(-1) for i in range(4)],
+                [m.reshape(-1) for m in ropt.masters])
+    rstate = ropt.opt.state_dict()["state"]
+    for i in range(4):
+        for col in ("exp_avg", "exp_avg_sq"):
+            assert_same([state["state"][i][col]], [rstate[i][col]])
+
+
+def test_delayed_is_not_the_exact_update():
+    """The mode's math differs (the parameters the gradients are computed on lag by one
+    update): after a few steps the parameters differ from the exact update's."""
+    a, b = make_model(), make_model()
+    da = spillover.OffloadAdamW(a.parameters(), lr=1e-2, overlap="delayed", host_pool_bytes=POOL)
+    ex = spillover.OffloadAdamW(b.parameters(), lr=1e-2, host_pool_bytes=POOL)
+    train(a, da, 3)
+    train(b, ex, 3)
+    da.flush()
+    assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_clipping_scheduler_and_bf16():
+    """``max_grad_norm`` clips at step(), before the copies; the learning rate is read at
+    step(); bf16 parameters keep an fp32 master on the host and go back as bf16 (the
+    reference's ``.to(bfloat16)``)."""
+    ours, ref = make_model(torch.bfloat16), make_model(torch.bfloat16)
+    opt = spillover.OffloadAdamW(ours.parameters(), lr=1e-2, overlap="delayed",
+                                 max_grad_norm=0.05, host_pool_bytes=POOL)
+    ropt = Reference(ref, clip=0.05, lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt.opt, 1, gamma=0.5)
+    for s in range(4):
+        train(ours, opt, 1, dtype=torch.bfloat16, start=s)
+        train(ref, ropt, 1, dtype=torch.bfloat16, start=s)
+        sched.step()
+        rsched.step()
+        assert_same(list(ours.parameters()), list(ref.parameters()))
+    assert opt.grad_norm is not None
+    opt.flush()
+    ropt.flush()
+    assert_same(list(ours.parameters()), list(ref.parameters()))
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+
+
+def test_gradscaler_skipped_step_hands_nothing_over():
+    """A step GradScaler skips (inf in a gradient) touches nothing: the pending update stays
+    pending and reaches the parameters at the next step() that is not skipped, as in the
+    reference that skips the same step."""
+    ours, ref = make_model(), make_model()
+    opt = spillover.OffloadAdamW(ours.parameters(), lr=1e-2, overlap="delayed",
+                                 host_pool_bytes=POOL)
+    ropt = Reference(ref, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for s in range(5):
+        x, y = data(s)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.mse_loss(ours(x), y)).backward()
+        if s == 2:
+            next(ours.parameters()).grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scale = scaler.get_scale()
+        scaler.update()
+        if s != 2:  # the reference takes the unscaled gradients of the kept steps
+            for p in ref.parameters():
+                p.grad = None
+            F.mse_loss(ref(x), y).mul(scale).backward()
+            for p in ref.parameters():
+                p.grad = p.grad / scale
+            ropt.step()
+        assert_same(list(ours.parameters()), list(ref.parameters()), exact=False)
+    assert opt.stats()["steps_skipped"] == 1
+
+
+def test_resume_from_a_checkpoint_continues_the_same_run():
+    """state_dict() flushes, so a checkpoint holds the model and the state after the same
+    update; a fresh optimizer loaded from it continues as the run that flushed at that step."""
+    a, b = make_model(), make_model()
+    oa = spillover.OffloadAdamW(a.parameters(), lr=1e-2, overlap="delayed", host_pool_bytes=POOL)
+    train(a, oa, 3)
+    state = oa.state_dict()  # flushed here
+    b.load_state_dict(a.state_dict())
+    ob = spillover.OffloadAdamW(b.parameters(), lr=1e-2, overlap="delayed", host_pool_bytes=POOL)
+    ob.load_state_dict(state)
+    train(a, oa, 3, start=3)
+    train(b, ob, 3, start=3)
+    oa.flush()
+    ob.flush()
+    assert_same(list(a.parameters()), list(b.parameters()), exact=True)
+
+
+def test_grad_zeroed_in_place_after_step_is_read_first():
+    """``zero_grad(set_to_none=False)`` right after step(): the compute stream waits for the
+    gradients' copies (the simulated device makes the host wait), so the update applies the
+    gradients, not zeros."""
+    from spillover.activations.link.sim import SimDevice
+
+    ours, ref = make_model(), make_model()
+    opt = spillover.OffloadAdamW(ours.parameters(), lr=1e-2, overlap="delayed",
+                                 host_pool_bytes=POOL, _force_staging=True,
+                                 _link=SimDevice(1e8))  # 100 MB/s: each copy takes a while
+    ropt = Reference(ref, lr=1e-2)
+    for s in range(3):
+        for m, o in ((ours, opt), (ref, ropt)):
+            x, y = data(s)
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            for p in m.parameters():
+                p.grad.zero_()
+    opt.flush()
+    ropt.flush()
+    assert_same(list(ours.parameters()), list(ref.parameters()))
+
+
+def test_refused_where_not_offered():
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="overlap must be"):
+        spillover.OffloadAdamW(p, overlap="yes", host_pool_bytes=POOL)
+    with pytest.raises(ValueError, match="choose one"):
+        spillover.OffloadAdamW(p, overlap="delayed", update_in_backward=True,
+                               host_pool_bytes=POOL)
+
+
+# ---- the bytes that cross (issue 41, 3.) ----
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("overlap", [None, "delayed"], ids=["exact", "delayed"])
+def test_only_gradients_and_parameters_cross_in_their_dtype(dtype, bits, overlap):
+    """Through a device that logs every copy: per step, after the first (which also copies
+    the parameters in for the masters), exactly one gradient copy down and one parameter copy
+    up per element, each in the parameters' dtype (bf16 parameters: 2 bytes each way, the
+    fp32 master stays on the host), whatever ``state_bits`` (the state never crosses); every
+    host side of a copy is a block of spillover's pool (pinned on CUDA), never pageable."""
+    from _stream_log import StreamLog
+
+    from spillover import _runtime
+
+    link = StreamLog()
+    model = make_model(dtype)
+    opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, overlap=overlap, state_bits=bits,
+                                 host_pool_bytes=POOL, _force_staging=True, _link=link)
+    n = sum(p.numel() for p in model.parameters())
+    esize = torch.empty((), dtype=dtype).element_size()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    train(model, opt, 1, dtype=dtype)
+    for s in range(1, 3):
+        mark = len(link.log)
+        train(model, opt, 1, dtype=dtype, start=s)
+        copies = [e for e in link.log[mark:] if e[0] == "copy"]
+        up = sum(e[3] for e in copies if e[2] in params)
+        down = sum(e[3] for e in copies if e[2] not in params)
+        assert up == n * esize and down == n * esize, (up, down, n * esize)
+        ranges = _runtime.pool_ranges()
+        for e in copies:
+            if e[2] not in params:  # to the host: a staging buffer in the pool
+                assert any(a <= e[2] < b for a, b in ranges), e
+    for sp in opt._spaces:
+        for t in sp.grad_view + sp.out_view:
+            assert t.dtype == dtype
+            assert any(a <= t.data_ptr() < b for a, b in _runtime.pool_ranges())
