@@ -1,0 +1,154 @@
+"""The Rust AdamW's thread scaling against a plain copy on the same machine (issue 41).
+
+    python benches/python/optim_threads.py [--params 64e6] [--threads 1,2,4,8,16]
+                                           [--rounds 7] [--copy-mib 1024]
+
+For each thread count (those above the machine's core count are left out, and the table says
+so), in a fresh process (rayon's pool is sized once per process: ``RAYON_NUM_THREADS``;
+torch's intra-op pool with ``torch.set_num_threads``):
+
+- ``fp32 in place``: ``OffloadAdamW.step()`` on CPU fp32 parameters (the kernel reads
+  ``p.grad`` and updates ``p`` in place: reads parameter, gradient, exp_avg, exp_avg_sq,
+  writes parameter, exp_avg, exp_avg_sq: 28 bytes of traffic per parameter);
+- ``staged fp32`` (the GPU path's update, on staging buffers: ``_force_staging=True``; reads
+  the staged gradient, master, exp_avg, exp_avg_sq, writes master, exp_avg, exp_avg_sq and the
+  output buffer: 32 bytes per parameter; the step() call alone, copies on CPU tensors
+  included, so the table also gives the kernel's own ``compute_seconds``);
+- ``staged bf16`` (bf16 parameters, fp32 master: 2 + 12 read, 12 + 2 written: 28 bytes);
+- ``copy``: ``dst.copy_(src)`` of ``--copy-mib`` MiB (torch's copy, parallel over the same
+  threads), counted as bytes read + bytes written, the same way as the kernel's traffic;
+- ``a += b``: ``a.add_(b)`` over two such buffers (read a and b, write a: the
+  read-modify-write pattern of the kernel, whose written lines were all read first, so no
+  write-allocate reads; a copy into another buffer pays those, which is why the kernel's
+  bytes per second can exceed a copy's).
+
+GB/s is bytes of state traffic per second (median of ``--rounds`` steps after two warm-up
+steps); the ratio is against the copy's GB/s at the same thread count. The kernel's figure is
+its own time (``stats()["compute_seconds"]``, the rayon pass); the in-place step's whole
+``step()`` is given too. The staged rows' ``step()`` on CPU tensors also copies the gradients
+and parameters with torch (on a GPU those are the link's DMA copies), so only their kernel
+time says something about a GPU host; those copies run with one torch thread here, because
+torch's OpenMP threads spinning after a copy and rayon's after a kernel slow each other down
+by 3x on 2 cores (measured: 32M staged fp32 parameters, step() 130 ms with one torch thread,
+440 ms with two). The issue's goal: the kernel at >= 70 % of the copy's bandwidth at the
+machine's core count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+
+def child(args: Any) -> Dict[str, Any]:
+    import torch
+    from optim_common import params_like, sizes, warm
+
+    import spillover
+
+    torch.set_num_threads(args.child)
+    from spillover import _native  # noqa: F401  (rayon's pool is made at the first step)
+
+    out: Dict[str, Any] = {"threads": args.child}
+    n_copy = args.copy_mib << 20
+    src = torch.ones(n_copy // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ts = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t0)
+    out["copy_gbs"] = 2 * n_copy / statistics.median(ts) / 1e9
+    ts = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        dst.add_(src)
+        ts.append(time.perf_counter() - t0)
+    out["add_gbs"] = 3 * n_copy / statistics.median(ts) / 1e9
+    del src, dst
+    torch.set_num_threads(1)  # the staged step's CPU copies: the docstring says why
+    szs = sizes(int(args.params), 16)
+    n = sum(szs)
+    pool = int(n * 24) + (256 << 20)
+    for name, dtype, staged, per in (
+        ("fp32 in place", torch.float32, False, 28),
+        ("staged fp32", torch.float32, True, 32),
+        ("staged bf16", torch.bfloat16, True, 28),
+    ):
+        ps = params_like(szs, dtype, 0)
+        opt = spillover.OffloadAdamW(ps, lr=1e-3, tier="host", host_pool_bytes=pool,
+                                     _force_staging=staged)
+        opt.step()
+        opt.step()
+        ts, ks = [], []
+        for _ in range(args.rounds):
+            warm(0.05)
+            before = opt.stats()["compute_seconds"]
+            t0 = time.perf_counter()
+            opt.step()
+            ts.append(time.perf_counter() - t0)
+            ks.append(opt.stats()["compute_seconds"] - before)
+        t, k = statistics.median(ts), statistics.median(ks)
+        out[name] = {"step_s": t, "kernel_s": k, "gbs": per * n / t / 1e9,
+                     "kernel_gbs": per * n / k / 1e9, "bytes_per_param": per}
+        del opt, ps
+    out["params"] = n
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=float, default=64e6)
+    ap.add_argument("--threads", default="1,2,4,8,16")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--copy-mib", type=int, default=1024)
+    ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    cores = len(os.sched_getaffinity(0))
+    wanted = [int(x) for x in args.threads.split(",")]
+    run = [t for t in wanted if t <= cores]
+    left = [t for t in wanted if t > cores]
+    rows: List[Dict[str, Any]] = []
+    here = os.path.dirname(os.path.abspath(__file__))
+    for t in run:
+        env = dict(os.environ, RAYON_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t))
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(t),
+               "--params", str(args.params), "--rounds", str(args.rounds),
+               "--copy-mib", str(args.copy_mib)]
+        r = subprocess.run(cmd, env=env, cwd=here, capture_output=True, text=True, check=True)
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    n = rows[0]["params"] if rows else 0
+    print(f"\n### Rust AdamW thread scaling, {n / 1e6:.0f}M parameters, {cores} cores here"
+          + (f" (not run: {', '.join(map(str, left))} threads, more than the cores)"
+             if left else "") + "\n")
+    kinds = ("fp32 in place", "staged fp32", "staged bf16")
+    print("| threads | copy GB/s | a += b GB/s | " + " | ".join(
+        f"{k}: kernel GB/s (vs copy)" for k in kinds) + " | fp32 in place: step() GB/s |")
+    print("| ---: | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |")
+    for r in rows:
+        cells = [f"{r[k]['kernel_gbs']:.1f} ({r[k]['kernel_gbs'] / r['copy_gbs'] * 100:.0f} %)"
+                 for k in kinds]
+        print(f"| {r['threads']} | {r['copy_gbs']:.1f} | {r['add_gbs']:.1f} | "
+              + " | ".join(cells) + f" | {r['fp32 in place']['gbs']:.1f} |")
+    if rows:
+        last = rows[-1]
+        shares = {k: last[k]["kernel_gbs"] / last["copy_gbs"] for k in kinds}
+        low = min(shares.values())
+        print(f"\ngoal: >= 70 % of the copy's bandwidth at {last['threads']} threads (the "
+              f"machine's cores: {cores}): " + ", ".join(
+                  f"{k} {v * 100:.0f} %" for k, v in shares.items())
+              + f" ({'met' if low >= 0.7 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
