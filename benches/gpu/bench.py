@@ -335,6 +335,8 @@ def main() -> None:
         res["traceback"] = traceback.format_exc()
         code = 3
     res["wall_s"] = time.perf_counter() - t0
+    res["loss_path"] = spillover.loss.path_line()  # which loss ran; torch, transformers
+    print(f"  {res['loss_path']}", flush=True)
     if path:
         write_json(path, res)
     if args.mode == "optim":

@@ -504,6 +504,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if only is None or name in only:
             p.run(name, budget, fn)
     p.results["meminfo_end"] = meminfo()
+    p.results["loss_path"] = spillover.loss.path_line()  # which loss ran; torch, transformers
+    p.say(f"- {p.results['loss_path']}")
     p.save()
     p.say(f"\n## total: {'✓ every check passed' if not p.failed else f'✗ {p.failed} failed'} "
           f"in {time.monotonic() - p.t0:.0f} s")

@@ -13,6 +13,7 @@ of the whole step (forward + backward) and the median step time.
 
     python benches/python/loss_bench.py [--rounds 2 --inner 2] [--layers 4 --d-model 256
         --vocab 32768 --batch 2 --seq 1024] [--modes none,hf-ckpt,hf-ckpt-cl,wrap-full,...]
+    python benches/python/loss_bench.py --families   # which HF causal LMs get the region
 
     smoke test: python benches/python/loss_bench.py --layers 1 --d-model 64 --vocab 4096 \
         --seq 128 --rounds 1 --inner 1
@@ -24,7 +25,11 @@ Modes:
                    called by hand on the decoder's hidden states (HF's label shift), at the
                    same rows per chunk as spillover's (Note [loss chunks]): the best a user
                    assembles from torch and transformers alone
-  wrap-full        spillover.wrap(model, policy="full"): its chunked loss region on (default)
+  wrap-full        spillover.wrap(model, policy="full"): its chunked loss region on (default):
+                   torch's linear_cross_entropy where this torch has it (2.13+), else
+                   spillover's own chunks (the "loss path" column says which ran)
+  wrap-full-own    wrap-full with torch's linear_cross_entropy hidden: spillover's own chunks
+                   (spillover/loss/fused.py), what every torch below 2.13 runs
   wrap-full-plain  spillover.wrap(model, policy="full", chunked_loss=False): HF's head and loss
   wrap-full-nvme   wrap-full, each step under offload_context("nvme", host_pool_bytes=64 MiB)
                    (the pool counts in the peak: on a CPU host it is this RAM)
@@ -47,8 +52,8 @@ import tempfile
 import time
 import warnings
 
-MODES = ("none", "hf-ckpt", "hf-ckpt-cl", "wrap-full", "wrap-full-plain", "wrap-full-nvme",
-         "trainer", "trainer-plain")
+MODES = ("none", "hf-ckpt", "hf-ckpt-cl", "wrap-full", "wrap-full-own", "wrap-full-plain",
+         "wrap-full-nvme", "trainer", "trainer-plain")
 POOL = "64MiB"
 
 
@@ -70,7 +75,7 @@ def build(args, mode):
         if mode in ("hf-ckpt", "hf-ckpt-cl"):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif mode in ("wrap-full", "wrap-full-nvme"):
+        elif mode in ("wrap-full", "wrap-full-own", "wrap-full-nvme"):
             spillover.wrap(model, policy="full")
         elif mode == "wrap-full-plain":
             spillover.wrap(model, policy="full", chunked_loss=False)
@@ -145,6 +150,10 @@ def child(args):
     from spillover._peak import high_water, reset_high_water, rss
 
     mode = args.child
+    if mode.endswith("-own"):  # a torch without linear_cross_entropy, as below 2.13
+        from torch.nn import functional as F
+
+        del F.linear_cross_entropy
     model, ids = build(args, mode)
     swap = tempfile.mkdtemp(prefix="spillover-loss-bench-")
     if mode.startswith("trainer"):
@@ -152,14 +161,15 @@ def child(args):
         base = rss()
         reset_high_water()
         times = train(args, model, ids, swap, args.inner + 1)
-        res = {"mode": mode, "loss": float("nan"), "time": statistics.median(times[1:])}
+        res = {"mode": mode, "loss": float("nan"), "time": statistics.median(times[1:]),
+               "path": path_ran(mode)}
         if args.phase == "mem":
             res["peak"] = high_water() - base
         with open(args.json, "w") as f:
             json.dump(res, f)
         return
     loss = step(model, ids, mode, swap)  # warm-up: lazy inits, first allocations
-    res = {"mode": mode, "loss": loss}
+    res = {"mode": mode, "loss": loss, "path": path_ran(mode)}
     if args.phase == "mem":
         model.zero_grad(set_to_none=True)
         base = rss()
@@ -177,6 +187,59 @@ def child(args):
         res["time"] = statistics.median(times)
     with open(args.json, "w") as f:
         json.dump(res, f)
+
+
+def path_ran(mode):
+    """Which loss path the steps so far ran (spillover.loss.paths_run): torch's op, spillover's
+    chunks, or plain (HF's head and loss; hf-ckpt-cl calls torch's op by hand)."""
+    from spillover import loss
+
+    if mode == "hf-ckpt-cl":
+        return "torch op (by hand)"
+    ran = [("torch op" if name == loss.TORCH else "own chunks")
+           for name, n in loss.paths_run().items() if n]
+    return "+".join(ran) or "plain"
+
+
+def families():
+    """The transformers causal LMs the loss region takes over, read from their forward's source
+    (Note [which HF models]); the config-dependent checks (a quantized or adapted head, a custom
+    loss function) are left to the model in hand."""
+    import importlib
+
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from spillover import loss
+    from spillover.loss.regions import _forward_reason
+
+    names = sorted({n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                    for n in (v if isinstance(v, (list, tuple)) else [v])})
+    plain, transformed, left = [], [], []
+    for name in names:
+        try:
+            cls = getattr(transformers, name)
+        except (AttributeError, ImportError, RuntimeError) as e:
+            try:
+                cls = getattr(importlib.import_module("transformers"), name)
+            except Exception:  # noqa: BLE001 - a family that does not import here is listed
+                left.append(f"{name} (does not import: {type(e).__name__})")
+                continue
+        why, kind = _forward_reason(cls)
+        if why:
+            left.append(f"{name} ({why})")
+        elif kind:
+            transformed.append(f"{name} ({kind})")
+        else:
+            plain.append(name)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}: "
+          f"{len(names)} causal LM classes")
+    print(f"plain head, {loss.backend()} ({len(plain)}): {', '.join(plain)}")
+    print(f"logit transform, {loss.OWN} ({len(transformed)}): {', '.join(transformed)}")
+    print(f"left to the model ({len(left)}):")
+    for line in left:
+        print(f"  {line}")
 
 
 def spillover_pool_bytes():
@@ -213,16 +276,25 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--inner", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--families", action="store_true",
+                   help="list the HF causal LMs the loss region takes over, and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=("mem", "time"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.families:
+        return families()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    from spillover.loss import available
+
+    if not available() and "hf-ckpt-cl" in modes:
+        print("hf-ckpt-cl left out: this torch has no linear_cross_entropy (2.13+)")
+        modes.remove("hf-ckpt-cl")
     t0 = time.perf_counter()
     mem = {m: run_child(args, m, "mem") for m in modes}
     times = {m: [] for m in modes}
@@ -234,14 +306,18 @@ def main():
           "steps")
     ref_peak = mem[modes[0]]["peak"]
     ref_time = statistics.median(times[modes[0]])
+    import torch
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"{'mode':<17}{'peak MB':>9}{'x ' + modes[0]:>9}{'step s':>9}{'spread':>14}"
-          f"{'x ' + modes[0]:>9}{'loss':>10}")
+          f"{'x ' + modes[0]:>9}{'loss':>10}  loss path")
     for m in modes:
         pk, ts = mem[m]["peak"], times[m]
         med = statistics.median(ts)
         print(f"{m:<17}{pk / 1e6:>9.0f}{pk / ref_peak:>9.2f}{med:>9.2f}"
               f"{f'{min(ts):.2f}-{max(ts):.2f}':>14}{med / ref_time:>9.2f}"
-              f"{mem[m]['loss']:>10.5f}")
+              f"{mem[m]['loss']:>10.5f}  {mem[m].get('path', '')}")
     print(f"({time.perf_counter() - t0:.0f} s)")
 
 

@@ -145,9 +145,10 @@ def _chunks(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], y: torc
         total += loss.sum()
         if not grads:
             continue
-        p = z.div_(sums)  # softmax, then its gradient: p - onehot(y), x 1/n, 0 where ignored
-        p.scatter_add_(1, safe[start:end], torch.full_like(target, -1.0))
-        p.mul_(coef[start:end].unsqueeze(1))
+        # the logits' gradient: (softmax - onehot(y)) x 1/n, 0 where ignored (one pass)
+        c = coef[start:end].unsqueeze(1)
+        p = z.mul_(c / sums)
+        p.scatter_add_(1, safe[start:end], -c)
         if tanh is not None:
             p.mul_(tanh.square_().neg_().add_(1.0))
             del tanh
@@ -163,7 +164,7 @@ def _chunks(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], y: torc
                 gw.add_(torch.mm(g.t(), hc))
         if gb is not None:
             gb.add_(p.sum(dim=0))
-        del p, g, z
+        del p, g, z, c
     return total, count, gh, gw, gb
 
 
