@@ -11,7 +11,14 @@
 //!   for its time, as an exposed copy holds a GPU's compute. Its events fire `compute_lag`
 //!   after they were recorded: the compute stream of a GPU runs behind a host that queues work
 //!   faster than it runs, and a host that waits to *see* such an event waits the lag (another
-//!   stream ordered after it does not: the work before it has run, on the host);
+//!   stream ordered after it does not: the work before it has run, on the host). Such a
+//!   lagging compute stream also queues its waits for device-to-host copies without holding
+//!   the host (a GPU's `cudaStreamWaitEvent` returns at once): the host runs on while the
+//!   copy drains, and may ask for the copy's bytes before it is seen landing (Note [unpack
+//!   before the seal] in rust/tier). Such a wait is deferred, not dropped: the compute
+//!   stream's next copy waits for it first (the host runs that copy), and its later events
+//!   fire only once it ran. A wait for a copy into device memory still holds the host, which
+//!   reads that memory next as the compute stream;
 //! - each call to the device costs the host `call_cost` (spun, not slept): the driver's host
 //!   time per call, so that a link's host cost per tensor shows on a CPU (zero by default);
 //! - faults can be injected ([`SimDevice::inject`]): a failed copy (its stream's next event
@@ -78,7 +85,20 @@ struct EvState {
     fired: u64,
     /// When the latest record fires, for a record on the compute stream.
     due: Option<Instant>,
+    /// The latest record is on a stream that only ever copied to the host (Note [the
+    /// simulated device]: a lagging compute stream's wait for it does not hold the host).
+    to_host: bool,
+    /// For a record on the compute stream: the waits deferred before it (Note [the simulated
+    /// device]), which it fires only after.
+    deps: Vec<Dep>,
     error: Option<String>,
+}
+
+/// A record of an event (the event, its record's number), which a wait is for.
+type Dep = (Arc<SimEvent>, u64);
+
+fn deps_fired(deps: &[Dep]) -> bool {
+    deps.iter().all(|(e, seq)| e.lock().fired >= *seq)
 }
 
 struct SimEvent {
@@ -101,12 +121,17 @@ impl SimEvent {
         self.cv.notify_all();
     }
 
-    /// Block until record `seq` fired (or its due time passed, on the compute stream).
+    /// Block until record `seq` fired (or its due time passed and the waits deferred before
+    /// it ran, on the compute stream).
     fn wait_for(&self, seq: u64, due: Option<Instant>) {
         if let Some(due) = due {
             let now = Instant::now();
             if due > now {
                 std::thread::sleep(due - now);
+            }
+            let deps = self.lock().deps.clone();
+            for (e, s) in deps {
+                e.wait_for(s, None);
             }
             return;
         }
@@ -147,6 +172,8 @@ struct Worker {
     /// A failed copy's error, for the stream's next event (shared: an idle stream's record
     /// runs on the caller's thread).
     error: Arc<Mutex<Option<String>>>,
+    /// The stream has copied into device memory (Note [the simulated device]).
+    to_device: bool,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -244,6 +271,9 @@ pub struct SimDevice {
     faults: Mutex<VecDeque<(Fault, Dir)>>,
     calls: AtomicU64,
     failed: Arc<AtomicU64>,
+    /// Waits queued on the lagging compute stream for copies to the host, not run yet (Note
+    /// [the simulated device]).
+    deferred: Mutex<Vec<Dep>>,
 }
 
 impl SimDevice {
@@ -273,6 +303,7 @@ impl SimDevice {
             faults: Mutex::new(VecDeque::new()),
             calls: AtomicU64::new(0),
             failed: Arc::new(AtomicU64::new(0)),
+            deferred: Mutex::new(Vec::new()),
         })
     }
 
@@ -328,6 +359,22 @@ impl SimDevice {
         })
     }
 
+    /// The deferred waits not seen run yet (those that ran are forgotten).
+    fn pending_waits(&self) -> Vec<Dep> {
+        let mut d = lock(&self.deferred);
+        d.retain(|(e, seq)| e.lock().fired < *seq);
+        d.clone()
+    }
+
+    /// The compute stream (the host) is about to run a copy: the waits queued before it run
+    /// first.
+    fn run_deferred(&self) {
+        let d = std::mem::take(&mut *lock(&self.deferred));
+        for (e, seq) in d {
+            e.wait_for(seq, None);
+        }
+    }
+
     fn take_fault(&self, dir: Dir) -> Option<Fault> {
         let mut faults = lock(&self.faults);
         let i = faults.iter().position(|&(_, d)| d == dir)?;
@@ -377,6 +424,7 @@ impl Device for SimDevice {
             tx,
             pending,
             error,
+            to_device: false,
             thread: Some(thread),
         });
         Ok(streams.len() as Stream) // 1-based: 0 is the compute stream
@@ -395,6 +443,12 @@ impl Device for SimDevice {
     fn record(&self, ev: Event, stream: Stream) -> Result<()> {
         self.call();
         let e = self.event(ev)?;
+        let mut deps = if stream == COMPUTE && self.opts.compute_lag > 0.0 {
+            self.pending_waits() // before `e`'s lock: a reused event may be among them
+        } else {
+            Vec::new()
+        };
+        deps.retain(|(d, _)| !Arc::ptr_eq(d, &e));
         let mut st = e.lock();
         st.recorded += 1;
         st.error = None; // a new record: what failed before it is the old record's
@@ -402,6 +456,7 @@ impl Device for SimDevice {
         if stream == COMPUTE {
             if self.opts.compute_lag > 0.0 {
                 st.due = Some(Instant::now() + Duration::from_secs_f64(self.opts.compute_lag));
+                st.deps = deps;
             } else {
                 st.due = None;
                 st.fired = seq;
@@ -409,6 +464,11 @@ impl Device for SimDevice {
             return Ok(());
         }
         st.due = None;
+        st.to_host = {
+            let streams = lock(&self.streams);
+            let w = streams.get((stream as usize).wrapping_sub(1));
+            w.is_some_and(|w| !w.to_device)
+        };
         drop(st);
         self.send(stream, Op::Record { ev: e, seq })
     }
@@ -418,9 +478,10 @@ impl Device for SimDevice {
         let e = self.event(ev)?;
         let mut st = e.lock();
         if let Some(due) = st.due {
-            if Instant::now() >= due {
+            if Instant::now() >= due && deps_fired(&st.deps) {
                 st.fired = st.recorded;
                 st.due = None;
+                st.deps.clear();
             }
         }
         if st.fired < st.recorded {
@@ -459,17 +520,32 @@ impl Device for SimDevice {
     fn wait(&self, stream: Stream, ev: Event) -> Result<()> {
         self.call();
         let e = self.event(ev)?;
-        let (seq, due) = {
+        let (seq, due, to_host) = {
             let st = e.lock();
-            (st.recorded, st.due)
+            (st.recorded, st.due, st.to_host)
         };
         if stream == COMPUTE {
+            if to_host && self.opts.compute_lag > 0.0 {
+                // queued on a compute stream that runs behind the host: the host runs on (what
+                // the copy reads is held by the copy) until the stream's next copy or an event
+                // after it must see it (Note [the simulated device])
+                lock(&self.deferred).push((e, seq));
+                return Ok(());
+            }
             e.wait_for(seq, due); // the compute stream is the host
             return Ok(());
         }
         if due.is_some() {
             // recorded on the compute stream: the host has run that work already (its lag is
             // only when the host *sees* the event), so a stream ordered after it need not wait
+            // -- but for the waits the compute stream had deferred before it
+            let deps = e.lock().deps.clone();
+            for (d, s) in deps {
+                if d.lock().fired < s {
+                    let due = None;
+                    self.send(stream, Op::Wait { ev: d, seq: s, due })?;
+                }
+            }
             return Ok(());
         }
         self.send(stream, Op::Wait { ev: e, seq, due })
@@ -485,9 +561,15 @@ impl Device for SimDevice {
         keep: Option<Keep>,
     ) -> Result<()> {
         self.call();
+        if dir == Dir::ToDevice && stream != COMPUTE {
+            if let Some(w) = lock(&self.streams).get_mut((stream as usize).wrapping_sub(1)) {
+                w.to_device = true;
+            }
+        }
         let seconds = self.opts.latency + self.opts.bandwidth.map_or(0.0, |bw| nbytes as f64 / bw);
         let fault = self.take_fault(dir);
         if stream == COMPUTE {
+            self.run_deferred();
             // the host is the compute stream: the copy holds it for its time
             if seconds > 0.0 {
                 std::thread::sleep(Duration::from_secs_f64(seconds));

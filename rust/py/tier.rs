@@ -255,8 +255,18 @@ impl PyHandle {
     }
 
     /// A view of the bytes, read back if needed (GIL released); counted as an unpack.
-    fn get(&self, py: Python<'_>) -> PyResult<PyView> {
-        let v = guarded(py, || self.h.get())?;
+    /// `staging=True`: also while the copy filling them is in flight, for a device copy
+    /// ordered after that copy (Note [unpack before the seal] in rust/tier), never for the
+    /// host to read.
+    #[pyo3(signature = (staging=false))]
+    fn get(&self, py: Python<'_>, staging: bool) -> PyResult<PyView> {
+        let v = guarded(py, || {
+            if staging {
+                self.h.get_for_device()
+            } else {
+                self.h.get()
+            }
+        })?;
         Ok(PyView { v })
     }
 

@@ -308,7 +308,7 @@ impl Gathered {
                     block
                 }
                 Buf::Free(block) => {
-                    let v = self.tier.get(h.id(), true)?;
+                    let v = self.tier.get(h.id(), true, false)?;
                     // SAFETY: `v` keeps its bytes alive and unwritten for the call; `block` is
                     // this gather's own, so the ranges do not overlap.
                     unsafe { block.copy_from_raw(v.as_ptr(), v.len(), head)? };
@@ -329,7 +329,7 @@ impl Gathered {
         let out = pool.lease(self.nbytes)?;
         let mut off = self.nbytes as usize;
         for h in self.parts.iter().rev() {
-            let v = self.tier.get(h.id(), true)?;
+            let v = self.tier.get(h.id(), true, false)?;
             off -= v.len();
             // SAFETY: `v` keeps its bytes alive for the call; `out` is this gather's own.
             unsafe { out.copy_from_raw(v.as_ptr(), v.len(), off)? };

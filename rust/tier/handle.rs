@@ -312,7 +312,14 @@ impl Handle {
     /// then read-ahead of what comes next. Raises the swap's errors, and
     /// [`Error::Integrity`] when verifying and the bytes differ from those sealed.
     pub fn get(&self) -> Result<View> {
-        self.tier().get(self.inner.id, true)
+        self.tier().get(self.inner.id, true, false)
+    }
+
+    /// As [`Handle::get`], for a device copy ordered after the copy that fills the entry
+    /// (Note [unpack before the seal]): an entry whose copy has not been seen landing gives
+    /// its staging view instead of an error. Never for the host to read.
+    pub fn get_for_device(&self) -> Result<View> {
+        self.tier().get(self.inner.id, true, true)
     }
 
     /// Count an unpack that did not need the bytes from the tier (the device still had them,

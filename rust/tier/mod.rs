@@ -45,6 +45,17 @@
 //! A write that fails gives its block back: the entry is unwritten again (nothing is lost) and
 //! the error is raised by the call that saw it. A read that fails leaves the entry on disk and
 //! raises from `get`. Never a zero-filled view.
+//!
+//! # Note [unpack before the seal]
+//! An entry is sealed when the host sees its device-to-host copy land (the link's poll), which
+//! on a GPU may be well after backward asks for it: the copy can still be running (the compute
+//! stream was only made to wait for it, Note [back-pressure] in rust/link), or it landed since
+//! the last poll. A device copy back needs no seal: the link orders it after the D2H copy's
+//! event, on the device. So `get_for_device` hands the staging view of such an entry (counted
+//! as a hit: its bytes never left the pool), and only the host's own reads require the seal.
+//! The H200's first run crashed here ("get() of an entry whose copy has not landed"); the
+//! simulated device reaches it since its lagging compute stream stopped holding the host for a
+//! wait on a D2H copy (Note [the simulated device]).
 
 mod direct;
 mod gather;

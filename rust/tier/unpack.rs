@@ -166,8 +166,10 @@ impl Tier {
     }
 
     /// The bytes of entry `id`, read back if needed (blocking, outside the lock); with
-    /// `record`, counted as an unpack and followed by read-ahead.
-    pub(super) fn get(&self, id: u64, record: bool) -> Result<View> {
+    /// `record`, counted as an unpack and followed by read-ahead. With `staging`, an entry
+    /// whose copy has not landed yet gives its staging view (Note [unpack before the seal]);
+    /// without, that is an error.
+    pub(super) fn get(&self, id: u64, record: bool, staging: bool) -> Result<View> {
         let mut hit = true;
         let mut waited = 0.0;
         loop {
@@ -184,6 +186,15 @@ impl Tier {
                     .ok_or_else(|| Error::Invalid("this entry was freed".into()))?;
                 let step = e.step;
                 match &e.res {
+                    Residency::Staging(b) if staging => {
+                        let view = e.view(b);
+                        let (s, q) = (e.step, e.seq);
+                        if record {
+                            Self::used(&mut st, id, true);
+                            self.read_ahead(&mut st, s, q);
+                        }
+                        return Ok(view);
+                    }
                     Residency::Staging(_) => {
                         return Err(Error::Invalid(
                             "get() of an entry whose copy has not landed: seal() it first".into(),

@@ -177,11 +177,16 @@ class Unpack:
             for c in s.copies:
                 c.wait()
         where = "nvme" if self.nvme else "host"
+        # A device copy back is ordered after the D2H copy on the device (its ``after``): an
+        # entry not yet seen landing gives its staging view (Note [unpack before the seal] in
+        # rust/tier); only the host's own reads need the seal.
         try:
-            if tr.host_is_device or not s.chunked:
+            if tr.host_is_device:
                 views = [s.entry.get()]
+            elif not s.chunked:
+                views = [s.entry.get(staging=True)]
             else:
-                views = [h.get() for h in reversed(s.entry.parts)][::-1]
+                views = [h.get(staging=True) for h in reversed(s.entry.parts)][::-1]
         except IntegrityError as e:
             raise IntegrityError(
                 f"a saved tensor of shape {list(packed.size)} and dtype {packed.dtype} read "

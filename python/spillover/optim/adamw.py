@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .. import _adamw_switches as _switches
-from .. import _runtime, _tiers
+from .. import _pools, _tiers
 from ..config import Config
 from . import formats
 from .inbwd import INBWD_STATS
@@ -241,7 +241,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 "ranks hold their own unreduced gradients, whose norms are not the step's; clip "
                 "with torch.nn.utils.clip_grad_norm_ on the reduced gradients instead"
             )
-        self._pool = _runtime.host_pool(self._cfg, purpose="optim", need=self._pool_need())
+        self._pool = _pools.host_pool(self._cfg, purpose="optim", need=self._pool_need())
         self._swap: Any = None
         if tier == "nvme":
             # Checks the directories (ConfigError) and warns once with the engine's warning.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import _native, _runtime
+from .. import _native, _pools, _runtime
 from ..activations.link import block_tensor
 from ..errors import PoolExhaustedError
 from . import formats
@@ -162,7 +162,7 @@ class _Space(abc.ABC):
         if not self.staged:
             return
         if dev.type == "cuda":
-            _runtime.register_with_cuda(opt._pool)
+            _pools.register_with_cuda(opt._pool)
         self.copies = _Copies(dev, opt._link)
         # Buckets of consecutive units: one pinned block each for gradients and outputs.
         self.buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]] = []

@@ -161,6 +161,9 @@ class DeviceLink:
         self._staged: List[list] = []  # [storage, stream made on, event]: not used yet
         self._stall = 0.0
         self._last_poll = 0.0
+        #: urgent copies back of bytes whose D2H copy was not seen landing (ordered after it
+        #: on the device: Note [unpack before the seal] in rust/tier)
+        self.urgent_before_landing = 0
         #: device memory on the simulated device, for tests (``probe_memory``); None: off
         self.memory: Optional[SimMemory] = None
 
@@ -380,6 +383,8 @@ class DeviceLink:
         owner = out if self.sim else None
         for view, after in parts:
             aid = after.id if after is not None and not after._landed else None
+            if aid is not None:  # Note [unpack before the seal] in rust/tier
+                self.urgent_before_landing += 1
             self.native.to_device(base + off, view, stream, aid, owner)
             off += view.nbytes
         return out
