@@ -8,6 +8,7 @@ gradients bitwise equal to training without it.
 from __future__ import annotations
 
 from . import _native, dcp  # noqa: F401  (dcp: spillover.dcp, DCP checkpoints of OffloadAdamW)
+from ._pools import empty_cache
 from .activations import OffloadContext, keep, offload_context
 from .config import Config, format_size, parse_size
 from .errors import (
@@ -46,6 +47,7 @@ __all__ = [
     "Planner",
     "SelectivePolicy",
     "checkpoint",
+    "empty_cache",
     "estimate",
     "explain",
     "format_size",

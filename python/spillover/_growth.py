@@ -22,18 +22,20 @@ Note [growing pool]
       that is more than the pool: the next step fits, and with doubling alone a step would
       have ended on a pool of a fraction of it.
     A pool a context grew past (a *generation*) is kept while any entry lives in its tier or any
-    block of it is leased, and given back at the next entry after that. Pools are leased
-    (``_runtime.lease_pool``): shared by every context on the same capacity, dropped from the
-    process when the last lease is returned -- at a growth, or when gc collects the context (a
-    finalizer: the context holds no pool itself once it is gone) -- and with them the tiers
-    cached over them and their swap engine (one per leased pool, ``_tiers.swap_for(own=True)``:
-    an engine holds the pool it registered). A pool registered with CUDA is unregistered
-    before it goes, once none of its blocks is leased. A size given by the user is a size
-    taken: that pool is the process's cached one of that capacity, for ever, as before. The
-    planner plans against ``ctx.pool_limit`` (the cap; the size given), as it planned against
-    the old default: what is mapped now is not what the pool can hold by the time it matters.
-    Measured (2-layer MLP, 12 MiB offloaded, 24 GiB host): RSS +6066 MiB after the first step
-    and still there after ``del ctx`` before; about +104 MiB now, the pool's 64 MiB given back.
+    block of it is leased, and given back at the next entry after that. Pools are leased from
+    the process's owner (``_pools.POOLS``): shared by every context on the same capacity, and
+    when the last lease is returned -- at a growth, or when gc collects the context (a
+    finalizer: the context holds no pool itself once it is gone) -- the largest is kept idle
+    for the next context, which starts on it (Note [the pool lives for the process] in
+    _pools.py); a smaller one leaves the process, and with it the tiers cached over it and its
+    swap engine (one per leased pool, ``_tiers.swap_for(own=True)``: an engine holds the pool
+    it registered). A pool registered with CUDA is unregistered before it goes, once none of
+    its blocks is leased. A size given by the user is a size taken: that pool is the process's
+    cached one of that capacity, for ever, as before. The planner plans against
+    ``ctx.pool_limit`` (the cap; the size given), as it planned against the old default: what
+    is mapped now is not what the pool can hold by the time it matters. Measured (2-layer MLP,
+    12 MiB offloaded, 24 GiB host): RSS +6066 MiB after the first step of the old default,
+    kept; about +104 MiB with the growing pool (given back by ``spillover.empty_cache()``).
 
 Note [growth off the critical path]
     Mapping, pre-faulting and registering a pool with CUDA takes seconds for GiBs, and growing
@@ -55,7 +57,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import _runtime, _tiers
+from . import _pools, _runtime, _tiers
 from .config import Config, format_size
 from .errors import ConfigError, SpilloverError
 
@@ -106,20 +108,28 @@ class Pools:
     def open(self) -> None:
         """The first generation: the user's pool, or a FIRST_POOL lease."""
         if self.growable:
-            self._add(_runtime.lease_pool(FIRST_POOL), leased=True)
+            self._add(_pools.POOLS.lease_first(FIRST_POOL), leased=True)
         else:
-            self._add(_runtime.host_pool(self.config), leased=False)
+            self._add(_pools.host_pool(self.config), leased=False)
 
     def _add(self, pool: Any, leased: bool, registered: bool = False) -> None:
         try:
-            if torch.cuda.is_available() and not registered:
-                _runtime.register_with_cuda(pool)
+            if not registered:
+                self._register(pool)
             tier = self._open_tier(pool, leased)
         except BaseException:
             if leased:
-                _runtime.return_pool(pool)
+                _pools.return_pool(pool)
             raise
         self.gens.append(Generation(pool, tier, leased))
+
+    def _register(self, pool: Any) -> None:
+        """With CUDA (and with the simulated device of a context that has one: Note [simulated
+        registration] in _pools.py), once per pool for the process."""
+        if torch.cuda.is_available():
+            _pools.POOLS.register(pool)
+        if self.config.sim_link_bandwidth is not None:
+            _pools.POOLS.register(pool, sim=True)
 
     def _open_tier(self, pool: Any, leased: bool) -> Any:
         if self.tier_name == "host":
@@ -170,7 +180,7 @@ class Pools:
                 return  # made already, waiting for its growth
             self._next = None
         if nxt is not None and not isinstance(nxt, BaseException):
-            _runtime.return_pool(nxt)  # not the size the next growth wants
+            _pools.return_pool(nxt)  # not the size the next growth wants
         held = self.held() if held is None else held
         if held * 4 < cap * 3:
             return
@@ -185,14 +195,13 @@ class Pools:
     def _make_next(self, size: int) -> None:
         made: Any
         try:
-            made = _runtime.lease_pool(size)
-            if torch.cuda.is_available():
-                _runtime.register_with_cuda(made)
+            made = _pools.lease_pool(size)
+            self._register(made)
         except BaseException as e:  # noqa: BLE001 -- kept, and the growth goes the old way
             made = e
         with self._next_lock:
             if self.closed and not isinstance(made, BaseException):
-                _runtime.return_pool(made)  # the context went meanwhile
+                _pools.return_pool(made)  # the context went meanwhile
             else:
                 self._next = made
             self._next_thread = None
@@ -212,7 +221,7 @@ class Pools:
             _runtime.log.info("activation pool not grown ahead: %s", nxt)
             return False
         if nxt.capacity < need or nxt.capacity <= self.pool.capacity:
-            _runtime.return_pool(nxt)
+            _pools.return_pool(nxt)
             return False
         self._add(nxt, leased=True, registered=True)
         self.prepared += 1
@@ -244,7 +253,7 @@ class Pools:
         if size <= self.pool.capacity:
             return False
         try:
-            pool = _runtime.lease_pool(size)
+            pool = _pools.lease_pool(size)
         except (ConfigError, SpilloverError) as e:  # the node's room moved, or mapping failed
             _runtime.log.info("activation pool not grown to %s: %s", format_size(size), e)
             return False  # what finds no room stays put: the pool-full guardrail says so
@@ -269,11 +278,11 @@ class Pools:
         keep = []
         for g in self.gens[:-1]:
             if g.leased and g.idle() and not any(t is g.tier for t in busy):
-                _runtime.return_pool(g.pool)
+                _pools.return_pool(g.pool)
             else:
                 keep.append(g)
         self.gens[:-1] = keep
-        _runtime.settle()
+        _pools.settle()
 
     def close(self) -> None:
         """Every lease given back (the context is gone: no step of it can use them), the one
@@ -284,11 +293,11 @@ class Pools:
         gens, self.gens = self.gens, []
         for g in gens:
             if g.leased:
-                _runtime.return_pool(g.pool)
+                _pools.return_pool(g.pool)
         with self._next_lock:  # a thread still making one gives it back itself
             nxt, self._next = self._next, None
         if nxt is not None and not isinstance(nxt, BaseException):
-            _runtime.return_pool(nxt)
+            _pools.return_pool(nxt)
 
     def limit(self) -> int:
         """The user's size, or the most a growing pool may reach (the default's cap)."""

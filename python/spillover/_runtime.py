@@ -1,10 +1,6 @@
-"""Process-wide resources shared by every context: host pools, logging, one-time warnings.
-
-A pool is expensive to make (it maps and pre-faults its arenas) and cheap to share (leases are
-thread-safe), so each distinct capacity is made once per process and purpose and reused: one
-for activations (every ``offload_context``), one for the optimizer (every ``OffloadAdamW``).
-A size the user gave is cached for the process; the default activation pools are leased and
-leave with their last context (Note [growing pool] in _growth.py).
+"""What every part of the process shares below the pools: logging, one-time warnings, and the
+node's memory with the sizes pools may take (Note [node budget]). The pools themselves have
+one owner, ``_pools.POOLS`` (Note [the pool lives for the process] in _pools.py).
 
 Note [node budget]
     Pools are pre-faulted, so their size is RAM taken at once, and eight ranks on one node take
@@ -38,21 +34,26 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import psutil
 
-from . import _native
 from .config import Config, format_size
 from .errors import ConfigError
 
 log = logging.getLogger("spillover")
 
 _lock = threading.Lock()
-_pools: Dict[Tuple[str, int], _native.Pool] = {}
 _defaults: Dict[str, int] = {}  # purpose -> its default size, computed once
 _warned: set = set()
-_cuda_registered: set = set()
+
+#: Bytes this process holds in pools (set by _pools.POOLS, the pools' owner, which sits above
+#: this module).
+def _no_pools() -> int:
+    return 0
+
+
+held_in_pools: Callable[[], int] = _no_pools
 
 #: Default pool: a quarter of RAM, at most this much.
 DEFAULT_POOL_CAP = 8 << 30
@@ -219,10 +220,7 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup",
 def node_memory() -> NodeMemory:
     vm = psutil.virtual_memory()
     limit, usage = cgroup_memory()
-    with _lock:
-        in_pools = sum(p.capacity for p in _pools.values())
-    in_pools += sum(p.capacity for p in _leased_pools())
-    return NodeMemory(vm.total, vm.available, limit, usage, local_world_size(), in_pools)
+    return NodeMemory(vm.total, vm.available, limit, usage, local_world_size(), held_in_pools())
 
 
 def default_pool_bytes(mem: Optional[NodeMemory] = None) -> int:
@@ -294,248 +292,11 @@ def default_size(purpose: str) -> int:
     return default
 
 
-#: Largest arena of the pools made here (None: the crate's 1 GiB). Tests make it small to reach
-#: storages larger than one arena at small sizes (Note [gathered storages] in rust/tier/gather.rs).
-ARENA_BYTES: Optional[int] = None
-
-
-def host_pool(cfg: Config, purpose: str = "activations",
-              need: Optional[int] = None) -> _native.Pool:
-    """The process's pool for ``purpose`` (made on first use): ``"activations"`` (every
-    ``offload_context``; ``cfg.host_pool_bytes``) or ``"optim"`` (every ``OffloadAdamW``;
-    ``cfg.optim_pool_bytes``). The two never share a pool, so one cannot starve the other.
-    Without a size from the user: the default of Note [node budget] (computed once per
-    purpose, then reused), or less when the caller knows it `need`s less (``sized_for``)."""
-    size = cfg.optim_pool_bytes if purpose == "optim" else cfg.host_pool_bytes
-    explicit = size is not None
-    if size is None:
-        default = default_size(purpose)
-        size = default if need is None else min(default, sized_for(need))
-    with _lock:
-        known = (purpose, size) in _pools
-    if not known:
-        mem = node_memory()
-        check_pool_size(size, purpose, mem, explicit=explicit)
-        log.info("%s pool of %s: %s", purpose, format_size(size), mem.describe())
-    capacity = size
-    with _lock:
-        pool = _pools.get((purpose, capacity))
-        if pool is None:
-            log.info("mapping a %s host pool for %s", format_size(capacity), purpose)
-            pool = _native.Pool(capacity, arena_bytes=ARENA_BYTES)
-            _pools[(purpose, capacity)] = pool
-            lock_warning = pool.lock_warning
-        else:
-            lock_warning = None
-    if lock_warning:
-        warn_once("pool-lock", lock_warning)
-    return pool
-
-
-def pool_ranges() -> List[Tuple[int, int]]:
-    """Address ranges of every pool arena (to recognise tensors that already live in one)."""
-    with _lock:
-        pools = list(_pools.values())
-    pools += _leased_pools()
-    return [(a, a + n) for p in pools for (a, n) in p.arenas()]
-
-
-# ---- leased pools: the growing default activation pools (Note [growing pool] in _growth.py) --
-
-_lease_lock = threading.Lock()  # never held across a call that can block on another lock
-_leased: Dict[int, List[Any]] = {}  # capacity -> [pool, leases held]
-_returned: List[Any] = []  # leases given back and not counted out yet (list.append is atomic)
-_draining: List[Any] = []  # no lease left, registered with CUDA, blocks still out
-
-
-def _leased_pools() -> List[Any]:
-    """Every leased pool still mapped by this process's cache (leased, or draining)."""
-    return [e[0] for e in list(_leased.values())] + list(_draining)
-
-
-def lease_pool(capacity: int) -> _native.Pool:
-    """A lease of the process's growing default activation pool of ``capacity``: shared by every
-    context that leases this capacity, mapped at the first lease (refused or warned about by
-    Note [node budget]), and dropped from this process when the last lease is given back
-    (:func:`return_pool`), so that its memory goes back once its blocks do."""
-    _settle(blocking=True)
-    with _lease_lock:
-        entry = _leased.get(capacity)
-        if entry is not None:
-            entry[1] += 1
-            return entry[0]
-    mem = node_memory()
-    check_pool_size(capacity, "activations", mem)
-    log.info("mapping a %s activation pool (growing default): %s", format_size(capacity),
-             mem.describe())
-    pool = _native.Pool(capacity, arena_bytes=ARENA_BYTES)  # outside the lock: mapping is slow
-    with _lease_lock:
-        entry = _leased.setdefault(capacity, [pool, 0])
-        entry[1] += 1
-    if entry[0] is pool and pool.lock_warning:
-        warn_once("pool-lock", pool.lock_warning)
-    return entry[0]
-
-
-def return_pool(pool: Any) -> None:
-    """Give back one lease of ``pool`` (a context collected, or grown past it). Safe in a
-    finalizer, which gc may run on any thread at any allocation: it never blocks, and what it
-    cannot settle at once (another thread holds the lock) is settled at the next lease."""
-    _returned.append(pool)
-    _settle(blocking=False)
-
-
-def settle() -> None:
-    """Settle what returns could not settle at once (a contended lock; a CUDA-registered pool
-    whose blocks were still out), without waiting; contexts call it as each step begins."""
-    _settle(blocking=False)
-
-
-def _settle(blocking: bool) -> None:
-    """Count out the leases given back: a pool with none left leaves the cache (and the tiers
-    cached over it go, Note [growing pool]); one registered with CUDA is unregistered first,
-    once no block of it is leased (the device may still be copying into a leased block)."""
-    if not _lease_lock.acquire(blocking=blocking):
-        return
-    gone = []
-    try:
-        while _returned:
-            pool = _returned.pop()
-            for capacity, entry in list(_leased.items()):
-                if entry[0] is pool:
-                    entry[1] -= 1
-                    if entry[1] <= 0:
-                        del _leased[capacity]
-                        gone.append(pool)
-                    break
-        _draining.extend(gone)
-        _draining[:] = [p for p in _draining if not _unregister_if_idle(p)]
-    finally:
-        _lease_lock.release()
-    if gone:
-        from . import _tiers  # imports this module
-
-        for pool in gone:
-            _tiers.forget_pool(pool)
-            log.info("released a %s activation pool", format_size(pool.capacity))
-
-
-def register_with_cuda(pool: _native.Pool) -> bool:
-    """Page-lock the pool's arenas for CUDA (``cudaHostRegister``, portable to every device)
-    once, so copies from and to them are truly asynchronous. True once every arena is
-    registered.
-
-    On a refusal it unregisters the arenas it did register, clears CUDA's last error (otherwise
-    the next kernel launch would raise it), warns once and returns False: copies from the pool
-    are then synchronous. A refused pool is not tried again. A pool counts as registered only
-    once every arena is; registration runs under ``_lock``, so two threads cannot register one
-    arena twice."""
-    import ctypes
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    arenas = list(pool.arenas())
-    key = (id(pool), tuple(arenas))  # the arenas too: an id can be reused once a pool is gone
-    refused = ("refused", key)
-    cudart = torch.cuda.cudart()  # initialises CUDA, outside the lock
-    host_register_portable = 1  # cudaHostRegisterPortable: pinned for every device's context
-
-    def code_of(err: object) -> int:
-        return int(getattr(err, "value", err))
-
-    def clear_last_error() -> bool:
-        """cudaGetLastError in the runtime torch uses: torch's binding when it has one, else
-        ctypes on the libcudart this process loaded (never a second copy of the runtime)."""
-        fn = getattr(cudart, "cudaGetLastError", None)
-        if fn is not None:
-            fn()
-            return True
-        try:
-            with open("/proc/self/maps") as f:
-                libs = {line.split()[-1] for line in f if "libcudart" in line}
-        except OSError:
-            libs = set()
-        for path in sorted(libs):
-            try:
-                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-                lib.cudaGetLastError()
-                return True
-            except (OSError, AttributeError):
-                continue
-        try:  # a runtime linked statically into torch and exported
-            ctypes.CDLL(None).cudaGetLastError()
-            return True
-        except (OSError, AttributeError):
-            return False
-
-    failure = None
-    with _lock:
-        if key in _cuda_registered:
-            return True
-        if refused in _cuda_registered:
-            return False
-        done: List[int] = []
-        with torch.cuda.device(torch.cuda.current_device()):
-            for addr, length in arenas:
-                code = code_of(cudart.cudaHostRegister(addr, length, host_register_portable))
-                if code != 0:
-                    for a in done:
-                        cudart.cudaHostUnregister(a)
-                    cleared = clear_last_error()
-                    failure = (length, code, cleared)
-                    _cuda_registered.add(refused)
-                    break
-                done.append(addr)
-            else:
-                _cuda_registered.add(key)
-    if failure is None:
-        return True
-    length, code, cleared = failure
-    warn_once(
-        "cuda-register",
-        f"spillover: cudaHostRegister of a {format_size(length)} host arena failed "
-        f"(cudaError {code}); the pool is not registered and device copies from it will be "
-        "synchronous. Check RLIMIT_MEMLOCK (`ulimit -l`) and lower SPILLOVER_HOST_POOL_BYTES."
-        + ("" if cleared else " CUDA's last error could not be cleared (no cudaGetLastError "
-           "found): the next CUDA call may report it."),
-    )
-    return False
-
-
-def _unregister_if_idle(pool: Any) -> bool:
-    """Unregister ``pool``'s arenas from CUDA (``cudaHostUnregister``) once none of its blocks
-    is leased; True once it is not registered (also: never was). Pinned pages stay pinned until
-    unregistered, whoever unmaps them, so a pool leaving the process must pass here first."""
-    key = (id(pool), tuple(pool.arenas()))
-    _cuda_registered.discard(("refused", key))  # a later pool may get this id and these arenas
-    if key not in _cuda_registered:  # set operations are atomic: no lock (see return_pool)
-        return True
-    if pool.stats()["in_use"]:
-        return False
-    import torch
-
-    cudart = torch.cuda.cudart()
-    for addr, _length in key[1]:
-        cudart.cudaHostUnregister(addr)
-    _cuda_registered.discard(key)
-    return True
-
-
 def _after_fork_in_child() -> None:
-    """Note [fork] (rust/io/mod.rs): a forked child starts with no pools or tiers of its own;
-    what it inherited stays with the parent (the Rust engine refuses to be driven from the
-    child and is leaked there, never joined)."""
-    global _lock, _lease_lock
+    """Note [fork] (rust/io/mod.rs): a forked child computes its defaults again."""
+    global _lock
     _lock = threading.Lock()  # another thread may have held it at fork time
-    _pools.clear()
     _defaults.clear()
-    _cuda_registered.clear()
-    _lease_lock = threading.Lock()
-    _leased.clear()
-    _returned.clear()
-    _draining.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _native, _runtime
+from . import _native, _pools, _runtime
 from .config import Config
 from .errors import ConfigError
 
@@ -128,6 +128,9 @@ def forget_pool(pool: Any) -> None:
     for cache, first in ((_tiers, id(pool)), (_swaps, ("pool", id(pool)))):
         for key in [k for k in list(cache) if k[0] == first]:
             cache.pop(key, None)
+
+
+_pools.POOLS.on_pool_gone(forget_pool)
 
 
 def chunk_sizes(capacity: int) -> Tuple[int, int]:

@@ -76,6 +76,12 @@ class OffloadStats:
     pool_capacity: int = 0
     #: Swap space held by entries (all steps of the process) when stats() was read.
     swap_in_use: int = 0
+    #: Host pools mapped (and pre-faulted) and registered with the device (CUDA, or the
+    #: simulated device) by the process during the step -- its forward and backward, until the
+    #: next step began (Note [the pool lives for the process] in _pools.py): 0 once the pool
+    #: the steps need is kept.
+    pool_maps: int = 0
+    pool_registrations: int = 0
 
     _lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False

@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import spillover  # noqa: E402
-from spillover import _runtime  # noqa: E402
+from spillover import _pools  # noqa: E402
 from spillover.models import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -156,7 +156,7 @@ def pool_in_use(ctx) -> int:
     """The context's pool's bytes in use: ``stats().pool_in_use`` where it exists, else the pool's
     own counter."""
     v = getattr(ctx.stats(), "pool_in_use", None)
-    return int(v) if v is not None else _runtime.host_pool(ctx.config).stats()["in_use"]
+    return int(v) if v is not None else _pools.host_pool(ctx.config).stats()["in_use"]
 
 
 def drain(ctx, seconds: float = 5.0):

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_bitwise, drained, gpt_step, grads
 
 import spillover
-from spillover import _growth, _runtime, _tiers
+from spillover import _growth, _pools, _runtime, _tiers
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
 MiB = 1 << 20
@@ -141,6 +141,8 @@ def test_frozen_weights_buffers_and_their_views_stay_on_the_device():
 def default_pool(monkeypatch, private_pool_bytes):
     """No size from the user; a first pool of a capacity no other test leases."""
     monkeypatch.delenv("SPILLOVER_HOST_POOL_BYTES", raising=False)
+    gc.collect()
+    spillover.empty_cache()  # a new context starts on the largest pool the process keeps
     first = 16 * MiB + private_pool_bytes % (1 << 20)
     monkeypatch.setattr(_growth, "FIRST_POOL", first)
     return first
@@ -150,7 +152,9 @@ def rss():
     return psutil.Process().memory_info().rss
 
 
-def test_a_default_pool_starts_small_and_is_returned_with_its_context(default_pool):
+def test_a_default_pool_starts_small_is_kept_for_the_next_context_and_emptied(default_pool):
+    """Note [the pool lives for the process]: the pool outlives its context (the next one
+    starts on it, nothing mapped), and ``spillover.empty_cache()`` gives it back."""
     torch.manual_seed(0)
     model, x = mlp(), torch.randn(N, N)
     ref = plain_grads(copy.deepcopy(model), x)
@@ -169,10 +173,21 @@ def test_a_default_pool_starts_small_and_is_returned_with_its_context(default_po
     grew = rss() - before
     assert grew < min(quarter // 4, 256 * MiB), grew  # was a quarter of the node at once
     pool = ctx._pool
-    assert _runtime._leased[default_pool][0] is pool
+    assert _pools.POOLS.leased[default_pool][0] is pool
+    del ctx, loss
+    gc.collect()
+    assert default_pool not in _pools.POOLS.leased and pool in _pools.POOLS.idle  # kept ...
+    ctx = spillover.offload_context("host", min_offload_bytes=0)
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(x).sum()
+    loss.backward()
+    assert_bitwise(ref, grads(model))
+    assert ctx._pool is pool and ctx.stats().pool_maps == 0  # ... for the next context
     del ctx, loss, pool
     gc.collect()
-    assert default_pool not in _runtime._leased  # gone from the process's cache ...
+    assert spillover.empty_cache() >= default_pool
+    assert default_pool not in _pools.POOLS.leased and not _pools.POOLS.idle  # gone ...
     assert rss() < before + grew - default_pool // 2  # ... and its pages with it
 
 
@@ -204,12 +219,15 @@ def test_a_default_pool_grows_to_what_the_steps_hold(tier, default_pool, tmp_pat
     assert caps[1] == caps[2] == _runtime.sized_for(held) >= held  # then fits, and stays
     assert drained(ctx) == (0, 0)  # in every pool it held
     assert len(ctx._pools.gens) == 1  # the pools grown past were returned ...
-    assert sorted(c for c in _runtime._leased if c in (default_pool, caps[0]) and
+    assert sorted(c for c in _pools.POOLS.leased if c in (default_pool, caps[0]) and
                   c != caps[2]) == []  # ... and left the process
     pool = ctx._pool
-    del ctx, pool
+    del ctx
     gc.collect()
-    assert caps[2] not in _runtime._leased
+    assert caps[2] not in _pools.POOLS.leased and pool in _pools.POOLS.idle  # kept, idle
+    del pool
+    assert spillover.empty_cache() >= caps[2]
+    assert not _pools.POOLS.idle
     if tier == "nvme":  # its swap engine went with it
         assert not any(k[0][0] == "pool" for k in _tiers._swaps if k and isinstance(k[0], tuple))
 
@@ -220,11 +238,11 @@ def test_an_explicit_size_is_the_cached_pool_as_before(private_pool_bytes):
     ctx = spillover.offload_context("host", host_pool_bytes=size)
     with ctx:
         pass
-    assert ctx._pool is _runtime.host_pool(cfg) and ctx.pool_limit == size
+    assert ctx._pool is _pools.host_pool(cfg) and ctx.pool_limit == size
     assert "grows up to" not in ctx.report()
     del ctx
     gc.collect()
-    assert _runtime._pools[("activations", size)].capacity == size  # kept for the process
+    assert _pools.POOLS.sized[("activations", size)].capacity == size  # kept for the process
 
 
 # ---- 3. report() counts what a recompute policy keeps -----------------------------------------
@@ -295,13 +313,13 @@ def test_the_next_pool_is_made_off_the_critical_path(default_pool, monkeypatch):
     import threading
 
     leases = []
-    real = _runtime.lease_pool
+    real = _pools.lease_pool
 
     def spy(capacity):
         leases.append((threading.current_thread().name, capacity))
         return real(capacity)
 
-    monkeypatch.setattr(_runtime, "lease_pool", spy)
+    monkeypatch.setattr(_pools, "lease_pool", spy)
     torch.manual_seed(0)
     xs = [torch.randn(MiB // 4, requires_grad=True) for _ in range(96)]  # 96 MiB, 1 MiB each
     ctx = spillover.offload_context("host", min_offload_bytes=0)

@@ -122,9 +122,9 @@ def test_storages_in_pieces_come_back_piece_by_piece_and_are_staged(monkeypatch)
     by piece from the pool's blocks into one device tensor -- staged ahead like a whole entry,
     no gathered buffer. It used to be gathered on the host into a one-off mapping, copied again
     into page-locked memory, and never staged."""
-    from spillover import _runtime
+    from spillover import _pools
 
-    monkeypatch.setattr(_runtime, "ARENA_BYTES", MiB)
+    monkeypatch.setattr(_pools, "ARENA_BYTES", MiB)
     model, x = _chain(n=6, width=1024), torch.randn(512, 1024)
     model(x).sum().backward()
     ref = _grads(model)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _gpu_common import CUDA, DEV, MARKS, MiB, figure, fmt, need_cuda, pool_bytes
 
-from spillover import _native, _runtime
+from spillover import _native, _pools
 
 pytestmark = MARKS
 __all__ = ["figure"]  # the fixture: pytest finds it in this module's namespace
@@ -42,7 +42,7 @@ def test_pool_block_is_pinned_and_copies_at_link_speed(figure):
         figure(f"CPU: a {fmt(n)} copy into a pool block at {n / dt / 1e9:.2f} GB/s "
                "(is_pinned and device copies need CUDA)")
         return
-    registered = _runtime.register_with_cuda(pool)
+    registered = _pools.register_with_cuda(pool)
     assert registered and dst.is_pinned(), "the pool's arena is not page-locked for CUDA"
     ref = torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
@@ -98,11 +98,11 @@ def test_failed_register_then_kernel_launch_does_not_raise(figure):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ok = _runtime.register_with_cuda(pool)
+            ok = _pools.register_with_cuda(pool)
         x = torch.ones(1 << 20, device="cuda") * 2  # a kernel launch checks the last error
         total = float(x.sum())
         torch.cuda.synchronize()
-        again = _runtime.register_with_cuda(pool)
+        again = _pools.register_with_cuda(pool)
         # The first arena was unregistered again: registering it now succeeds.
         first_free = code(cudart.cudaHostRegister(a0, n0, 0)) == 0
         if first_free:
@@ -171,8 +171,8 @@ def test_register_with_cuda_bookkeeping(get_last_error, monkeypatch, figure):
     ok = FakeCudart(get_last_error=get_last_error)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: ok)
     p = pool()
-    assert _runtime.register_with_cuda(p) is True and len(ok.registered) == 3
-    assert _runtime.register_with_cuda(p) is True and len(ok.flags) == 3  # not registered twice
+    assert _pools.register_with_cuda(p) is True and len(ok.registered) == 3
+    assert _pools.register_with_cuda(p) is True and len(ok.flags) == 3  # not registered twice
     assert set(ok.flags) == {1} and guards == [0]
 
     bad = FakeCudart(refuse_at=2, get_last_error=get_last_error)
@@ -192,7 +192,7 @@ def test_register_with_cuda_bookkeeping(get_last_error, monkeypatch, figure):
     q = pool()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = _runtime.register_with_cuda(q)
+        first = _pools.register_with_cuda(q)
     assert first is False and bad.registered == {}, "arenas left registered after a refusal"
     with open("/proc/self/maps") as f:
         cudart_loaded = any("libcudart" in line for line in f)
@@ -201,8 +201,36 @@ def test_register_with_cuda_bookkeeping(get_last_error, monkeypatch, figure):
     elif cudart_loaded:  # a CPU-only torch build loads no libcudart: nothing to clear there
         assert any("libcudart" in str(lib) and sym == "cudaGetLastError" for lib, sym in seen)
     calls = len(bad.flags)
-    assert _runtime.register_with_cuda(q) is False and len(bad.flags) == calls  # not retried
+    assert _pools.register_with_cuda(q) is False and len(bad.flags) == calls  # not retried
     how = ("torch's binding" if get_last_error
            else f"ctypes on {os.path.basename(seen[0][0])}" if seen else "nothing (no libcudart)")
     figure("3 arenas registered once with flag 1 under the device guard; a refusal at the third: "
            f"False, 2 arenas unregistered, last error cleared through {how}")
+
+
+def test_a_pool_registered_and_dropped_leaves_no_error_for_the_next_step():
+    """The H200's probe: its ``pool`` check registered a 4 GiB pool and dropped it; the next
+    check's first torch op raised "resource already mapped", and so did every CUDA call after
+    it in the process. A registered pool is now held until it is unregistered (Note
+    [registered, never unmapped] in _pools.py), so a step that follows in the same process
+    runs, and ``empty_cache`` unregisters it before it is unmapped."""
+    import spillover
+
+    need_cuda("registering a pool with CUDA")
+
+    pool = _native.Pool(pool_bytes(256 * MiB))
+    assert _pools.register_with_cuda(pool)
+    del pool
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(DEV)
+    x = torch.randn(512, 1024, device=DEV)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with spillover.offload_context("host", min_offload_bytes=0):
+            loss = model(x).sum()
+        loss.backward()
+        assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
+    spillover.empty_cache()
+    torch.cuda.synchronize()
+    torch.ones(1, device=DEV).add_(1)  # no error left for the user's next op

@@ -124,7 +124,7 @@ def test_others_in_the_pool_fires_once(caught, private_pool_bytes):
     assert ctx.stats().bytes_kept_pool_full == 0
     assert opt.stats()["state_bytes"] >= 16 << 20 and opt.stats()["heap_chunks"] == 0
     assert not fired(caught, OTHERS) and not fired(caught, POOL_FULL)
-    act_pool = spillover._runtime.host_pool(spillover.Config.load(host_pool_bytes=pool))
+    act_pool = spillover._pools.host_pool(spillover.Config.load(host_pool_bytes=pool))
     hog = [act_pool.lease(1 << 20) for _ in range(16)]
     steps(3)
     assert ctx.stats().bytes_kept_pool_full > 0

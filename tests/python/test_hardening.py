@@ -180,10 +180,10 @@ def test_keyboard_interrupt_leaves_nothing_behind(tiny_gpt, tmp_path, private_po
     assert interrupted
     gc.collect()
     time.sleep(0.2)
-    from spillover import _runtime, _tiers
+    from spillover import _pools, _tiers
 
     cfg = spillover.Config.load(tier="nvme", **kw)
-    tier = _tiers.tier_for(cfg, _runtime.host_pool(cfg), nvme=True)
+    tier = _tiers.tier_for(cfg, _pools.host_pool(cfg), nvme=True)
     tier.wait_idle()
     gc.collect()
     assert os.listdir(tmp_path) == []  # swap files never have a name

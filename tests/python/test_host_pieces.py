@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import spillover
-from spillover import _runtime
+from spillover import _pools
 
 MiB = 1 << 20
 
@@ -20,7 +20,7 @@ def _step(ctx, x):
 
 
 def test_storage_larger_than_an_arena_goes_in_pieces(monkeypatch):
-    monkeypatch.setattr(_runtime, "ARENA_BYTES", 8 * MiB)
+    monkeypatch.setattr(_pools, "ARENA_BYTES", 8 * MiB)
     x = torch.randn(3 * MiB, requires_grad=True)  # 12 MiB of fp32
     (x * 2).sigmoid().sum().backward()
     ref = x.grad.clone()
@@ -40,7 +40,7 @@ def test_storage_larger_than_an_arena_goes_in_pieces(monkeypatch):
 def test_one_arena_pool_keeps_what_cannot_fit(monkeypatch):
     """A pool of one arena smaller than the storage: kept, and the warning's advice (raise the
     pool) is then right."""
-    monkeypatch.setattr(_runtime, "ARENA_BYTES", 8 * MiB)
+    monkeypatch.setattr(_pools, "ARENA_BYTES", 8 * MiB)
     x = torch.randn(3 * MiB, requires_grad=True)
     ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=8 * MiB - 4096)
     with __import__("warnings").catch_warnings(record=True):

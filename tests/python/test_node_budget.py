@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spillover
-from spillover import _runtime, _tiers
+from spillover import _pools, _runtime, _tiers
 from spillover._runtime import NodeMemory, cgroup_memory, check_pool_size, default_pool_bytes
 
 GiB = 1 << 30
@@ -33,7 +33,7 @@ def test_a_terabyte_activation_pool_is_refused_at_entry():
     assert "1.0 TiB activation pool does not fit" in msg
     assert "available now" in msg and "SPILLOVER_HOST_POOL_BYTES" in msg
     assert "this rank's share is" in msg
-    assert all(c < 1 << 40 for (_p, c) in _runtime._pools)  # nothing was mapped
+    assert all(c < 1 << 40 for (_p, c) in _pools.POOLS.sized)  # nothing was mapped
 
 
 def test_a_terabyte_optimizer_pool_is_refused_from_the_environment(monkeypatch):
@@ -133,10 +133,10 @@ def test_a_cgroup_limit_below_the_host_sets_the_share():
 def test_activations_and_optimizer_never_share_a_pool(private_pool_bytes):
     size = (32 << 20) + private_pool_bytes % (1 << 16)
     cfg = spillover.Config.load(host_pool_bytes=size, optim_pool_bytes=size)
-    act = _runtime.host_pool(cfg)
-    opt = _runtime.host_pool(cfg, purpose="optim")
+    act = _pools.host_pool(cfg)
+    opt = _pools.host_pool(cfg, purpose="optim")
     assert act is not opt and act.capacity == opt.capacity == size
-    assert _runtime.host_pool(cfg) is act  # each is made once
+    assert _pools.host_pool(cfg) is act  # each is made once
     p = torch.nn.Parameter(torch.randn(1 << 16))
     o = spillover.OffloadAdamW([p], host_pool_bytes=size)  # read as optim_pool_bytes
     assert o._pool is opt
@@ -198,7 +198,7 @@ def test_the_optimizer_pool_defaults_to_what_its_parameters_need(monkeypatch):
 def test_a_default_context_does_not_take_an_explicit_pool(private_pool_bytes, monkeypatch):
     monkeypatch.delenv("SPILLOVER_HOST_POOL_BYTES", raising=False)
     size = (32 << 20) + private_pool_bytes % (1 << 16)
-    explicit = _runtime.host_pool(spillover.Config.load(host_pool_bytes=size))
+    explicit = _pools.host_pool(spillover.Config.load(host_pool_bytes=size))
     calls = []
 
     def small_default(mem=None):  # the real one pre-faults a quarter of the machine
@@ -207,9 +207,9 @@ def test_a_default_context_does_not_take_an_explicit_pool(private_pool_bytes, mo
 
     monkeypatch.setattr(_runtime, "_defaults", {})
     monkeypatch.setattr(_runtime, "default_pool_bytes", small_default)
-    default = _runtime.host_pool(spillover.Config.load())
+    default = _pools.host_pool(spillover.Config.load())
     assert default is not explicit and default.capacity == size + 4096
-    assert _runtime.host_pool(spillover.Config.load()) is default
+    assert _pools.host_pool(spillover.Config.load()) is default
     assert len(calls) == 1  # computed once: what is available moves, the pool does not
 
 

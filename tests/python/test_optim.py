@@ -381,7 +381,7 @@ def test_nvme_optimizer_and_activations_share_one_engine(tmp_path, where):
 
 
 def test_full_pool_falls_back_to_heap_with_a_warning():
-    _native_pool = spillover._runtime.host_pool(
+    _native_pool = spillover._pools.host_pool(
         spillover.Config.load(optim_pool_bytes=1 << 20), purpose="optim"
     )
     hog = [_native_pool.lease(256 << 10) for _ in range(4)]

@@ -260,7 +260,7 @@ def test_only_gradients_and_parameters_cross_in_their_dtype(dtype, bits, overlap
     host side of a copy is a block of spillover's pool (pinned on CUDA), never pageable."""
     from _stream_log import StreamLog
 
-    from spillover import _runtime
+    from spillover import _pools
 
     link = StreamLog()
     model = make_model(dtype)
@@ -277,11 +277,47 @@ def test_only_gradients_and_parameters_cross_in_their_dtype(dtype, bits, overlap
         up = sum(e[3] for e in copies if e[2] in params)
         down = sum(e[3] for e in copies if e[2] not in params)
         assert up == n * esize and down == n * esize, (up, down, n * esize)
-        ranges = _runtime.pool_ranges()
+        ranges = _pools.pool_ranges()
         for e in copies:
             if e[2] not in params:  # to the host: a staging buffer in the pool
                 assert any(a <= e[2] < b for a, b in ranges), e
     for sp in opt._spaces:
         for t in sp.grad_view + sp.out_view:
             assert t.dtype == dtype
-            assert any(a <= t.data_ptr() < b for a, b in _runtime.pool_ranges())
+            assert any(a <= t.data_ptr() < b for a, b in _pools.pool_ranges())
+
+
+# ---- the update's threads (Note [update threads] in spillover/optim/adamw.py) ----
+
+
+def test_update_threads(monkeypatch):
+    """The exact default updates on rayon's global pool; the modes whose update runs while the
+    device computes on one thread fewer (at least one); ``update_threads`` sets it; the result
+    does not depend on it."""
+    import os
+
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(**kw):
+        model = make_model()
+        opt = spillover.OffloadAdamW(model.parameters(), lr=1e-2, host_pool_bytes=POOL, **kw)
+        train(model, opt, 2)
+        opt.flush()
+        return {sp.state.threads for sp in opt._spaces}, list(model.parameters())
+
+    glob, exact = threads(_force_staging=True)
+    pool = spillover.OffloadAdamW(make_model().parameters(), host_pool_bytes=POOL)._pool
+    assert glob == {_native.AdamState(pool, [16], master=False).threads}
+    assert threads(overlap="delayed")[0] == {max(1, cores - 1)}
+    assert threads(update_in_backward=True)[0] == {max(1, cores - 1)}
+    one, same = threads(_force_staging=True, update_threads=1)
+    assert one == {1}
+    assert_same(exact, same, exact=True)
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    assert threads(overlap="delayed")[0] == {2}
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="update_threads"):
+            spillover.OffloadAdamW(make_model().parameters(), update_threads=bad,
+                                   host_pool_bytes=POOL)
+

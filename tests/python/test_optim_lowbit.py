@@ -322,7 +322,7 @@ def test_bad_arguments_name_themselves():
         offload(m.parameters(), master_weights="no")
     with pytest.raises(ValueError, match="rounding_seed"):
         offload(m.parameters(), rounding_seed=-1)
-    pool = spillover._runtime.host_pool(spillover.Config.load(optim_pool_bytes=POOL),
+    pool = spillover._pools.host_pool(spillover.Config.load(optim_pool_bytes=POOL),
                                         purpose="optim")
     state = spillover._native.AdamState(pool, [1], master=False, state_bits=8)
     with pytest.raises(ValueError, match='unknown state form "packed"'):

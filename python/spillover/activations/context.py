@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _runtime, _tiers, suspend
+from .. import _pools, _runtime, _tiers, suspend
 from .._growth import Pools
 from ..config import Config
 from ..errors import ConfigError
@@ -143,6 +143,7 @@ class OffloadContext(Hooks, Guardrails):
                 "region"
             )
         captured = registry.capturing()
+        pools_base = _pools.POOLS.counters()  # what this step maps and registers, from here
         with self._grow_lock:  # Note [growing pool] in _growth.py
             if self._pool is None:
                 if captured:  # Note [graph capture]
@@ -159,17 +160,19 @@ class OffloadContext(Hooks, Guardrails):
                 self._pools.retire(busy)
                 if self._pools.grow_between_steps():
                     self._grown()
-        self._pool_ranges = sorted(_runtime.pool_ranges())  # pools made since count too
+        self._pool_ranges = sorted(_pools.pool_ranges())  # pools made since count too
         self._pool_starts = [a for a, _ in self._pool_ranges]
         others = self._pool_others()
         with self._lock:
             now = {} if captured else self._transfer_now()  # no event queried
             if self._last is not None and self._last.tr_end is None:
                 self._last.tr_end = now
+                self._last.pools_end = pools_base
             self._fold(keep_last=False)  # a new latest step begins
             self._steps += 1
             index = self._steps
         rec = StepRecord(index, self._tier, others, now)
+        rec.pools_base = pools_base
         rec.stats.pool_capacity = self._pool.capacity
         with self._lock:
             rec.marked, self._pending_marks = self._pending_marks, set()
@@ -209,7 +212,7 @@ class OffloadContext(Hooks, Guardrails):
         """A pool became current (Note [growing pool] in _growth.py)."""
         self.tier = self._pools.tier_name  # "auto" resolved
         self._chunk_above, self._chunk_bytes = self._pools.chunk_sizes()
-        self._pool_ranges = sorted(_runtime.pool_ranges())
+        self._pool_ranges = sorted(_pools.pool_ranges())
         self._pool_starts = [a for a, _ in self._pool_ranges]
 
     # -- user API --
@@ -349,6 +352,10 @@ class OffloadContext(Hooks, Guardrails):
 
     def _step_stats(self, rec: StepRecord) -> OffloadStats:
         out = rec.stats.copy()
+        end = rec.pools_end or _pools.POOLS.counters()
+        out.pool_maps = end["pool_maps"] - rec.pools_base.get("pool_maps", 0)
+        out.pool_registrations = (end["pool_registrations"]
+                                  - rec.pools_base.get("pool_registrations", 0))
         st = rec.tier_stats()
         out.bytes_offloaded_nvme = st["bytes_written"]
         out.bytes_offloaded_host = st["bytes_put"] - st["bytes_written"]

@@ -14,7 +14,7 @@ Note [guardrails]
       pool had no room (the bytes are ``bytes_kept_pool_full``).
     - *Others in the pool*: the same, while other users held a large share of the pool when the
       step began (at least 1 MiB and 1/16 of it): code that leases blocks of the process's
-      activation pool (``spillover._runtime.host_pool``). ``OffloadAdamW`` never does: its
+      activation pool (``spillover._pools.host_pool``). ``OffloadAdamW`` never does: its
       state has a pool of its own (Note [node budget] in _runtime.py). "Others" are the pool's
       bytes in use minus the bytes in the pool of every activation tier over it. When the kept
       bytes exceed what the others held, the pool-full warning fires too.

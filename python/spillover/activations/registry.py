@@ -225,7 +225,7 @@ class StepRecord:
     __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
                  "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
                  "node", "compiled", "checked", "findings", "errors", "pool_full", "packs",
-                 "__weakref__")
+                 "pools_base", "pools_end", "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
@@ -245,6 +245,9 @@ class StepRecord:
         self.tr_end: Optional[Dict[Any, Tuple]] = None  # ... when the next step began
         self.devices: set = set()
         self.others = others  # pool bytes other users held when it began
+        #: the process's pool counters (_pools.POOLS) when it began, and when the next began
+        self.pools_base: Dict[str, int] = {}
+        self.pools_end: Optional[Dict[str, int]] = None
         self.node: Optional[List[Any]] = None  # [node key, storages, bytes] of the last unpack
         self.compiled: Optional[Tuple[int, int, str]] = None  # most a compiled node unpacked
         self.checked: set = set()

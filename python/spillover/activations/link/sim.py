@@ -206,14 +206,14 @@ class SimDevice:
     def is_pinned(self, host: torch.Tensor) -> bool:
         """Whether ``host`` lies in page-locked memory: a spillover pool (registered on CUDA)
         or a tensor of :meth:`pinned_empty`."""
-        from ... import _runtime
+        from ... import _pools
 
         addr = host.untyped_storage().data_ptr()
         with self._probe_lock:
             ref = self._pinned.get(addr)
             if ref is not None and not ref.expired():
                 return True
-        return any(a <= addr < e for a, e in _runtime.pool_ranges())
+        return any(a <= addr < e for a, e in _pools.pool_ranges())
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A host tensor in page-locked memory (CUDA: torch's pinned caching allocator)."""
