@@ -44,6 +44,11 @@ included) and its ratio to ``torch``'s; what is not hidden (step - forward - bac
 for each part of the optimizer's work — gradient D2H, host update (the kernel's passes), and
 parameter H2D — its time and the share of it that ran while the device computed (forward or
 backward). ``--per-bucket`` adds one table per mode: each bucket's parts and their overlap.
+
+``--update-threads N`` gives every OffloadAdamW mode ``update_threads=N`` (default: the
+library's, Note [update threads] in spillover/optim/adamw.py: all cores for ``exact``, one
+fewer for ``inbwd`` and ``delayed``). ``--copies model`` and ``--fingerprints host``: see
+``Link.copy`` and ``device_fingerprints``.
 """
 
 from __future__ import annotations
@@ -211,7 +216,8 @@ def run_mode(mode: str, shapes: List[List[int]], fwd_s: float, bwd_s: float, arg
         opt = spillover.OffloadAdamW(
             model.parameters(), lr=1e-4, optim_pool_bytes=int(n * 22) + (256 << 20),
             _force_staging=True, _link=link, update_in_backward=mode == "inbwd",
-            overlap="delayed" if mode == "delayed" else None)
+            overlap="delayed" if mode == "delayed" else None,
+            update_threads=args.update_threads)
     steps: List[Dict[str, float]] = []
     for _ in range(args.steps + 3):  # two warm-up steps, and one to end the last measured
         t: Dict[str, float] = {"start": time.perf_counter()}
@@ -285,6 +291,9 @@ def main() -> None:
     ap.add_argument("--per-bucket", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--copies", choices=("move", "model"), default="move")
+    ap.add_argument("--update-threads", type=int, default=None,
+                    help="OffloadAdamW(update_threads=): default, the library's (Note [update "
+                         "threads] in spillover/optim/adamw.py)")
     ap.add_argument("--fingerprints", choices=("device", "host"), default="device")
     args = ap.parse_args()
     if args.fingerprints == "device":

@@ -100,6 +100,10 @@ const FLAG_OUT_BF16: u64 = flag("out_bf16");
 pub struct PyAdamState {
     // Locked only inside `py.detach`, never while holding the GIL across a wait.
     inner: Mutex<AdamState>,
+    /// The threads `step` runs on: a pool of its own (`threads=n`), else rayon's global one.
+    /// Note [update threads] in spillover/optim/adamw.py: an update that runs while the device
+    /// computes leaves a core to the thread that drives the device.
+    threads: Option<rayon::ThreadPool>,
 }
 
 impl PyAdamState {
@@ -217,8 +221,11 @@ impl PyAdamState {
     /// pool blocks per step.
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments Python sees
+    /// `threads`: run `step` on a pool of that many threads of its own (0: rayon's global
+    /// pool, all cores unless RAYON_NUM_THREADS says otherwise).
     #[pyo3(signature = (pool, unit_lens, *, master, state_bits=32, seed=0, chunk_elems=4194304,
-                        task_elems=8388608, tier="host", allow_heap=true, swap=None, buffers=16))]
+                        task_elems=8388608, tier="host", allow_heap=true, swap=None, buffers=16,
+                        threads=0))]
     fn new(
         py: Python<'_>,
         pool: &PyPool,
@@ -232,6 +239,7 @@ impl PyAdamState {
         allow_heap: bool,
         swap: Option<PyRef<'_, PySwap>>,
         buffers: usize,
+        threads: usize,
     ) -> PyResult<Self> {
         let tier = match tier {
             "host" => Tier::Host { allow_heap },
@@ -267,9 +275,31 @@ impl PyAdamState {
         };
         let pool = pool.pool.clone();
         let state = guarded(py, || AdamState::new(&pool, &unit_lens, &opts))?;
+        let threads = match threads {
+            0 => None,
+            n => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("spillover-adamw-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        PyValueError::new_err(format!("AdamState: {n} update threads: {e}"))
+                    })?,
+            ),
+        };
         Ok(PyAdamState {
             inner: Mutex::new(state),
+            threads,
         })
+    }
+
+    /// The threads `step` runs on (`threads=` given, else rayon's global pool's).
+    #[getter]
+    fn threads(&self) -> usize {
+        match &self.threads {
+            Some(p) => p.current_num_threads(),
+            None => rayon::current_num_threads(),
+        }
     }
 
     /// One AdamW step over the units in `records` (see `STEP_RECORD`), GIL released.
@@ -279,11 +309,17 @@ impl PyAdamState {
     fn step(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
         let work = parse_steps(records)?;
         guarded(py, || {
-            let mut st = self.lock();
-            // SAFETY: the Python layer's contract above: every address is the data_ptr of a
-            // live, contiguous CPU tensor (or pool block) of the unit's length and dtype, held
-            // alive for the call and written by no one else meanwhile.
-            unsafe { st.step(&work) }
+            let run = || {
+                let mut st = self.lock();
+                // SAFETY: the Python layer's contract above: every address is the data_ptr of
+                // a live, contiguous CPU tensor (or pool block) of the unit's length and dtype,
+                // held alive for the call and written by no one else meanwhile.
+                unsafe { st.step(&work) }
+            };
+            match &self.threads {
+                Some(p) => p.install(run),
+                None => run(),
+            }
         })
     }
 

@@ -28,11 +28,24 @@ Note [GradScaler]
     not set ``_step_supports_amp_scaling`` (ShardedGradScaler all-reduces the inf flag only in
     ``unscale_``, which that path skips): the scaler unscales the gradients before ``step()``,
     which reads them afresh (no hooks when sharded).
+
+Note [update threads]
+    The Rust kernel runs on rayon's threads, all cores by default: it is bound by the host's
+    memory bandwidth, which a core or two less hardly lowers (benches/python/optim_threads.py:
+    on the 2-core machine it was written on, one thread moved 26-37 GB/s of state, two 30). In
+    the exact default the device waits for the update, so it may take every core. When the
+    update runs while the device computes (``update_in_backward``, ``overlap="delayed"``), the
+    thread that drives the device — Python launching the forward's and backward's kernels,
+    the hooks — must get a core as soon as it wakes, or the device starves; so those modes
+    update on a pool of their own of one thread fewer (``AdamState(threads=)``), unless
+    ``update_threads`` says otherwise. Measured on the simulated device
+    (benches/python/optim_overlap.py): the table in the README's optimizer section.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -89,6 +102,11 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             micro-batch accumulates into them (Note [update in backward], Note [speculative
             update] in inbwd.py). One rank or ``shard=False``; pays with parameters on a GPU;
             costs 12 bytes of host memory per parameter for the undo copy.
+        update_threads: the threads the Rust kernel updates on (Note [update threads]): by
+            default all cores (rayon's pool: ``RAYON_NUM_THREADS`` or the cores this process
+            may run on), but one fewer (at least one) when the update runs while the device
+            computes (``update_in_backward``, ``overlap="delayed"``), so that the thread that
+            drives the device keeps a core.
         overlap: ``None`` (the default: the exact update, bitwise equal to torch's fused
             AdamW) or ``"delayed"``: a one-step delayed update (DeepSpeed ZeRO-Offload's),
             **whose math differs from AdamW's**: ``step()`` hands the update to a worker thread
@@ -146,6 +164,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         nvme_buffers: int = 16,
         update_in_backward: bool = False,
         overlap: Optional[str] = None,
+        update_threads: Optional[int] = None,
         max_grad_norm: Optional[float] = None,
         state_bits: int = 32,
         master_weights: bool = True,
@@ -200,6 +219,14 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 f"{overlap!r}"
             )
         self._delayed = overlap == "delayed"
+        if update_threads is not None and (
+            isinstance(update_threads, bool) or not isinstance(update_threads, int)
+            or update_threads < 1
+        ):
+            raise ValueError(
+                f"OffloadAdamW: update_threads must be an integer >= 1, got {update_threads!r}"
+            )
+        self._update_threads = update_threads
         if self._delayed and self._inbwd:
             raise ValueError(
                 "OffloadAdamW: overlap='delayed' and update_in_backward=True are two ways to "
@@ -281,6 +308,17 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 "OffloadAdamW(overlap='delayed') is not offered for DTensor parameters (FSDP2): "
                 "untested there; use the default (overlap=None)"
             )
+
+    def _threads(self) -> int:
+        """The ``threads=`` of a new AdamState (0: rayon's global pool): Note [update
+        threads]."""
+        if self._update_threads is not None:
+            return self._update_threads
+        if not (self._inbwd or self._delayed):
+            return 0
+        env = os.environ.get("RAYON_NUM_THREADS", "")
+        cores = int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
+        return max(1, cores - 1)
 
     def flush(self) -> None:
         """With ``overlap="delayed"``: wait for the update the last ``step()`` handed to the

@@ -208,6 +208,7 @@ class _Space(abc.ABC):
             seed=opt._rounding_seed,
             chunk_elems=chunk_elems,
             tier=opt._tier,
+            threads=opt._threads(),  # Note [update threads] in adamw.py
         )
         if opt._tier == "nvme":
             # swap_for has already warned (once) with the engine's warning.

@@ -79,6 +79,7 @@ class StateStore:
     _hook_copies: bool
     _inbwd: bool
     _delayed: bool
+    _threads: Callable[[], int]
     _state_bits: int
     _master_weights: bool
     _past: Dict[str, float]
