@@ -1,7 +1,8 @@
 """The GPU probe: what the first lent device must answer, in under five minutes, before the full
-run (benches/gpu/run.sh). One process, one check after another, each under a budget of its own
-and all under one deadline; each answer a ✓/✗ line in ``summary.md`` the moment it is known;
-every figure in ``probe.json``; at the end one archive, ``probe.tgz``, of everything written.
+run (benches/gpu/run.sh). One check after another, each in a process of its own (one sticky
+CUDA error once failed 7 of 9 checks run in one process), each under a budget of its own and all
+under one deadline; each answer a ✓/✗ line in ``summary.md`` the moment it is known; every
+figure in ``probe.json``; at the end one archive, ``probe.tgz``, of everything written.
 
     python3 benches/gpu/probe.py --out DIR              # on the GPU host (about 4 minutes)
     python3 benches/gpu/probe.py --out DIR --dry-run    # every check on the CPU, tiny sizes
@@ -59,7 +60,7 @@ sys.path[:0] = [HERE, os.path.join(ROOT, "benches", "python")]
 from estimate_check import check_estimate  # noqa: E402
 
 import spillover  # noqa: E402
-from spillover import _runtime  # noqa: E402
+from spillover import _pools  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -67,17 +68,20 @@ MiB, GiB = 1 << 20, 1 << 30
 class Probe:
     """Where the answers go: summary.md line by line, probe.json at every check."""
 
-    def __init__(self, out: str, dry: bool, deadline: float):
+    def __init__(self, out: str, dry: bool, deadline: float, append: bool = False):
         self.out, self.dry, self.deadline = out, dry, deadline
         self.t0 = time.monotonic()
         self.results: Dict[str, Any] = {"dry_run": dry}
         self.failed = 0
-        self.summary = open(os.path.join(out, "summary.md"), "w")  # noqa: SIM115 (the run's)
+        self.summary = os.path.join(out, "summary.md")
+        self.child = append  # a check's own process: its figures go to check-NAME.json
+        if not append:  # a check's own process appends to its parent's
+            open(self.summary, "w").close()
 
     def say(self, line: str) -> None:
         print(line, flush=True)
-        self.summary.write(line + "\n")
-        self.summary.flush()
+        with open(self.summary, "a") as f:  # the parent and each check's process take turns
+            f.write(line + "\n")
 
     def mark(self, ok: bool, text: str) -> None:
         self.say(f"- {'✓' if ok else '✗'} {text}")
@@ -88,6 +92,8 @@ class Probe:
         return self.deadline - (time.monotonic() - self.t0)
 
     def save(self) -> None:
+        if self.child:
+            return
         with open(os.path.join(self.out, "probe.json"), "w") as f:
             json.dump(self.results, f, indent=1, default=str)
 
@@ -204,7 +210,7 @@ def check_pool(p: Probe) -> Dict[str, Any]:
     pool = _native.Pool(size)
     t_map = time.perf_counter() - t0
     t1 = time.perf_counter()
-    registered = _runtime.register_with_cuda(pool) if not p.dry else False
+    registered = _pools.register_with_cuda(pool) if not p.dry else False
     t_reg = time.perf_counter() - t1
     r: Dict[str, Any] = {"bytes": size, "map_s": t_map, "register_s": t_reg,
                          "registered": registered, "meminfo": meminfo()}
@@ -332,15 +338,24 @@ def check_steps(p: Probe) -> Dict[str, Any]:
     modes: Dict[str, Any] = {
         "none": None, "full": None,
         "host": lambda: spillover.offload_context("host", host_pool_bytes=pool),
+        # the README's Quick start: a new context every step, the default pool (Note [the pool
+        # lives for the process]: from the third step on, nothing mapped or registered)
+        "quickstart": lambda: spillover.offload_context("auto"),
         "nvme": lambda: spillover.offload_context(
             "nvme", host_pool_bytes="16MiB" if p.dry else "4GiB", nvme_path=nvme),
     }
     r: Dict[str, Any] = {"dims": dims}
+    def link_calls(ctx: Any) -> int:
+        return sum(int(getattr(tr, "calls", 0)) for tr in list(ctx._transfers.values()))
+
     for mode, make in modes.items():
         model.ckpt = mode == "full"
         ctx = make() if make else None
-        rows = []
-        for s in range(3):  # a warm-up, two measured
+        rows, per_step = [], []
+        for s in range(4 if mode == "quickstart" else 3):  # warm-up, then measured
+            if mode == "quickstart":
+                ctx = make()
+            calls0 = link_calls(ctx) if ctx is not None else 0
             model.zero_grad(set_to_none=True)
             sync(p)
             base = mem.now()
@@ -356,10 +371,17 @@ def check_steps(p: Probe) -> Dict[str, Any]:
             sync(p)
             t2 = time.perf_counter()
             bwd = mem.peaks()
-            if s:
+            if ctx is not None:
+                st = ctx.stats()
+                per_step.append({"seconds": t2 - t0, "pool_maps": st.pool_maps,
+                                 "pool_registrations": st.pool_registrations,
+                                 "link_calls": link_calls(ctx) - calls0,
+                                 "stall_seconds": st.stall_seconds,
+                                 "pool_capacity": st.pool_capacity})
+            if s >= (2 if mode == "quickstart" else 1):
                 rows.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "base": base,
                              "forward_peak": fwd, "backward_peak": bwd})
-        res = {"steps": rows}
+        res = {"steps": rows, "per_step": per_step}
         if ctx is not None:
             res["stats"] = ctx.stats().as_dict()
         r[mode] = res
@@ -373,6 +395,15 @@ def check_steps(p: Probe) -> Dict[str, Any]:
                      f"{st['unpacks_from_source']}")
         p.mark(True, f"{mode}: {step:.3f} s per step, peak allocated {peak / GiB:.2f} GiB "
                f"(forward / backward apart in probe.json){extra}")
+        if per_step:
+            p.say("  per step: " + "; ".join(
+                f"{x['seconds']:.3f} s, {x['pool_maps']} maps, {x['pool_registrations']} "
+                f"registrations, {x['link_calls']} link calls, stalls {x['stall_seconds']:.3f} s,"
+                f" pool {x['pool_capacity'] / GiB:.2f} GiB" for x in per_step))
+        if mode == "quickstart":
+            late = per_step[2:]
+            p.mark(all(x["pool_maps"] == 0 and x["pool_registrations"] == 0 for x in late),
+                   "quickstart: no pool mapped or registered from the third step on")
         del ctx
     return r
 
@@ -486,30 +517,68 @@ CHECKS = [("env", 20, check_env), ("pool", 25, check_pool), ("link", 40, check_l
           ("verify", 20, check_verify), ("estimate", 30, check_estimate)]
 
 
+def run_apart(p: Probe, name: str, budget: float, args: argparse.Namespace) -> None:
+    """Check ``name`` in a process of its own (``--one``): a CUDA error it leaves sticky, or a
+    crash, ends that process only. Its figures come back in ``check-NAME.json``."""
+    if p.left() < budget:
+        p.say(f"\n## {name}: not run (needs ~{budget:.0f} s, {p.left():.0f} s left)")
+        p.failed += 1
+        return
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--out", p.out,
+           "--deadline", f"{p.left():.0f}"] + (["--dry-run"] if p.dry else [])
+    t0 = time.monotonic()
+    try:
+        rc = subprocess.run(cmd, timeout=max(1.0, p.left())).returncode
+    except subprocess.TimeoutExpired:
+        rc = None
+    path = os.path.join(p.out, f"check-{name}.json")
+    got: Dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        got = json.load(f)
+    with contextlib.suppress(OSError):
+        os.remove(path)
+    p.results[name] = got.get(name, {"error": f"its process ended with {rc} and no figures"})
+    p.results.setdefault("seconds", {})[name] = time.monotonic() - t0
+    if rc != 0:
+        p.failed += 1
+        if not got:
+            p.mark(False, f"{name}: its process {'timed out' if rc is None else f'exited {rc}'}"
+                   " before writing its figures")
+            p.failed -= 1  # counted once
+    p.save()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "probe-out"))
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, tiny sizes")
     ap.add_argument("--deadline", type=float, default=270.0, help="seconds for every check")
     ap.add_argument("--only", help="comma-separated checks to run (default all)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # one check, in this process (run_apart)
     args = ap.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
+    if args.one:
+        p = Probe(args.out, dry, args.deadline, append=True)
+        name, budget, fn = next(c for c in CHECKS if c[0] == args.one)
+        p.run(name, 0.0, fn)
+        with open(os.path.join(args.out, f"check-{name}.json"), "w") as f:
+            json.dump({name: p.results.get(name)}, f, indent=1, default=str)
+        return 1 if p.failed else 0
     p = Probe(args.out, dry, args.deadline)
     p.say(f"# spillover GPU probe{' (DRY RUN on the CPU: not GPU figures)' if dry else ''}")
     p.say(f"- started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, deadline "
           f"{args.deadline:.0f} s")
     only = set(args.only.split(",")) if args.only else None
-    for name, budget, fn in CHECKS:
+    for name, budget, _ in CHECKS:
         if only is None or name in only:
-            p.run(name, budget, fn)
+            run_apart(p, name, budget, args)
     p.results["meminfo_end"] = meminfo()
     p.results["loss_path"] = spillover.loss.path_line()  # which loss ran; torch, transformers
     p.say(f"- {p.results['loss_path']}")
     p.save()
     p.say(f"\n## total: {'✓ every check passed' if not p.failed else f'✗ {p.failed} failed'} "
           f"in {time.monotonic() - p.t0:.0f} s")
-    p.summary.close()
     with tarfile.open(os.path.join(args.out, "probe.tgz"), "w:gz") as tar:
         for f in sorted(os.listdir(args.out)):
             if f not in ("probe.tgz",):
