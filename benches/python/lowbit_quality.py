@@ -24,7 +24,9 @@ so a later call with ``--report`` or with the remaining ``--only`` names complet
   update, Note [delayed update] in spillover/optim/delayed.py). Its validations run on the
   parameters the training's forward sees (one update behind), the last one after
   ``opt.flush()`` (the model with every update). The exact default is bitwise equal to
-  ``fp32`` (tests/python/test_optim.py), so ``fp32`` is the exact update's curve too.
+  ``fp32`` (tests/python/test_optim.py), so ``fp32`` is the exact update's curve too;
+- ``delayed-after50``: the same with ``delay_after=50`` (the first 50 steps exact: the
+  learning rate's warm-up here).
 
 torchao's and bitsandbytes' 8-bit AdamW are not installed here (and run on CUDA), so they
 have no column. The table gives each run's final validation loss (mean over ``--val-batches``
@@ -48,14 +50,16 @@ import torch
 import spillover
 from spillover.models import GPT, GPTConfig
 
-RUNS = ("fp32", "bits16", "bits8", "bits8-nomaster", "delayed")
-BARS = {"bits16": 0.01, "bits8": 0.02, "bits8-nomaster": 0.03, "delayed": 0.01}
+RUNS = ("fp32", "bits16", "bits8", "bits8-nomaster", "delayed", "delayed-after50")
+BARS = {"bits16": 0.01, "bits8": 0.02, "bits8-nomaster": 0.03, "delayed": 0.01,
+        "delayed-after50": 0.01}
 LABELS = {
     "fp32": "torch AdamW fused, fp32 state",
     "bits16": "OffloadAdamW state_bits=16",
     "bits8": "OffloadAdamW state_bits=8",
     "bits8-nomaster": "OffloadAdamW state_bits=8, master_weights=False (bf16 params)",
     "delayed": "OffloadAdamW overlap=\"delayed\" (fp32 state)",
+    "delayed-after50": "OffloadAdamW overlap=\"delayed\", delay_after=50",
 }
 
 
@@ -117,8 +121,9 @@ def run(name: str, args: Any, train: torch.Tensor, val: torch.Tensor) -> Dict[st
     hyper = dict(lr=args.lr, betas=(0.9, 0.95))
     if name == "fp32":
         opt: Any = torch.optim.AdamW(groups, fused=True, **hyper)
-    elif name == "delayed":
-        opt = spillover.OffloadAdamW(groups, overlap="delayed", **hyper)
+    elif name.startswith("delayed"):
+        after = 50 if name == "delayed-after50" else 0
+        opt = spillover.OffloadAdamW(groups, overlap="delayed", delay_after=after, **hyper)
     else:
         bits = 16 if name == "bits16" else 8
         opt = spillover.OffloadAdamW(groups, state_bits=bits,
@@ -138,7 +143,7 @@ def run(name: str, args: Any, train: torch.Tensor, val: torch.Tensor) -> Dict[st
         opt.step()
         curve.append((step, loss.float().item()))
         if (step + 1) % args.val_every == 0 or step + 1 == args.steps:
-            if step + 1 == args.steps and name == "delayed":
+            if step + 1 == args.steps and name.startswith("delayed"):
                 opt.flush()  # the last update reaches the model (Note [delayed update])
             vals.append((step + 1, val_loss(model, val, args)))
             print(f"  {name} step {step + 1}: train {curve[-1][1]:.4f} val {vals[-1][1]:.4f} "

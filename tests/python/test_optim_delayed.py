@@ -321,3 +321,28 @@ def test_update_threads(monkeypatch):
             spillover.OffloadAdamW(make_model().parameters(), update_threads=bad,
                                    host_pool_bytes=POOL)
 
+
+
+def test_delay_after_starts_exact():
+    """``delay_after=2``: the first two steps are exact (torch's fused AdamW's parameters after
+    each), then the delayed update starts from there (the reference's lag starts at step 3)."""
+    ours, exact, ref = make_model(), make_model(), make_model()
+    opt = spillover.OffloadAdamW(ours.parameters(), lr=1e-2, overlap="delayed", delay_after=2,
+                                 host_pool_bytes=POOL)
+    eopt = torch.optim.AdamW(exact.parameters(), lr=1e-2, fused=True)
+    for s in range(2):
+        train(ours, opt, 1, start=s)
+        train(exact, eopt, 1, start=s)
+        assert_same(list(ours.parameters()), list(exact.parameters()))
+    ropt = Reference(ref, lr=1e-2)  # the delayed reference, from the exact run's state
+    ref.load_state_dict(exact.state_dict())
+    ropt.masters = [p.detach().float().clone() for p in ref.parameters()]
+    ropt.opt = torch.optim.AdamW(ropt.masters, lr=1e-2, fused=True)
+    ropt.opt.load_state_dict(eopt.state_dict())
+    for s in range(2, 5):
+        train(ours, opt, 1, start=s)
+        train(ref, ropt, 1, start=s)
+        assert_same(list(ours.parameters()), list(ref.parameters()))
+    with pytest.raises(ValueError, match="delay_after"):
+        spillover.OffloadAdamW(ours.parameters(), overlap="delayed", delay_after=-1,
+                               host_pool_bytes=POOL)

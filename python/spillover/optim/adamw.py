@@ -118,6 +118,9 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             ``flush()`` first apply the pending update to the parameters. One rank or
             ``shard=False``; not with ``update_in_backward``; Note [delayed update] in
             delayed.py.
+        delay_after: with ``overlap="delayed"``, the first ``delay_after`` steps are exact
+            (ZeRO-Offload starts its delayed update after a few dozen iterations: the early
+            steps, large and fast-changing, suffer most from the lag).
         state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored (Note [state formats] in
             formats.py): 32 (fp32, torch's AdamW state: 8 bytes per parameter, 12 with a master
             copy), 16 (bf16, rounded stochastically: 4 / 8 bytes) or 8 (one byte each plus an
@@ -164,6 +167,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         nvme_buffers: int = 16,
         update_in_backward: bool = False,
         overlap: Optional[str] = None,
+        delay_after: int = 0,
         update_threads: Optional[int] = None,
         max_grad_norm: Optional[float] = None,
         state_bits: int = 32,
@@ -219,6 +223,10 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 f"{overlap!r}"
             )
         self._delayed = overlap == "delayed"
+        if isinstance(delay_after, bool) or not isinstance(delay_after, int) or delay_after < 0:
+            raise ValueError(f"OffloadAdamW: delay_after must be an integer >= 0, got "
+                             f"{delay_after!r}")
+        self._delay_after = delay_after
         if update_threads is not None and (
             isinstance(update_threads, bool) or not isinstance(update_threads, int)
             or update_threads < 1

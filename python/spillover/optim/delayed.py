@@ -25,9 +25,10 @@ Note [delayed update]
     clipping (``max_grad_norm``: the gradients are copied at ``step()``, after it),
     GradScaler (a skipped step hands nothing over), hyper-parameters read at ``step()`` — is
     the exact one's, on those gradients; only the parameters the gradients are computed on
-    differ. What this costs in quality is measured, not assumed: ``benches/python/
-    lowbit_quality.py --only fp32,delayed`` compares the validation loss with the exact
-    update's.
+    differ. ``delay_after=N`` makes the first N steps exact (the update waits), as
+    ZeRO-Offload starts its delayed update after some iterations. What this costs in quality
+    is measured, not assumed: ``benches/python/lowbit_quality.py --only
+    fp32,delayed,delayed-after50`` compares the validation loss with the exact update's.
 
     What the device still waits for: the copies of step 1 and 2 (both directions at once, on
     two streams), and, when the host update takes longer than a forward and backward, the rest
@@ -100,8 +101,11 @@ class Delayed:
                 grads[k] = p.grad
         pending = {b: (rows, fut) for b, rows, fut in self.later}
         self.later = []
-        # not state.initialized(): the update handed over last time may not have run yet;
-        # a unit handed over is initialized by the time its update has run
+        # not state.initialized() while an update handed over may not have run yet (a unit
+        # handed over is initialized by the time it has run); with none, after exact steps
+        # (delay_after), it is the state's
+        if not pending:
+            self.inited = np.asarray(self.state.initialized(), dtype=bool)
         initialized = self.inited
         copies = self.copies
         updated: List[int] = []

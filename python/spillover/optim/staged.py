@@ -164,7 +164,7 @@ class StagedSpace(Delayed, InBackward, _Space):
     def step(self, hyper: np.ndarray) -> np.ndarray:
         if self.inbwd:
             return self._step_inbwd(hyper)
-        if self.delayed:
+        if self.delayed and self.opt._updates >= self.opt._delay_after:
             return self._step_delayed(hyper)
         return self._step_staged(hyper)
 
