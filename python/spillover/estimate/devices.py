@@ -14,11 +14,20 @@ Note [device figures]
     (``total_memory``: 81,559 MiB and 143,771 MiB), and *achievable* rates, not peak ones:
     bf16/fp16 matmuls at 650 TFLOP/s (66 % of the dense peak, what large training GEMMs reach),
     fp32 at 50 TFLOP/s (torch's default: no TF32), HBM at 80 % of its peak (3.35 and 4.8 TB/s),
-    PCIe 5 x16 at 50 GB/s each way (pinned memory), one data-centre NVMe drive (Gen4: 6.5 GB/s
-    read, 3.5 GB/s write, 3.84 TB, rated 1 drive write per day), 8 us of host time per
-    dispatched op (eager PyTorch on a server CPU) and 25 us per offloaded tensor, and 32 MiB of
-    cuBLAS workspace (Hopper's). None of these was measured on a GPU here: pass ``device=dict(
-    ...)`` (:func:`device_spec`) with your own.
+    one data-centre NVMe drive (Gen4: 6.5 GB/s read, 3.5 GB/s write, 3.84 TB, rated 1 drive
+    write per day), and 32 MiB of cuBLAS workspace (Hopper's). The link and the host's figures
+    of the ``"h200"`` are those an H200 measured (2026-12-04, ``../shared/gpu-2026-12-04/``):
+    54 GB/s each way from a pool block; 107 us of host time per offloaded tensor (pack 58.9 +
+    unpack 47.9 us, ``link_cost.py --device cuda``); and the host's dispatch (Note [two clocks]
+    in modes.py) as the probe's 1B Llama showed it: backward ran at its device time (autograd's
+    engine is C++: 8 us per op), forward took 17 % more than its device time (the Python
+    model's eager forward is host-bound: 30 us per op, 0.033 s for its 1,093 ops), and torch's
+    full checkpointing 38 % more (a region's dispatch adds 12 us per op). Those three host
+    figures are fitted to the probe's none and full forwards, so the estimate of those two
+    modes agrees by construction; the host mode's time is a prediction from the link figures.
+    The ``"h100"`` keeps the unmeasured figures: PCIe 5 x16 at 50 GB/s, 8 us per op both ways,
+    4 us per region op and 25 us per offloaded tensor. Pass ``device=dict(...)``
+    (:func:`device_spec`) with your own.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ class Device:
     nvme_write_bytes_per_s: Optional[float]
     nvme_read_bytes_per_s: Optional[float]
     host_memory_bytes: int
-    host_seconds_per_op: float  # dispatching one op (eager)
+    host_seconds_per_op: float  # dispatching one op of the forward (eager)
     host_seconds_per_region_op: float  # more per op inside a wrapped region (save / replay)
     host_seconds_per_offload: float  # pack + unpack of one offloaded tensor
     workspace_bytes: int = 0  # allocated once by the first matmul (cuBLAS)
@@ -61,6 +70,16 @@ class Device:
     copy_inflight_bytes: int = 256 * MiB  # Note [the newest sources stay] in activations/link
     nvme_drive_bytes: Optional[int] = None
     nvme_drive_writes_per_day: float = 1.0
+    #: dispatching one op of backward (autograd's engine); None: ``host_seconds_per_op``
+    host_seconds_per_backward_op: Optional[float] = None
+
+    def host_seconds(self, phase: str) -> float:
+        """Host time to dispatch one op of ``phase`` (Note [two clocks] in modes.py)."""
+        if phase in ("backward", "optimizer") and self.host_seconds_per_backward_op is not None:
+            return self.host_seconds_per_backward_op
+        if phase in ("region", "recompute"):
+            return self.host_seconds_per_op + self.host_seconds_per_region_op
+        return self.host_seconds_per_op
 
     def flops_per_s(self, dtype: str) -> float:
         f = self.matmul_flops
@@ -86,8 +105,10 @@ class Device:
         return dataclasses.replace(self, **kw)
 
 
-def _gpu(name: str, memory_mib: int, hbm_tb_s: float) -> Device:
-    return Device(
+def _gpu(name: str, memory_mib: int, hbm_tb_s: float, **kw: Any) -> Device:
+    from ..activations.link.common import default_cap_bytes
+
+    figures: Dict[str, Any] = dict(
         name=name, kind="cuda", memory_bytes=memory_mib * MiB,
         matmul_flops={"bfloat16": 650e12, "float16": 650e12, "float32": 50e12},
         memory_bytes_per_s=0.8 * hbm_tb_s * 1e12, link_bytes_per_s=50e9,
@@ -95,14 +116,22 @@ def _gpu(name: str, memory_mib: int, hbm_tb_s: float) -> Device:
         host_memory_bytes=2048 * GiB // 8,  # a quarter TiB per GPU of an 8-GPU node
         host_seconds_per_op=8e-6, host_seconds_per_region_op=4e-6,
         host_seconds_per_offload=25e-6, workspace_bytes=32 * MiB, rounding=512,
-        copy_inflight_bytes=1000 * MiB, nvme_drive_bytes=3840 * 10**9,
+        nvme_drive_bytes=3840 * 10**9,
     )
+    figures.update(kw)
+    # the link's cap on copies whose source is held (Note [back-pressure] in rust/link): the
+    # default, which on CUDA is made without the link's rate (link_for in activations/hooks.py)
+    figures.setdefault("copy_inflight_bytes", default_cap_bytes(None))
+    return Device(**figures)
 
 
 #: Note [device figures]
 DEVICES: Dict[str, Device] = {
     "h100": _gpu("h100", 81559, 3.35),
-    "h200": _gpu("h200", 143771, 4.8),
+    # measured on an H200 (2026-12-04): the link, the host per offload, the host's dispatch
+    "h200": _gpu("h200", 143771, 4.8, link_bytes_per_s=54e9, host_seconds_per_offload=107e-6,
+                 host_seconds_per_op=30e-6, host_seconds_per_backward_op=20e-6,
+                 host_seconds_per_region_op=12e-6),
 }
 
 

@@ -21,12 +21,21 @@ Note [modes as run]
 Note [step time]
     Each op costs its FLOPs at the device's matmul rate (compute-bound ops) plus the bytes it
     reads and writes at its memory rate (on this machine's CPU: its time measured, Note [op
-    times on a CPU] in optime.py), and ``host_seconds_per_op`` of dispatch (on a GPU the
-    larger of the two: the host runs ahead of the device; on a CPU their sum: the same cores);
-    an op rerun in a recompute region adds ``host_seconds_per_region_op``. The simulated
-    context adds each offload's host cost, its copies on a CPU host, and every stall on the
-    link or the drive (offload.py). The step time is the clock at the end of the step. What is
-    not modeled: collectives across ranks, kernels' launch gaps on the device, the allocator.
+    times on a CPU] in optime.py), and the host's dispatch of it (``Device.host_seconds``: per
+    op of the forward, of backward, and more per op of a wrapped block, whose dispatch mode
+    sees every op of its forward and its replay). On a CPU the two add up (the same cores); on
+    a GPU they run apart (Note [two clocks]). The simulated context adds each offload's host
+    cost, its copies on a CPU host, and every stall on the link or the drive (offload.py). The
+    step time is the clock at the end of the step, host and device synchronized. What is not
+    modeled: collectives across ranks, kernels' launch gaps on the device, the allocator.
+
+Note [two clocks]
+    On a GPU the host queues work and the device runs it: the host's clock advances by each
+    op's dispatch, the device's starts the op once the host queued it and the device finished
+    the one before (``max(device, host) + device time``). A forward whose Python dispatch is
+    slower than its kernels is host-bound; a backward that autograd's engine queues quickly is
+    device-bound; a recompute region's replay is hidden behind the backward kernels queued
+    before it. Copies follow the device's clock, an offload's host cost the host's.
 """
 
 from __future__ import annotations
@@ -154,19 +163,24 @@ class Runner:
 
     # -- time --
 
-    def op_seconds(self, op: OpCost) -> float:
-        """Note [step time]."""
+    def device_seconds(self, op: OpCost) -> float:
+        """Note [step time]: the op's time on the device, without the host's dispatch."""
         d = self.device
         if op.measured is not None:
-            dev = op.measured
-        else:
-            dev = op.moved / d.memory_bytes_per_s
-            if op.compute_bound:
-                dev += op.flops / d.flops_per_s(op.dtype)
-        host = d.host_seconds_per_op
-        if op.phase == "recompute":
-            host += d.host_seconds_per_region_op
-        return dev + host if d.kind == "cpu" else max(dev, host)
+            return op.measured
+        dev = op.moved / d.memory_bytes_per_s
+        if op.compute_bound:
+            dev += op.flops / d.flops_per_s(op.dtype)
+        return dev
+
+    def host_seconds(self, op: OpCost) -> float:
+        """Note [step time]: the host's dispatch of the op."""
+        return self.device.host_seconds(op.phase)
+
+    def op_seconds(self, op: OpCost) -> float:
+        """Note [step time]: the op's time alone (a GPU: the longer of host and device)."""
+        dev, host = self.device_seconds(op), self.host_seconds(op)
+        return dev + host if self.device.kind == "cpu" else max(dev, host)
 
     def retime(self, est: ModeEstimate) -> float:
         """``est``'s step time again, each op's time as the timer has it now (after
@@ -191,7 +205,10 @@ class Runner:
             raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         dev = self.device
         model = fake_copy(self.model, self.fm, self.dtype)
-        tracker = Tracker(rounding=dev.rounding, seconds=self.op_seconds,
+        gpu = dev.kind != "cpu"
+        tracker = Tracker(rounding=dev.rounding,
+                          seconds=self.device_seconds if gpu else self.op_seconds,
+                          host_seconds=self.host_seconds if gpu else None,
                           timer=_TIMER if dev.kind == "cpu" and dev.name == "cpu" else None)
         planner = None
         if mode in ("full", "host", "nvme"):
@@ -205,6 +222,7 @@ class Runner:
                               seed_from_trace=False)  # it is the trace
             planner._meter = _TraceMeter(tracker, "cpu")
             wrap(model, policy=planner, chunked_loss=self.chunked_loss)
+        _count_regions(model, tracker)
         opt = self._optimizer(model)
         params = list(model.parameters())
         base = params + list(model.buffers()) + _leaves(self.args) + _leaves(self.kwargs)
@@ -217,6 +235,7 @@ class Runner:
                              storage_keys(params + list(model.buffers())),
                              self.min_offload_bytes)
             tracker.on_op = ctx.poll
+            tracker.on_sync = ctx.copies_landed
         steps = 2 if mode in ("selective", "nvme") else 1  # Note [modes as run]: 1st learns
         if planner is not None:
             steps = planner.TUNING_STEPS + 3  # learning, tuning, then the settled step
@@ -410,8 +429,25 @@ def roofline_seconds(device: Device, op: OpCost) -> float:
     dev = op.moved / device.memory_bytes_per_s
     if op.compute_bound:
         dev += op.flops / device.flops_per_s(op.dtype)
-    host = device.host_seconds_per_op
+    host = device.host_seconds(op.phase)
     return dev + host if device.kind == "cpu" else max(dev, host)
+
+
+def _count_regions(model: nn.Module, tracker: Tracker) -> None:
+    """Ops in a wrapped block's forward are its region's (Note [step time]): hooks on the
+    blocks ``wrap`` made regions keep ``tracker.region_depth``."""
+    from ..recompute.blocks import state_of
+
+    state = state_of(model)
+    for _, block in (state.blocks if state is not None else ()):
+        def pre(_m: Any, _a: Any) -> None:
+            tracker.region_depth += 1
+
+        def post(_m: Any, _a: Any, _o: Any) -> None:
+            tracker.region_depth = max(0, tracker.region_depth - 1)
+
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post, always_call=True)
 
 
 def _leaves(x: Any) -> List[torch.Tensor]:

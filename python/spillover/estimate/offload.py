@@ -14,12 +14,19 @@ Note [simulated offload]
       return] in activations/unpack.py).
     - On a GPU (``Device.kind == "cuda"``) a packed tensor's source stays on the device while
       the sources held fit ``copy_inflight_bytes``, newest first (Note [the newest sources
-      stay] in activations/link/device.py); an older one is dropped as newer copies come. An
-      unpack returns a source still held; else a new device tensor, made when the entry is
-      staged ahead: each unpack stages up to 4 entries and min(512 MiB, pool / 8) bytes of
-      those backward needs next (Note [staging distance]). The host tier keeps a tensor on the
-      device when its pool is full (a default pool grows first, to its cap, Note [growing
-      pool] in _growth.py).
+      stay] in activations/link/device.py); an older one is dropped as newer copies come, and
+      when its copy has not landed yet the compute stream waits for it (Note [back-pressure]
+      in rust/link: the device's clock stalls). An unpack returns a source still held; else a
+      new device tensor, made when the entry is staged ahead: each unpack stages up to 4
+      entries and min(512 MiB, pool / 8) bytes of those backward needs next (Note [staging
+      distance]). The host tier keeps a tensor on the device when its pool is full (a default
+      pool grows first, to its cap, Note [growing pool] in _growth.py).
+    - The link (GPU) moves ``link_bytes_per_s`` each way, one queue per direction, in issue
+      order: a copy out starts once its tensor is made (the device's clock) and the copies
+      before it ran; a copy back once its copy out landed, the host asked for it (an unpack
+      or the staging ahead, the host's clock) and the copies back before it ran; the unpack
+      that needs it waits on the device for it. An offload's host cost is the host's (Note
+      [two clocks] in modes.py).
     - On a CPU host (the pool is the device's memory, counted in full by the caller) the host
       tier copies a storage into the pool (its source goes as soon as nothing else holds it)
       and unpack returns a view of the block (no new memory); a storage larger than half the
@@ -79,7 +86,7 @@ class OffloadFigures:
 class _Entry:
     __slots__ = ("seq", "nbytes", "source", "staged", "views", "chunked", "on_disk",
                  "in_pool", "write_done", "read_done", "unpacked", "cached", "pieces",
-                 "__weakref__")
+                 "copied", "back", "__weakref__")
 
     def __init__(self, seq: int, nbytes: int, chunked: bool):
         self.seq = seq
@@ -95,6 +102,8 @@ class _Entry:
         self.read_done: Optional[float] = None
         self.unpacked = 0
         self.pieces = 1
+        self.copied = 0.0  # GPU: when its copy out lands
+        self.back: Optional[float] = None  # GPU: when its copy back (staged) lands
 
 
 class _StepRecord:
@@ -158,7 +167,8 @@ class SimContext(DriveModel):
         self._largest_written = 0
         self._seq = 0
         self._in_use = 0
-        self._link_free = 0.0
+        self._link_free = 0.0  # the copies out (device to host)
+        self._h2d_free = 0.0  # the copies back
         self._disk_free = 0.0
         self._kept_keys: set = set()
         self._rec = _StepRecord()
@@ -208,6 +218,10 @@ class SimContext(DriveModel):
         """Between two ops: writes that landed by now release their sources."""
         if self._writing and self._writing[0][0] <= self.tracker.clock:
             self._poll_writes(self.tracker.clock)
+
+    def copies_landed(self) -> float:
+        """When every copy over the link queued so far lands (GPU; 0 on a CPU host)."""
+        return 0.0 if self.host_is_device else max(self._link_free, self._h2d_free)
 
     def end_step(self) -> None:
         """After backward: what is still held goes (Note [the newest sources stay]: every one
@@ -274,8 +288,11 @@ class SimContext(DriveModel):
         fig = self.figures
         fig.bytes_offloaded += nbytes
         fig.tensors_offloaded += 1
-        self.tracker.clock += self.device.host_seconds_per_offload
         dev = self.device
+        if self.host_is_device:
+            self.tracker.clock += dev.host_seconds_per_offload
+        else:  # Note [two clocks]: the host's
+            self.tracker.host_clock += dev.host_seconds_per_offload
         if self.host_is_device:
             if self.nvme:
                 self._pack_direct(e, t, nbytes)
@@ -285,6 +302,7 @@ class SimContext(DriveModel):
         else:
             # the copy over the link; its source stays while the held ones fit the cap
             self._link_free = max(self._link_free, now) + nbytes / dev.link_bytes_per_s
+            e.copied = self._link_free
             fig.link_bytes += nbytes
             e.source = t
             self._held.append(e)
@@ -293,7 +311,9 @@ class SimContext(DriveModel):
                 old = self._held.popleft()
                 self._held_bytes -= old.nbytes
                 old.source = None
-                wait = max(0.0, self._link_free - self.tracker.clock) if old is e else 0.0
+                # Note [back-pressure] in rust/link: the compute stream waits for its copy
+                wait = max(0.0, old.copied - self.tracker.clock)
+                self.tracker.clock += wait
                 fig.stall_seconds += wait
             self._in_use += blocks
         fig.pool_peak = max(fig.pool_peak, min(self._in_use, self.capacity))
@@ -343,6 +363,11 @@ class SimContext(DriveModel):
             t = e.source
         elif e.staged is not None:
             t, e.staged = e.staged, None
+            if e.back is not None:  # the device waits for its copy back
+                wait = max(0.0, e.back - self.tracker.clock)
+                self.tracker.clock += wait
+                self.figures.stall_seconds += wait
+                e.back = None
         else:
             t = self._arrive(e, h)
         e.cached = weakref.ref(t)
@@ -351,7 +376,6 @@ class SimContext(DriveModel):
     def _arrive(self, e: _Entry, h: _Handle) -> torch.Tensor:
         """Bytes brought back: a new device tensor (GPU; a CPU storage in pieces), or a view
         of a pool block (CPU), after the read and copy they wait for."""
-        dev = self.device
         fig = self.figures
         if self.host_is_device:
             if self.nvme:
@@ -364,13 +388,23 @@ class SimContext(DriveModel):
                 return torch.empty(h.numel_base, dtype=h.dtype)
         if self.nvme and e.on_disk:
             self._read(e)
-        fig.link_bytes += e.nbytes
-        start = max(self._link_free, self.tracker.clock)
-        self._link_free = start + e.nbytes / dev.link_bytes_per_s
-        wait = max(0.0, self._link_free - self.tracker.clock)
+        done = e.back if e.back is not None else self._copy_back(e)
+        e.back = None
+        wait = max(0.0, done - self.tracker.clock)  # the device waits for the copy back
         self.tracker.clock += wait
         fig.stall_seconds += wait
         return torch.empty(h.numel_base, dtype=h.dtype)
+
+    def _copy_back(self, e: _Entry) -> float:
+        """GPU: queue ``e``'s copy back now (the host's clock); when it lands (Note
+        [simulated offload])."""
+        dev = self.device
+        self.figures.link_bytes += e.nbytes
+        start = max(self._h2d_free, e.copied, self.tracker.host_clock)
+        if self.nvme and e.read_done is not None:
+            start = max(start, e.read_done)
+        self._h2d_free = start + e.nbytes / dev.link_bytes_per_s
+        return self._h2d_free
 
     def _stage_ahead(self, current: _Entry) -> None:
         """GPU: the next entries backward needs (descending pack order), staged onto the
@@ -395,6 +429,7 @@ class SimContext(DriveModel):
                 self.figures.bytes_read += e.nbytes
             if not self.host_is_device and e.source is None and e.staged is None:
                 e.staged = torch.empty(e.nbytes, dtype=torch.uint8)
+                e.back = self._copy_back(e)
 
     def _drop_held(self, e: _Entry) -> None:
         try:

@@ -49,7 +49,7 @@ class OpCost:
     """One dispatched op of the traced step."""
 
     name: str
-    phase: str  # forward | backward | recompute | optimizer
+    phase: str  # forward | region (a wrapped block's forward) | backward | recompute | optimizer
     flops: int
     moved: int  # bytes read and written
     compute_bound: bool
@@ -91,7 +91,9 @@ class Trace:
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def phase_of(self, i: int) -> str:
-        return self.ops[i].phase if 0 <= i < len(self.ops) else "start"
+        if not 0 <= i < len(self.ops):
+            return "start"
+        return "forward" if self.ops[i].phase == "region" else self.ops[i].phase
 
 
 class Tracker(TorchDispatchMode):
@@ -100,12 +102,17 @@ class Tracker(TorchDispatchMode):
     reads it)."""
 
     def __init__(self, rounding: int = 1, seconds: Optional[Callable[[OpCost], float]] = None,
-                 timer: Any = None):
+                 timer: Any = None, host_seconds: Optional[Callable[[OpCost], float]] = None):
         super().__init__()
         self.rounding = max(1, rounding)
         self.seconds = seconds
+        #: Note [two clocks]: with ``host_seconds`` (a GPU) the host issues ops ahead of the
+        #: device; ``clock`` is the device's, ``host_clock`` the host's
+        self.host_seconds = host_seconds
         self.timer = timer  # an OpTimer: op times measured on this CPU
         self.clock = 0.0
+        self.host_clock = 0.0
+        self.region_depth = 0  # inside a wrapped block's forward (its dispatch mode runs)
         self.live = 0
         self.peak = 0
         self.peak_op = -1
@@ -119,6 +126,8 @@ class Tracker(TorchDispatchMode):
         self.born: Dict[int, int] = {}  # storage -> index of the op that made it
         self._exempt: set = set()
         self.on_op: Optional[Callable[[], None]] = None  # the simulated context's poll
+        #: when the simulated context's copies in flight land (a synchronize waits for them)
+        self.on_sync: Optional[Callable[[], float]] = None
         self._uncounted = 0
 
     # -- storages --
@@ -168,6 +177,11 @@ class Tracker(TorchDispatchMode):
         finally:
             self._uncounted -= 1
 
+    def sync(self) -> None:
+        """The host waits for the device and its copies (a synchronize, a step's end)."""
+        copies = self.on_sync() if self.on_sync is not None else 0.0
+        self.clock = self.host_clock = max(self.clock, self.host_clock, copies)
+
     def reset_peak(self) -> None:
         self.peak, self.peak_op = self.live, len(self.ops)
 
@@ -196,6 +210,8 @@ class Tracker(TorchDispatchMode):
         phase = self.phase
         if phase == "backward" and torch.is_grad_enabled():
             phase = "recompute"  # checkpoint reruns a region with grad enabled in backward
+        elif phase == "forward" and self.region_depth:
+            phase = "region"  # a wrapped block's forward, under its dispatch mode
         bound = is_compute_bound(func)
         first = outs[0] if outs else None
         if forced(func) == "view":  # an alias: no bytes move, nothing is computed
@@ -213,7 +229,11 @@ class Tracker(TorchDispatchMode):
         self.ops.append(op)
         self.series.append(self.live + scratch)
         if self.seconds is not None:
-            self.clock += self.seconds(op)
+            if self.host_seconds is not None:  # Note [two clocks]
+                self.host_clock += self.host_seconds(op)
+                self.clock = max(self.clock, self.host_clock) + self.seconds(op)
+            else:
+                self.clock += self.seconds(op)
         if self.on_op is not None:
             self.on_op()
         self.times.append(self.clock)
@@ -318,6 +338,7 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], mo
     for t in base:
         tracker.add(t)
     start_ops = len(tracker.ops)
+    tracker.sync()
     start_clock = tracker.clock
     tracker.reset_peak()
     start_live = tracker.live
@@ -338,6 +359,7 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], mo
             out = model(*args, **kwargs)
             loss = pick_loss(out, loss_fn)
         del out
+        tracker.sync()  # forward's end as the probe times it (Note [two clocks] in modes.py)
         tracker.mark("forward")
         tracker.phase = "backward"
         loss.backward()
@@ -356,6 +378,7 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], mo
             for p in params:
                 p.grad = None
         tracker.mark("optimizer")
+    tracker.sync()
     ops = tracker.ops[start_ops:]
     marks = {k: v - start_ops for k, v in tracker.marks.items()}
     return Trace(

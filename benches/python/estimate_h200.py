@@ -1,0 +1,121 @@
+"""``spillover.estimate(device="h200")`` on the GPU probe's 1B Llama against what the H200
+measured (issue 40, items 3): each mode's predicted step time and peak beside the probe's
+``step`` table, and ``auto``'s plan at full checkpointing's peak and at 0.7x none's, against
+the fixed modes' predictions. No device needed: the model is built on ``meta``.
+
+The measured table is ``probe-step.json`` of a GPU run (default: the 2026-12-04 H200 run in
+``../shared/gpu-2026-12-04/``): per mode the median of forward + backward over its measured
+steps, and the peak ``max_memory_allocated`` (weights included) of forward and backward.
+The probe ran forward and backward only (``optimizer="none"``), the host mode through a 16 GiB
+pool; its ``full`` is torch's checkpointing per layer, the estimate's ``spillover.wrap``'s.
+
+    python benches/python/estimate_h200.py [--probe PATH] [--no-auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "gpu"))
+
+from llama import Llama  # noqa: E402
+
+import spillover  # noqa: E402
+
+GiB = 1 << 30
+DEFAULT_PROBE = os.path.join(HERE, "..", "..", "..", "shared", "gpu-2026-12-04",
+                             "probe-step.json")
+DIMS = dict(vocab=32000, d=2048, layers=16, heads=16, ffn=5632, seq=4096)
+POOL = "16GiB"  # the probe's host pool
+
+
+def measured(path: str) -> Dict[str, Dict[str, float]]:
+    """mode -> {"seconds", "peak"} of the probe's ``step`` check."""
+    with open(path) as f:
+        data = json.load(f)["step"]
+    out = {}
+    for mode, r in data.items():
+        if not isinstance(r, dict) or "steps" not in r:
+            continue
+        steps = r["steps"]
+        out[mode] = {
+            "seconds": statistics.median(s["forward_s"] + s["backward_s"] for s in steps),
+            "peak": max(max(s["forward_peak"][0], s["backward_peak"][0]) for s in steps),
+        }
+    return out
+
+
+def model_and_batch(batch: int = 1) -> Any:
+    with torch.device("meta"):
+        model = Llama(**DIMS).to(torch.bfloat16)
+    idx = torch.zeros(batch, DIMS["seq"], dtype=torch.long, device="meta")
+    return model, idx
+
+
+def run(modes: Any, budget: Optional[int] = None, device: Any = "h200") -> Any:
+    model, idx = model_and_batch()
+    return spillover.estimate(model, idx, idx, device=device, optimizer="none", modes=modes,
+                              host_pool_bytes=POOL, budget=budget)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--probe", default=DEFAULT_PROBE)
+    ap.add_argument("--no-auto", action="store_true", help="only the accuracy table")
+    a = ap.parse_args()
+    meas = measured(a.probe)
+    modes = [m for m in ("none", "full", "host") if m in meas]
+    t0 = time.perf_counter()
+    est = run(modes + ["selective"])
+    print(f"spillover.estimate(device='h200') of the probe's 1B Llama "
+          f"({', '.join(f'{k} {v}' for k, v in DIMS.items())}, bf16, batch 1), "
+          f"against {os.path.relpath(a.probe)}")
+    print("| mode | predicted s | measured s | error | predicted GiB | measured GiB | error |")
+    print("|---|---|---|---|---|---|---|")
+    worst_t = worst_p = 0.0
+    for m in modes:
+        e, r = est[m], meas[m]
+        et = (e.step_seconds - r["seconds"]) / r["seconds"]
+        ep = (e.device_peak_bytes - r["peak"]) / r["peak"]
+        worst_t, worst_p = max(worst_t, abs(et)), max(worst_p, abs(ep))
+        print(f"| {m} | {e.step_seconds:.3f} | {r['seconds']:.3f} | {100 * et:+.1f} % | "
+              f"{e.device_peak_bytes / GiB:.2f} | {r['peak'] / GiB:.2f} | {100 * ep:+.1f} % |")
+    s = est["selective"]
+    print(f"| selective | {s.step_seconds:.3f} | - | - | {s.device_peak_bytes / GiB:.2f} | - | - |")
+    print(f"worst: time {100 * worst_t:.1f} % (goal 10), peak {100 * worst_p:.1f} % (goal 5) "
+          f"[{time.perf_counter() - t0:.0f} s]")
+    if a.no_auto:
+        return
+    none, full = est["none"], est["full"]
+    start = none.trace.base
+    print()
+    print("auto's plan at two budgets (over the step's start, as SPILLOVER_DEVICE_BUDGET_BYTES "
+          "means), against the fixed modes' predictions")
+    print("| budget | auto s | auto GiB | vs none s | vs full s | NVMe GB/step | drive writes/day "
+          "| within budget | plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, peak in (("full's peak", full.device_peak_bytes),
+                       ("0.7x none's peak", int(0.7 * none.device_peak_bytes))):
+        budget = peak - start
+        au = run(["none", "auto"], budget=budget)["auto"]
+        fits = au.device_peak_bytes <= peak
+        dwpd = au.drive_writes_per_day
+        print(f"| {name} ({peak / GiB:.2f} GiB) | {au.step_seconds:.3f} | "
+              f"{au.device_peak_bytes / GiB:.2f} | {au.step_seconds / none.step_seconds:.2f}x | "
+              f"{au.step_seconds / full.step_seconds:.2f}x | "
+              f"{au.nvme_write_bytes_per_step / 1e9:.2f} | "
+              f"{'-' if dwpd is None else f'{dwpd:.1f}'} | {'yes' if fits else 'NO'} | "
+              f"{au.note} |")
+
+
+if __name__ == "__main__":
+    main()

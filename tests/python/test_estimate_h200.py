@@ -1,0 +1,53 @@
+"""``spillover.estimate(device="h200")`` against what an H200 measured (issue 40, item 3): the GPU
+probe's 1B Llama (benches/gpu/llama.py; seq 4096, bf16, batch 1, forward and backward), each
+mode's step time within 10 % and its peak ``max_memory_allocated`` within 5 % of the probe's
+``step`` table (../shared/gpu-2026-12-04/probe-step.json, copied below). The model is built on
+``meta``: nothing is allocated. benches/python/estimate_h200.py prints the same table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "gpu"))
+
+from llama import Llama  # noqa: E402
+
+import spillover  # noqa: E402
+
+DIMS = dict(vocab=32000, d=2048, layers=16, heads=16, ffn=5632, seq=4096)
+# probe-step.json of 2026-12-04: median forward + backward (s), peak max_memory_allocated (B)
+MEASURED = {
+    "none": (0.08614, 11708109824),
+    "full": (0.12699, 4301883392),
+    "host": (0.32236, 4004075520),
+}
+
+
+@pytest.fixture(scope="module")
+def est():
+    with torch.device("meta"):
+        model = Llama(**DIMS).to(torch.bfloat16)
+    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
+    return spillover.estimate(model, idx, idx, device="h200", optimizer="none",
+                              modes=list(MEASURED), host_pool_bytes="16GiB")
+
+
+@pytest.mark.parametrize("mode", list(MEASURED))
+def test_h200_estimate_matches_the_probe(est, mode):
+    seconds, peak = MEASURED[mode]
+    e = est[mode]
+    assert abs(e.step_seconds - seconds) <= 0.10 * seconds, (mode, e.step_seconds, seconds)
+    assert abs(e.device_peak_bytes - peak) <= 0.05 * peak, (mode, e.device_peak_bytes, peak)
+
+
+def test_h200_host_mode_is_link_bound(est):
+    """What the probe's host mode showed: 8.68 GB offloaded, each way over a 54 GB/s link, and
+    the step no faster than the bytes each way allow."""
+    e = est["host"]
+    assert e.trace.extra["offloaded"] == 8678014976
+    assert e.step_seconds >= 2 * 8678014976 / 54e9 * 0.9
