@@ -222,7 +222,6 @@ class Runner:
                               seed_from_trace=False)  # it is the trace
             planner._meter = _TraceMeter(tracker, "cpu")
             wrap(model, policy=planner, chunked_loss=self.chunked_loss)
-        _count_regions(model, tracker)
         opt = self._optimizer(model)
         params = list(model.parameters())
         base = params + list(model.buffers()) + _leaves(self.args) + _leaves(self.kwargs)
@@ -431,23 +430,6 @@ def roofline_seconds(device: Device, op: OpCost) -> float:
         dev += op.flops / device.flops_per_s(op.dtype)
     host = device.host_seconds(op.phase)
     return dev + host if device.kind == "cpu" else max(dev, host)
-
-
-def _count_regions(model: nn.Module, tracker: Tracker) -> None:
-    """Ops in a wrapped block's forward are its region's (Note [step time]): hooks on the
-    blocks ``wrap`` made regions keep ``tracker.region_depth``."""
-    from ..recompute.blocks import state_of
-
-    state = state_of(model)
-    for _, block in (state.blocks if state is not None else ()):
-        def pre(_m: Any, _a: Any) -> None:
-            tracker.region_depth += 1
-
-        def post(_m: Any, _a: Any, _o: Any) -> None:
-            tracker.region_depth = max(0, tracker.region_depth - 1)
-
-        block.register_forward_pre_hook(pre)
-        block.register_forward_hook(post, always_call=True)
 
 
 def _leaves(x: Any) -> List[torch.Tensor]:

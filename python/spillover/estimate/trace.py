@@ -112,7 +112,6 @@ class Tracker(TorchDispatchMode):
         self.timer = timer  # an OpTimer: op times measured on this CPU
         self.clock = 0.0
         self.host_clock = 0.0
-        self.region_depth = 0  # inside a wrapped block's forward (its dispatch mode runs)
         self.live = 0
         self.peak = 0
         self.peak_op = -1
@@ -210,7 +209,7 @@ class Tracker(TorchDispatchMode):
         phase = self.phase
         if phase == "backward" and torch.is_grad_enabled():
             phase = "recompute"  # checkpoint reruns a region with grad enabled in backward
-        elif phase == "forward" and self.region_depth:
+        elif phase == "forward" and _in_region():
             phase = "region"  # a wrapped block's forward, under its dispatch mode
         bound = is_compute_bound(func)
         first = outs[0] if outs else None
@@ -238,6 +237,17 @@ class Tracker(TorchDispatchMode):
             self.on_op()
         self.times.append(self.clock)
         return out
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _in_region() -> bool:
+    """A checkpointed region's forward runs under checkpoint's saved-tensor hooks (and a
+    selective one's dispatch mode, recompute/modes.py), the innermost; a region run plainly
+    under none."""
+    top = _top_hooks(False) if _top_hooks is not None else None
+    return top is not None and bool(getattr(top[0], "_checkpoint_internal", False))
 
 
 def _scratch(func: Any, args: Tuple[Any, ...]) -> int:
