@@ -71,6 +71,9 @@ fn a_copy_there_and_back_is_bitwise_and_lands_after_its_bytes() {
     }
     .unwrap();
     assert!(issued.victims.is_empty());
+    assert!(l.in_flight(issued.id));
+    assert!(l.poll().unwrap().is_empty(), "held back for its group");
+    l.flush().unwrap(); // Note [grouped copies]: the end of forward issues it
     assert!(
         l.poll().unwrap().is_empty(),
         "landed before its bytes moved"
@@ -99,7 +102,7 @@ fn a_copy_there_and_back_is_bitwise_and_lands_after_its_bytes() {
 }
 
 #[test]
-fn a_pack_costs_three_device_calls_and_an_urgent_unpack_two() {
+fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpack_two() {
     let dev = sim(SimOptions::default());
     let l = link(&dev, u64::MAX);
     let src = pattern(4096, 1);
@@ -123,26 +126,28 @@ fn a_pack_costs_three_device_calls_and_an_urgent_unpack_two() {
     }
     l.synchronize().unwrap();
     let before = dev.calls();
-    // SAFETY: both buffers outlive the copy (synchronized below).
-    let id = unsafe {
-        l.d2h(
-            addr(&src),
-            addr(&dst),
-            4096,
-            COMPUTE,
-            None,
-            None,
-            None,
-            None,
-        )
+    let mut ids = Vec::new();
+    for _ in 0..7 {
+        // SAFETY: both buffers outlive the copy (synchronized below).
+        let id = unsafe {
+            l.d2h(
+                addr(&src),
+                addr(&dst),
+                4096,
+                COMPUTE,
+                None,
+                None,
+                None,
+                None,
+            )
+        }
+        .unwrap()
+        .id;
+        ids.push(id);
     }
-    .unwrap()
-    .id;
-    // record (compute), wait (D2H), copy; its event is recorded with the next ones'
-    assert_eq!(dev.calls() - before, 3, "Note [device calls]");
+    assert_eq!(dev.calls() - before, 0, "held back for their group");
     let big = pattern(1 << 20, 2);
     let big_dst = vec![0u8; 1 << 20];
-    let before = dev.calls();
     // SAFETY: both buffers outlive the copy (synchronized below).
     unsafe {
         l.d2h(
@@ -157,13 +162,33 @@ fn a_pack_costs_three_device_calls_and_an_urgent_unpack_two() {
         )
     }
     .unwrap();
+    // the eighth completes the group: record (compute), wait (D2H), 8 copies, one event
+    assert_eq!(dev.calls() - before, 11, "Note [device calls]");
+    let huge = vec![0u8; 8 << 20];
+    let huge_dst = vec![0u8; 8 << 20];
+    l.synchronize().unwrap(); // the group's event back in the link's pool
+    let before = dev.calls();
+    // SAFETY: both buffers outlive the copy (synchronized below).
+    unsafe {
+        l.d2h(
+            addr(&huge),
+            addr(&huge_dst),
+            8 << 20,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap();
     assert_eq!(
         dev.calls() - before,
         4,
-        "a copy of 1 MiB gets its event at once"
+        "8 MiB goes at once, with its event"
     );
     l.synchronize().unwrap();
-    assert!(!l.in_flight(id));
+    assert!(ids.iter().all(|&id| !l.in_flight(id)));
     let back = vec![0u8; 4096];
     let before = dev.calls();
     // SAFETY: as above.

@@ -59,8 +59,9 @@ impl Link {
     }
 
     /// Stage copies ahead on the H2D stream (Note [stream ordering]): each `(dst, src, nbytes,
-    /// after, hold, keep)` as for [`Link::to_device`]. Returns one event per copy, for
-    /// [`Link::use_staged`] or [`Link::drop_staged`] (exactly one of them, once).
+    /// after, hold, keep)` as for [`Link::to_device`]. Returns one event per copy (the copies
+    /// of a run up to [`SHARE_BYTES`] share one), for [`Link::use_staged`] or
+    /// [`Link::drop_staged`] (exactly one of them, once per copy).
     ///
     /// # Safety
     /// As [`Link::to_device`] for each item.
@@ -75,7 +76,11 @@ impl Link {
         self.dev.wait(self.h2d, before)?;
         st.free.push(before);
         let mut out = Vec::with_capacity(items.len());
-        for it in items {
+        // a run of copies sharing one event, recorded after its last (Note [device calls])
+        let mut run: Vec<Option<Keep>> = Vec::new();
+        let mut run_bytes = 0u64;
+        let n = items.len();
+        for (i, it) in items.into_iter().enumerate() {
             if let Some(ev) = match it.after {
                 Some(id) => self.d2h_event(&mut st, id)?,
                 None => None,
@@ -88,19 +93,27 @@ impl Link {
                 self.dev
                     .copy(it.dst, it.src, it.nbytes, Dir::ToDevice, self.h2d, it.keep)?
             };
+            run.push(it.hold);
+            run_bytes += it.nbytes;
+            st.stats.copies_to_device += 1;
+            st.stats.staged += 1;
+            let last = i + 1 == n;
+            if !last && run_bytes < SHARE_BYTES {
+                continue;
+            }
             let ev = self.event(&mut st)?;
             self.dev.record(ev, self.h2d)?;
             st.staged_order.push_back(ev);
+            out.extend(std::iter::repeat_n(ev, run.len()));
             st.staged.insert(
                 ev,
                 Staged {
-                    hold: it.hold,
-                    settled: false,
+                    left: run.len(),
+                    holds: std::mem::take(&mut run),
+                    waited: Vec::new(),
                 },
             );
-            st.stats.copies_to_device += 1;
-            st.stats.staged += 1;
-            out.push(ev);
+            run_bytes = 0;
         }
         Ok(out)
     }
@@ -122,10 +135,14 @@ impl Link {
         let Some(s) = st.staged.get_mut(&ev) else {
             return Err(Error::Invalid(format!("event {ev} is no staged copy's")));
         };
-        if s.settled {
-            return Ok(());
+        if s.left == 0 {
+            return Ok(()); // every tensor of the run settled already
         }
-        s.settled = true;
+        s.left -= 1;
+        if s.waited.contains(&stream) {
+            return Ok(()); // this stream waits for the run already
+        }
+        s.waited.push(stream);
         let t0 = Instant::now();
         let r = self.dev.wait(stream, ev);
         st.stats.host_wait_seconds += t0.elapsed().as_secs_f64();
@@ -135,7 +152,7 @@ impl Link {
     /// Staged copies used (or dropped) and seen complete: their holds and events go. One H2D
     /// stream runs them in order: when the newest has run, all have (one query).
     pub(super) fn reap_staged(&self, st: &mut State) {
-        if !st.staged.values().any(|s| s.settled) {
+        if !st.staged.values().any(|s| s.left == 0) {
             return;
         }
         let all = st
@@ -145,12 +162,12 @@ impl Link {
         let mut kept = VecDeque::with_capacity(st.staged_order.len());
         let mut running = false;
         while let Some(ev) = st.staged_order.pop_front() {
-            let settled = st.staged.get(&ev).is_some_and(|s| s.settled);
+            let settled = st.staged.get(&ev).is_some_and(|s| s.left == 0);
             let done = all || (!running && matches!(self.dev.query(ev), Ok(true)));
             running |= !done;
             if done && settled {
                 if let Some(s) = st.staged.remove(&ev) {
-                    drop(s.hold);
+                    drop(s.holds);
                     st.free.push(ev);
                 }
             } else {

@@ -39,17 +39,36 @@
 //! device memory. What the cap costs shows as `copy_waits_forced` and the stalls.
 //!
 //! # Note [device calls]
-//! What a pack costs the device API: record (compute), wait (D2H stream), copy = 3 calls, and
-//! the record of the D2H event after it: at once for a copy of 1 MiB or more, else shared by
-//! every 8 copies (recorded sooner when one of them is needed: a victim's wait, a copy back
-//! ordered after it, a host wait) -- plus the waits its victims need past the cap and the
-//! queries of [`Link::poll`]
-//! (one when every copy in flight landed, else one per copy landed and one for the first that
-//! has not). An urgent unpack: a
+//! What a pack costs the device API. Copies below [`GROUP_BYTES`] are issued in groups (Note
+//! [grouped copies]): per group a record (compute) and a wait (D2H stream), per copy the copy,
+//! per group the record of the D2H event after it -- 1 + 3/k calls a copy for a group of k
+//! (8: 1.4). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
+//! victims need past the cap and the queries of [`Link::poll`] (one when every copy in flight
+//! landed, else one per event landed and one for the first that has not). An urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
-//! complete). A staged unpack: per batch a record and a wait, per entry a copy and a record,
+//! complete). A staged unpack: per batch a record and a wait, per entry a copy, per run of
+//! entries up to [`SHARE_BYTES`] a record (their tensors wait for the run's last copy: at most
+//! ~75 us of the H200's link), and per run and using stream one wait at the first unpack,
 //! and the using stream's wait at its unpack. `Device::calls` counts them; the link's
 //! `calls` property reads it.
+//!
+//! # Note [grouped copies]
+//! The H200 measured 3.2 device calls a pack of 4 KiB and 5.6 of 1 MiB (at ~1-5 us of host time
+//! each): a record and a wait per copy, to order the D2H stream after the compute stream's
+//! work so far, were half of them. A copy below [`GROUP_BYTES`] is therefore held back
+//! (`pending`, in the ledger from its pack: its source is held as any copy in flight) and
+//! issued with the next ones after one record and one wait: when [`GROUP_COPIES`] are held,
+//! or [`GROUP_BYTES`] (at most an eighth of the cap of Note [back-pressure]: a victim past the
+//! cap makes the compute stream wait for its copy, best issued long before), or a copy of another compute stream or a larger one comes (order is
+//! kept), or anything needs one of them (a victim's wait, a copy back ordered after it, a host
+//! wait, [`Link::release_all`], [`Link::synchronize`]), and at the end of forward
+//! ([`Link::flush`]). Ordering the group after the
+//! compute stream's work *at the flush* orders each copy after its source's producer, which
+//! was queued before its pack; the source cannot change meanwhile (autograd's saved tensor:
+//! an in-place write raises at unpack, Note [in-place after pack] in activations/link). What a
+//! group delays is at most 8 MiB of copies (~150 us of the H200's link), held while the host
+//! runs the ops that save the next ones -- on a GPU mostly ahead of the compute the copies
+//! wait for anyway; at worst (a long op after a few small saves) until forward ends.
 
 pub mod checksum;
 pub mod cuda;
@@ -112,9 +131,12 @@ struct H2d {
     hold: Option<Keep>,
 }
 
+/// Staged copies sharing one event (Note [device calls]): what they read, how many of their
+/// tensors are still to be used or let go, and the streams already made to wait for it.
 struct Staged {
-    hold: Option<Keep>,
-    settled: bool,
+    holds: Vec<Option<Keep>>,
+    left: usize,
+    waited: Vec<Stream>,
 }
 
 #[derive(Default, Debug, Clone, Copy)]
@@ -144,15 +166,35 @@ struct State {
     ev_refs: HashMap<Event, u32>,
     /// Verify mode: free 8-byte host slots the devices' checksums are copied into.
     free_slots: Vec<u64>,
+    /// Copies held back for their group, oldest first, all of `pending_stream`'s (Note
+    /// [grouped copies]), and their bytes.
+    pending: Vec<Pending>,
+    pending_stream: Stream,
+    pending_bytes: u64,
 }
 
 /// Checksum slots allocated at once (64 KiB of host memory).
 const SLOTS_PER_SLAB: u64 = 8192;
 
-/// Note [device calls]: a D2H copy of this many bytes gets an event of its own at once ...
-const EVENT_BYTES: u64 = 1 << 20;
-/// ... and smaller copies share one recorded after every this many.
-const EVENT_EVERY: usize = 8;
+/// Note [grouped copies]: copies below this many bytes are issued in groups of at most this
+/// many bytes ...
+pub const GROUP_BYTES: u64 = 8 << 20;
+/// ... and this many copies.
+pub const GROUP_COPIES: usize = 8;
+
+/// Note [device calls]: consecutive staged copies share one event up to this many bytes.
+pub const SHARE_BYTES: u64 = 4 << 20;
+
+/// A copy held back for its group (Note [grouped copies]).
+struct Pending {
+    id: u64,
+    src: u64,
+    dst: u64,
+    nbytes: u64,
+    keep: Option<Keep>,
+    /// verify mode: (host slot, device checksum address, what holds it)
+    checksum: Option<(u64, u64, Option<Keep>)>,
+}
 
 /// The link of one device (Notes [stream ordering], [sources held], [device calls]).
 pub struct Link {
@@ -185,6 +227,9 @@ impl Link {
                 unevented: Vec::new(),
                 ev_refs: HashMap::new(),
                 free_slots: Vec::new(),
+                pending: Vec::new(),
+                pending_stream: 0,
+                pending_bytes: 0,
             }),
         })
     }
@@ -228,31 +273,20 @@ impl Link {
     ) -> Result<Issued> {
         self.dev.bind_thread()?;
         let mut st = self.lock();
-        let after = self.event(&mut st)?;
-        self.dev.record(after, compute)?;
-        self.dev.wait(self.d2h, after)?;
-        st.free.push(after); // a wait takes the event's state when it is queued
-                             // SAFETY: the caller's contract.
-        unsafe {
-            self.dev
-                .copy(dst, src, nbytes, Dir::ToHost, self.d2h, keep_src)?
-        };
-        let checked = match verify {
-            None => None,
+        if !st.pending.is_empty() && st.pending_stream != compute {
+            self.flush_pending(&mut st)?; // a group is of one compute stream; order is kept
+        }
+        let (checked, checksum) = match verify {
+            None => (None, None),
             Some(v) => {
                 let slot = self.slot(&mut st)?;
-                // SAFETY: `slot` is 8 bytes of the link's host memory, free until this copy
-                // lands; `v.checksum` is the caller's 8-byte device value, held as `src` is.
-                unsafe {
-                    self.dev
-                        .copy(slot, v.checksum, 8, Dir::ToHost, self.d2h, v.keep)?
-                };
-                Some(Checked {
+                let checked = Checked {
                     slot,
                     host: v.host,
                     len: v.len,
                     device: None,
-                })
+                };
+                (Some(checked), Some((slot, v.checksum, v.keep)))
             }
         };
         let issued = st.ledger.issue(nbytes);
@@ -268,12 +302,77 @@ impl Link {
                 verify: checked,
             },
         );
-        st.unevented.push(issued.id);
-        if nbytes >= EVENT_BYTES || st.unevented.len() >= EVENT_EVERY {
-            self.record_d2h(&mut st)?;
+        if st.pending.is_empty() {
+            st.pending_stream = compute;
+        }
+        st.pending.push(Pending {
+            id: issued.id,
+            src,
+            dst,
+            nbytes,
+            keep: keep_src,
+            checksum,
+        });
+        st.pending_bytes += nbytes;
+        // a group holds at most an eighth of the cap: past the cap the oldest copies become
+        // victims, which the compute stream waits for -- better long issued than just now
+        let limit = GROUP_BYTES.min(st.ledger.cap_bytes() / 8);
+        if st.pending.len() >= GROUP_COPIES || st.pending_bytes >= limit {
+            self.flush_pending(&mut st)?; // Note [grouped copies]
         }
         self.order_victims(&mut st, &issued.victims)?;
         Ok(issued)
+    }
+
+    /// Issue the copies held back (Note [grouped copies]): the D2H stream ordered once after
+    /// the compute stream's work so far, each copy (and its checksum's), one event after them.
+    /// A failed call still issues the rest and gives them the event; the first error returns.
+    fn flush_pending(&self, st: &mut State) -> Result<()> {
+        if st.pending.is_empty() {
+            return Ok(());
+        }
+        let group = std::mem::take(&mut st.pending);
+        st.pending_bytes = 0;
+        let mut first: Result<()> = (|| {
+            let after = self.event(st)?;
+            self.dev.record(after, st.pending_stream)?;
+            self.dev.wait(self.d2h, after)?;
+            st.free.push(after); // a wait takes the event's state when it is queued
+            Ok(())
+        })();
+        for p in group {
+            st.unevented.push(p.id);
+            if first.is_err() {
+                continue; // the compute stream could not be ordered: issue nothing after it
+            }
+            // SAFETY: d2h's contract, held since the pack: the source as the ledger says (or
+            // by `keep`), the destination by the copy's `hold` until it is seen landed.
+            let r = unsafe {
+                self.dev
+                    .copy(p.dst, p.src, p.nbytes, Dir::ToHost, self.d2h, p.keep)
+            };
+            let r = r.and_then(|()| match p.checksum {
+                // SAFETY: `slot` is 8 bytes of the link's host memory, free until this copy
+                // lands; `checksum` is the caller's 8-byte device value, held as `src` is.
+                Some((slot, checksum, keep)) => unsafe {
+                    self.dev
+                        .copy(slot, checksum, 8, Dir::ToHost, self.d2h, keep)
+                },
+                None => Ok(()),
+            });
+            if let Err(e) = r {
+                first = Err(e);
+            }
+        }
+        let recorded = self.record_d2h(st);
+        first.and(recorded)
+    }
+
+    /// Issue the copies held back now (Note [grouped copies]: the end of forward).
+    pub fn flush(&self) -> Result<()> {
+        self.dev.bind_thread()?;
+        let mut st = self.lock();
+        self.flush_pending(&mut st)
     }
 
     /// An 8-byte host slot for a device checksum (Note [device checksum]).
@@ -308,6 +407,9 @@ impl Link {
 
     /// The D2H event after copy `id` (recording one if it has none); None once it landed.
     fn d2h_event(&self, st: &mut State, id: u64) -> Result<Option<Event>> {
+        if st.pending.iter().any(|p| p.id == id) {
+            self.flush_pending(st)?;
+        }
         match st.d2h.get(&id).map(|c| c.ev) {
             None => Ok(None),
             Some(Some(ev)) => Ok(Some(ev)),
@@ -455,6 +557,7 @@ impl Link {
         self.dev.bind_thread()?;
         let evs: Vec<Event> = {
             let mut st = self.lock();
+            self.flush_pending(&mut st)?;
             self.record_d2h(&mut st)?;
             let mut v: Vec<Event> = st.d2h.values().filter_map(|c| c.ev).collect();
             v.dedup();
@@ -488,7 +591,7 @@ impl Link {
                 forced_waits: l.forced_waits(),
                 sources_released: l.sources_released(),
                 in_flight: l.in_flight() as u64,
-                staged: st.staged.values().filter(|s| !s.settled).count() as u64,
+                staged: st.staged.values().map(|s| s.left as u64).sum(),
             },
             st.stats,
         )

@@ -163,6 +163,12 @@ impl PyLink {
         Ok((PyHandle { h }, issued.id, issued.victims))
     }
 
+    /// Issue the copies held back for their group now (Note [grouped copies] in rust/link):
+    /// the end of forward.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || self.link.flush())
+    }
+
     /// Copies seen complete since the last poll: `[(id, error or None)]`, oldest first (their
     /// entries sealed; an error is what the copy or its seal raised).
     fn poll(&self, py: Python<'_>) -> PyResult<LandedList> {

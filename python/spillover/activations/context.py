@@ -202,6 +202,8 @@ class OffloadContext(Hooks, Guardrails):
             self._check_compiled(rec)
             self._check_speed(rec)  # when its backward ran inside the `with`
         for tr in list(self._transfers.values()):
+            if not tr.host_is_device:
+                tr.flush()  # Note [grouped copies] in rust/link: the last group goes now
             tr.reap(rec.errors)  # copies done by now release their sources at once
 
     def _open(self) -> None:

@@ -244,6 +244,11 @@ class DeviceLink:
             self.memory.track(storage, "compute")
         return handle, c
 
+    def flush(self) -> None:
+        """Issue the copies held back for their group (Note [grouped copies] in rust/link): at
+        the end of forward, so that they drain while the host goes on."""
+        self.native.flush()
+
     def poll(self) -> None:
         """Take in the copies seen complete: their sources go, their errors to their owners."""
         self._landed(self.native.poll())
