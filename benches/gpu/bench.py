@@ -78,12 +78,14 @@ from torch import nn
 
 import spillover
 
-MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto", "optim")
+MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto", "quickstart", "optim")
 
 
 def mode_context(mode: str, args: Any):
     if mode == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda")
+    if mode == "quickstart":  # the README's Quick start: tier="auto", the defaults
+        return spillover.offload_context("auto")
     if mode in ("host", "nvme", "auto", "planned"):
         kw: Dict[str, Any] = {}
         if args.pool_bytes is not None:  # None: the defaults (mode auto)
@@ -118,6 +120,10 @@ def choose_pool(mode: str, args: Any, model: nn.Module, inp: torch.Tensor,
                 tgt: torch.Tensor, res: Dict[str, Any]) -> None:
     """args.pool_bytes and res["pool_rule"] for the mode (the module docstring)."""
     args.pool_bytes = None
+    if mode == "quickstart":
+        res["pool_rule"] = ("a new offload_context(tier='auto') every step, the defaults (the "
+                            "README's Quick start)")
+        return
     if mode not in ("host", "nvme", "auto", "planned"):
         return
     if args.pool:
@@ -168,10 +174,10 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     ctx = mode_context(args.mode, args)
     # auto grows its pool over its first steps (Note [growing pool]): two warm-ups, so that no
     # measured step includes a growth, pinning or retiring a generation
-    warmups = 2 if args.mode == "auto" else 1
+    warmups = 2 if args.mode in ("auto", "quickstart") else 1
     for step in range(args.steps + warmups):
-        if not isinstance(ctx, spillover.OffloadContext):
-            ctx = mode_context(args.mode, args)
+        if not isinstance(ctx, spillover.OffloadContext) or args.mode == "quickstart":
+            ctx = mode_context(args.mode, args)  # quickstart: a new context every step
         model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
         if cuda:
             torch.cuda.synchronize()
@@ -216,8 +222,11 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
                     f"backward {fmt_gib(above(bwd, base))} GiB; reserved "
                     f"{fmt_gib(row['reserved_peak_bytes'])} GiB" if peak is not None
                     else "peak: no memory counter")
+        pools = (f", pool maps {row['stats']['pool_maps']}, registrations "
+                 f"{row['stats']['pool_registrations']}, stalls "
+                 f"{row['stats']['stall_seconds']:.3f} s" if row.get("stats") else "")
         print(f"  step {step}{' (warm-up)' if step < warmups else ''}: {dt:.3f} s (forward "
-              f"{fwd_s:.3f}, backward {bwd_s:.3f}), {mem_text}, grads {row['grads']}",
+              f"{fwd_s:.3f}, backward {bwd_s:.3f}), {mem_text}, grads {row['grads']}{pools}",
               flush=True)
         if step >= warmups:
             res["steps"].append(row)
@@ -232,6 +241,11 @@ def checks(mode: str, res: Dict[str, Any]) -> List[str]:
     """What a mode's measured steps must show for its figures to mean what the table says."""
     stats = [s["stats"] for s in res["steps"] if s.get("stats")]
     failed = []
+    if mode == "quickstart":  # Note [the pool lives for the process]: from the third step on
+        made = sum(st.get("pool_maps", 0) + st.get("pool_registrations", 0) for st in stats)
+        if made:
+            failed.append(f"{made} pool maps or registrations in the measured steps (a new "
+                          "context per step must map and register nothing from its third)")
     if mode in ("host", "planned") and res.get("pool_rule", "").startswith("1.25"):
         kept = max((st["bytes_kept_pool_full"] for st in stats), default=0)
         if kept:

@@ -76,8 +76,8 @@ if [ "$quick" = 1 ]; then
     B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 B_PACK=0 DEADLINE=170 TEST_TIMEOUT=40
     BENCH_ARGS=(--steps 2)
     # host against none, with full checkpointing beside: the three answers need these three.
-    BENCH_MODES=(none full host)
-    declare -A B_BENCH=([none]=25 [full]=25 [host]=30)
+    BENCH_MODES=(none full host quickstart)
+    declare -A B_BENCH=([none]=25 [full]=25 [host]=30 [quickstart]=30)
     TEST_K=(-k "not stream")  # the stream-ordering tests run in the full run
 else
     run_kind="full"
@@ -86,10 +86,12 @@ else
     B_INSTALL=20 B_TESTS=70 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_PACK=20 DEADLINE=345
     TEST_TIMEOUT=50
     BENCH_ARGS=(--steps 3)
-    BENCH_MODES=(none full planned save_on_cpu host nvme auto)
+    BENCH_MODES=(none full planned save_on_cpu host nvme auto quickstart)
     # nvme moves about four times its pool through the disk each way per step: the largest.
+    # quickstart: the README's loop (a new context every step, the defaults), beside auto's one
+    # context
     declare -A B_BENCH=([none]=18 [full]=18 [planned]=28 [save_on_cpu]=18 [host]=22 [nvme]=30
-                        [auto]=30)
+                        [auto]=30 [quickstart]=30)
 fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
