@@ -346,3 +346,27 @@ def test_delay_after_starts_exact():
     with pytest.raises(ValueError, match="delay_after"):
         spillover.OffloadAdamW(ours.parameters(), overlap="delayed", delay_after=-1,
                                host_pool_bytes=POOL)
+
+
+def test_accumulation_and_dcp_flush():
+    """Two micro-batches per step: the parameters stay as they are between them and the step
+    takes the accumulated gradients (the reference's result); a DCP save's planning flushes
+    the pending update, as state_dict() does."""
+    ours, ref = make_model(), make_model()
+    opt = spillover.OffloadAdamW(ours.parameters(), lr=1e-2, overlap="delayed",
+                                 host_pool_bytes=POOL)
+    ropt = Reference(ref, lr=1e-2)
+    for s in range(4):
+        for m, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad(set_to_none=True)
+            before = [p.detach().clone() for p in m.parameters()]
+            for micro in range(2):
+                x, y = data(10 * s + micro)
+                F.mse_loss(m(x), y).backward()
+                assert_same(list(m.parameters()), before, exact=True)
+            o.step()
+        assert_same(list(ours.parameters()), list(ref.parameters()))
+    spillover.dcp.optimizer_state(opt).state_dict()  # DCP's planning: flushes
+    ropt.flush()
+    assert_same(list(ours.parameters()), list(ref.parameters()))
+    assert opt._spaces[0].later == []

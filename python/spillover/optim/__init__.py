@@ -34,7 +34,8 @@ The package
     device), one type per strategy: ``space.py`` the base and ``DirectSpace`` (Note [cpu
     parameters in place]), ``staged.py`` ``StagedSpace`` (Note [staged gradients], [gradient
     accumulation], [step in arrival order]) with ``inbwd.py`` mixed in (updates during
-    backward: Note [update in backward], [speculative update]), ``sharded.py``
+    backward: Note [update in backward], [speculative update]) and ``delayed.py`` mixed in
+    (``overlap="delayed"``, the one-step delayed update: Note [delayed update]), ``sharded.py``
     ``ShardedSpace`` (Note [sharding]). ``fingerprint.py`` (Note [gradient fingerprint]),
     ``copies.py`` (the device copies), ``layout.py`` (records, sizes, counters: defined once),
     ``formats.py`` (what each ``state_bits`` stores; Note [state formats]), ``explain.py``
