@@ -31,15 +31,17 @@ Note [GradScaler]
 
 Note [update threads]
     The Rust kernel runs on rayon's threads, all cores by default: it is bound by the host's
-    memory bandwidth, which a core or two less hardly lowers (benches/python/optim_threads.py:
-    on the 2-core machine it was written on, one thread moved 26-37 GB/s of state, two 30). In
-    the exact default the device waits for the update, so it may take every core. When the
-    update runs while the device computes (``update_in_backward``, ``overlap="delayed"``), the
-    thread that drives the device — Python launching the forward's and backward's kernels,
-    the hooks — must get a core as soon as it wakes, or the device starves; so those modes
-    update on a pool of their own of one thread fewer (``AdamState(threads=)``), unless
-    ``update_threads`` says otherwise. Measured on the simulated device
-    (benches/python/optim_overlap.py): the table in the README's optimizer section.
+    memory bandwidth, which a core less hardly lowers (benches/python/optim_threads.py: on
+    the 2-core machine it was written on, one thread moved 40-43 GB/s of state, two 28-56
+    under other load). In the exact default the device waits for the update, so it may take
+    every core. When the update runs while the device computes (``update_in_backward``,
+    ``overlap="delayed"``), the thread that drives the device — Python launching the
+    forward's and backward's kernels, the hooks — must get a core as soon as it wakes, or the
+    device starves; so those modes update on a pool of their own of one thread fewer
+    (``AdamState(threads=)``), unless ``update_threads`` says otherwise. Measured on the
+    simulated device only (benches/results/2026-12-04-issue41-optim.md): the delayed update
+    at 2.18x torch's fused AdamW's step with one thread, 2.38x with two (medians of three
+    runs, ranges overlapping); not measured on a GPU host.
 """
 
 from __future__ import annotations
