@@ -51,3 +51,21 @@ def test_h200_host_mode_is_link_bound(est):
     e = est["host"]
     assert e.trace.extra["offloaded"] == 8678014976
     assert e.step_seconds >= 2 * 8678014976 / 54e9 * 0.9
+
+
+def test_h200_auto_at_full_budget_checkpoints(est):
+    """Note [a family's own offset] (planner/tuner.py): at full checkpointing's peak the
+    plain-offload learning step's offset no longer rules the checkpoint family out; auto
+    settles on a checkpoint plan within its budget, well under plain offload's time (the host
+    mode's), where it ran plain offload at 2.5x full's time before."""
+    with torch.device("meta"):
+        model = Llama(**DIMS).to(torch.bfloat16)
+    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
+    full = est["full"]
+    budget = full.device_peak_bytes - full.trace.base
+    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
+                            host_pool_bytes="16GiB", budget=budget)["auto"]
+    assert au.plan is not None and au.plan.variant.startswith("checkpoint"), au.note
+    assert au.device_peak_bytes - au.trace.base <= budget, au.note
+    assert "checkpoint" in au.planner.peak_offsets
+    assert au.step_seconds < 0.5 * est["host"].step_seconds

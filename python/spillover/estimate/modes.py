@@ -106,11 +106,14 @@ class _TraceMeter:
     """The planner's peak meter (``spillover._peak.PeakMeter``'s protocol) on the tracker: the
     step's peak of live storages over what was live at its start."""
 
-    def __init__(self, tracker: Tracker, device: str):
+    def __init__(self, tracker: Tracker, device: str, workspace: int = 0):
         self.tracker = tracker
         self.device = device
         self.base: Optional[int] = None
         self.available = True
+        # cuBLAS's workspace, which the estimate adds to every step's peak (its first matmul
+        # allocates it): counted here too, or a plan the planner saw fit is reported over
+        self.workspace = workspace
 
     def start(self) -> bool:
         self.tracker.reset_peak()
@@ -120,7 +123,7 @@ class _TraceMeter:
     def read(self) -> Optional[int]:
         if self.base is None:
             return None
-        return max(0, self.tracker.peak - self.base)
+        return max(0, self.tracker.peak - self.base) + self.workspace
 
 
 @contextlib.contextmanager
@@ -220,7 +223,7 @@ class Runner:
         elif mode == "auto":
             planner = Planner(budget_bytes=max(1, self.budget_for()), machine=dev.machine(),
                               seed_from_trace=False)  # it is the trace
-            planner._meter = _TraceMeter(tracker, "cpu")
+            planner._meter = _TraceMeter(tracker, "cpu", dev.workspace_bytes)
             wrap(model, policy=planner, chunked_loss=self.chunked_loss)
         opt = self._optimizer(model)
         params = list(model.parameters())
