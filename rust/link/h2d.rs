@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// Note [device calls]: consecutive staged copies share one event up to this many bytes.
+pub const SHARE_BYTES: u64 = 4 << 20;
+
 /// One copy of [`Link::stage`].
 pub struct StageItem {
     pub dst: u64,
