@@ -69,3 +69,21 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     assert au.device_peak_bytes - au.trace.base <= budget, au.note
     assert "checkpoint" in au.planner.peak_offsets
     assert au.step_seconds < 0.5 * est["host"].step_seconds
+
+
+def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
+    """Note [two clocks in the plan] (planner/machine.py): at 0.7x none's peak auto's plan
+    stays within its budget (cuBLAS's workspace counted as the estimate counts it), and with
+    the hooks' dispatch priced it checkpoints fewer layers: under 1.40x none's predicted time
+    (1.45x before; the issue's goal, 1.01x, is not met: every checkpointed layer adds its
+    hooks' dispatch to a host-bound forward)."""
+    with torch.device("meta"):
+        model = Llama(**DIMS).to(torch.bfloat16)
+    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
+    none = est["none"]
+    peak = int(0.7 * none.device_peak_bytes)
+    budget = peak - none.trace.base
+    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
+                            host_pool_bytes="16GiB", budget=budget)["auto"]
+    assert au.device_peak_bytes <= peak, au.note
+    assert au.step_seconds <= 1.40 * none.step_seconds, (au.step_seconds, au.note)

@@ -296,3 +296,36 @@ def test_a_rerun_op_pays_its_dispatch():
     op = _op(0, "gelu", 1)
     slow_host = dataclasses.replace(GPU, host_seconds_per_op=40e-6)
     assert slow_host.rerun_seconds(op) == GPU.op_seconds(op) + 40e-6
+
+
+def test_two_clocks_in_the_plan():
+    """Note [two clocks in the plan]: with the forward's dispatch per op set, a recomputed op
+    costs the longer of its kernel and its replay's dispatch, a checkpointed region pays its
+    hooks' dispatch where the device does not hide it, and a host-bound forward hides copies
+    for as long as it runs; without it (0) nothing changes."""
+    import dataclasses
+
+    from spillover.planner.variants import Greedy
+
+    op = _op(0, "gelu", 1)
+    two = dataclasses.replace(GPU, host_seconds_per_op=12e-6, host_seconds_per_forward_op=30e-6)
+    assert two.rerun_seconds(op) == max(GPU.op_seconds(op), 30e-6 + 12e-6)
+    one = dataclasses.replace(GPU, host_seconds_per_op=12e-6)
+    assert one.rerun_seconds(op) == GPU.op_seconds(op) + 12e-6
+    assert one.wrapped_seconds(_block(0).ops) == 0.0
+    ops = _block(0).ops
+    dev = sum(GPU.op_seconds(o) for o in ops)
+    assert two.forward_seconds(ops) == max(dev, 30e-6 * len(ops))
+    assert two.wrapped_seconds(ops) == max(dev, (30e-6 + 12e-6) * len(ops)) - max(
+        dev, 30e-6 * len(ops))
+    # a region run checkpointed costs its hooks even when it keeps everything (a host-bound
+    # forward: 3 ms per op, 1 ms more wrapped, against the block's 0.7 ms of kernels)
+    slow = dataclasses.replace(GPU, host_seconds_per_op=1e-3, host_seconds_per_forward_op=3e-3)
+    hooks = slow.wrapped_seconds(ops)
+    assert abs(hooks - 1e-3 * len(ops)) < 1e-12
+    recs = _step(2, device="cuda:0")
+    g = Greedy(recs, slow, 1 << 40, 0, None, False, False).run()
+    assert not any(a == "recompute" and not recs[ri].ops[i].forced
+                   and not recs[ri].ops[i].after_stop and recs[ri].ops[i].bytes
+                   for (ri, i), (a, _, _) in g.ops.items())
+    assert g.recompute >= 2 * hooks

@@ -99,6 +99,8 @@ class Device:
         if "host_seconds_per_offload" in fields:  # the planner's host costs, where it has them
             kw["host_seconds_per_offload"] = self.host_seconds_per_offload
             kw["host_seconds_per_op"] = self.host_seconds_per_region_op
+        if "host_seconds_per_forward_op" in fields and self.kind != "cpu":
+            kw["host_seconds_per_forward_op"] = self.host_seconds_per_op  # two clocks
         return Machine(**kw)
 
     def replace(self, **kw: Any) -> Device:

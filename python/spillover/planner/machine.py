@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from .records import OpRecord
+
+#: Note [two clocks in the plan]
+#:     On a GPU the host queues ops and the device runs them (Note [two clocks] in
+#:     spillover/estimate/modes.py): a forward takes the longer of its kernels and its Python
+#:     dispatch. The H200 probe's 1B Llama forward is host-bound (30 us per op against less on
+#:     the device), and a checkpointed region's hooks add 12 us per op of its forward whatever
+#:     the plan keeps: with one clock the plan charged neither, and at 0.7x no checkpointing's
+#:     peak on the estimate it checkpointed 12 of 16 layers to recompute 8 ms of ops, 37 ms
+#:     over none's step. With ``host_seconds_per_forward_op`` set (the estimate's GPU
+#:     devices), a recomputed op costs the longer of its kernel and its replay's dispatch, a
+#:     region run checkpointed pays its hooks' dispatch where the device does not hide it
+#:     (:meth:`Machine.wrapped_seconds`), and the copies a forward hides are counted against
+#:     its time on both clocks (:meth:`Machine.forward_seconds`). Without it (0, a CPU's
+#:     calibration) the costs are as before.
+
 
 @dataclasses.dataclass
 class Machine:
@@ -24,6 +39,10 @@ class Machine:
     host_seconds_per_offload: float = 0.0
     #: ... and one op of a wrapped region when it is rerun (the replay's dispatch)
     host_seconds_per_op: float = 0.0
+    #: Note [two clocks in the plan]: the host's dispatch of one op of an eager forward, where
+    #: the device runs apart from the host (a GPU); 0: host and device time add up (the
+    #: calibration's model, a CPU)
+    host_seconds_per_forward_op: float = 0.0
 
     @classmethod
     def from_calibration(cls, data: Dict[str, Any], device: str) -> Machine:
@@ -54,8 +73,29 @@ class Machine:
 
     def rerun_seconds(self, op: OpRecord) -> float:
         """What recomputing the op costs: its device time (:meth:`op_seconds`) and the host's
-        dispatch of it in the region's replay (Note [host cost in the plan])."""
+        dispatch of it in the region's replay (Note [host cost in the plan]); with two clocks
+        the longer of the two (Note [two clocks in the plan])."""
+        if self.host_seconds_per_forward_op:
+            return max(self.op_seconds(op),
+                       self.host_seconds_per_forward_op + self.host_seconds_per_op)
         return self.op_seconds(op) + self.host_seconds_per_op
+
+    def forward_seconds(self, ops: Sequence[OpRecord], wrapped: bool = False) -> float:
+        """A region's forward on two clocks: the longer of its device time and the host's
+        dispatch of its ops (more per op when ``wrapped``: checkpoint's hooks see every op);
+        without them, its device time (Note [two clocks in the plan])."""
+        dev = sum(self.op_seconds(o) for o in ops)
+        if not self.host_seconds_per_forward_op:
+            return dev
+        per = self.host_seconds_per_forward_op + (self.host_seconds_per_op if wrapped else 0.0)
+        return max(dev, per * len(ops))
+
+    def wrapped_seconds(self, ops: Sequence[OpRecord]) -> float:
+        """What running a region checkpointed adds to its forward, ops kept or not: the hooks'
+        dispatch per op where it is not hidden behind the device (0 without two clocks)."""
+        if not self.host_seconds_per_forward_op:
+            return 0.0
+        return self.forward_seconds(ops, True) - self.forward_seconds(ops)
 
     @property
     def link_bytes_per_s(self) -> float:
