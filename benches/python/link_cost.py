@@ -4,7 +4,7 @@ each link, against the same step without the context, measured in the same run.
 A chain of N ops, each saving one tensor of SIZE (``sin`` saves its input), runs forward and
 backward; the cost per pack is (forward under the context - forward without) / N, per unpack
 the same for backward. Links: ``host`` (plain CPU tensors: one Rust call per pack, nothing in
-flight), ``sim`` (the simulated device of rust/link/sim.rs with free transfers -- a link of
+flight), ``sim`` (the simulated device of rust/link/sim/ with free transfers -- a link of
 1e15 B/s -- and, by default, free device calls: what spillover's own code costs), and with
 ``--device cuda`` the CUDA link. Modes are interleaved round by round; medians and the spread
 (min-max over rounds) are printed, with the device calls per pack and per unpack the link

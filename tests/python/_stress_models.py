@@ -85,7 +85,7 @@ class Case:
     #: both copies compiled with aot_eager (Note [one hook for the run]): "model" (the whole
     #: module, ``model.compile()``), "blocks" (each repeated block), or None (eager)
     compile: Optional[str] = None
-    #: the spillover copy on the simulated device (rust/link/sim.rs) at this many bytes/s, with
+    #: the spillover copy on the simulated device (rust/link/sim/) at this many bytes/s, with
     #: the verify mode on (Note [verify on the device]); None: plain CPU tensors
     sim_link: Optional[float] = None
 

@@ -1,4 +1,4 @@
-"""What a GPU would see, seen on the CPU: the simulated device (rust/link/sim.rs, through
+"""What a GPU would see, seen on the CPU: the simulated device (rust/link/sim/, through
 activations/link/device.py) whose device->host copies finish only after bytes / bandwidth,
 under a whole offload_context.
 

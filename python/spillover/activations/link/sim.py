@@ -1,6 +1,6 @@
 """The simulated device: the CPU pretending to be a GPU behind a link, for tests and
 benchmarks on machines without one (the optimizer's staged copies: its streams and events from
-Python; the activation link's simulator is rust/link/sim.rs)."""
+Python; the activation link's simulator is rust/link/sim/)."""
 
 from __future__ import annotations
 
