@@ -96,8 +96,9 @@ def test_a_registered_pool_is_never_unmapped_while_registered():
     before = _pools.POOLS.unregistrations
     del pool
     gc.collect()
-    held = list(_pools.POOLS.sim_registered.values())
-    assert [list(p.arenas()) for p in held] == [arenas]  # still mapped: held by the owner
+    held = [list(p.arenas()) for p in _pools.POOLS.sim_registered.values()]
+    assert arenas in held  # still mapped: held by the owner (other tests' pools may be too)
     del held
-    assert spillover.empty_cache() == 8 * MiB
-    assert _pools.POOLS.unregistrations == before + 1 and not _pools.POOLS.sim_registered
+    assert spillover.empty_cache() >= 8 * MiB
+    assert _pools.POOLS.unregistrations >= before + 1
+    assert all(list(p.arenas()) != arenas for p in _pools.POOLS.sim_registered.values())
