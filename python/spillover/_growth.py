@@ -37,6 +37,21 @@ Note [growing pool]
     12 MiB offloaded, 24 GiB host): RSS +6066 MiB after the first step of the old default,
     kept; about +104 MiB with the growing pool (given back by ``spillover.empty_cache()``).
 
+Note [RAM before the drive]
+    ``tier="auto"`` opens the NVMe tier, whose write-behind (Note [write early, drop late] in
+    rust/tier/policy.rs) writes every byte past a quarter of the pool: so a step that a pool
+    of RAM held whole still wrote most of itself to the drive (the H200 estimate of the 1B
+    Llama: 4.4 GB a step on a host with 256 GiB of RAM). So while a growing pool of tier auto
+    is below its cap (the default of Note [node budget], or the node's room now), its tier
+    writes nothing behind: unwritten bytes may fill the pool (``dirty_bytes`` = its
+    capacity), and only a lease that finds the pool full writes the oldest out. The first
+    steps of a process, on pools smaller than the step, still write what passes their pool;
+    from the step whose pool holds the step (a growth between steps sizes it for what the
+    forwards held) nothing goes to the drive. A pool at its cap writes behind as the NVMe
+    tier does. ``tier="nvme"`` and a pool of the user's size keep the default: the drive was
+    asked for. ``spillover.estimate`` models the same (Note [simulated offload] in
+    estimate/offload.py).
+
 Note [growth off the critical path]
     Mapping, pre-faulting and registering a pool with CUDA takes seconds for GiBs, and growing
     inside a pack put that in the middle of a forward, at whatever step first needed the room
@@ -135,7 +150,8 @@ class Pools:
         if self.tier_name == "host":
             return _tiers.tier_for(self.config, pool, nvme=False)
         try:
-            return _tiers.tier_for(self.config, pool, nvme=True, own_swap=leased)
+            return _tiers.tier_for(self.config, pool, nvme=True, own_swap=leased,
+                                   dirty_bytes=self._dirty_bytes(pool, leased))
         except Exception as e:
             if self.tier_name == "nvme":
                 raise
@@ -145,6 +161,15 @@ class Pools:
             )
             self.tier_name = "host"
             return _tiers.tier_for(self.config, pool, nvme=False)
+
+    def _dirty_bytes(self, pool: Any, leased: bool) -> Optional[int]:
+        """Note [RAM before the drive]: ``tier="auto"`` over a growing pool that can still
+        grow writes nothing behind (unwritten bytes up to the whole pool); else the tier's
+        default."""
+        if self.tier_name != "auto" or not leased:
+            return None
+        cap = min(self.limit(), pool.capacity + self._room())
+        return pool.capacity if pool.capacity < cap else None
 
     # -- growth --
 

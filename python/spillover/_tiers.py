@@ -103,18 +103,22 @@ def swap_for(cfg: Config, pool: Any, own: bool = False) -> Any:
     return s
 
 
-def tier_for(cfg: Config, pool: Any, nvme: bool, own_swap: bool = False) -> Any:
+def tier_for(cfg: Config, pool: Any, nvme: bool, own_swap: bool = False,
+             dirty_bytes: Optional[int] = None) -> Any:
     """The process's activation tier over ``pool``: spilling to the swap engine when ``nvme``
-    (``own_swap``: see :func:`swap_for`), host-only otherwise. Raises what opening the swap
-    raises (ConfigError, SwapIOError)."""
+    (``own_swap``: see :func:`swap_for`), host-only otherwise. ``dirty_bytes``: write behind
+    past this many unwritten bytes (None: the tier's default, a quarter of the pool; Note [RAM
+    before the drive] in _growth.py). Raises what opening the swap raises (ConfigError,
+    SwapIOError)."""
     key = (id(pool), nvme, _swap_key(cfg) if nvme else None, cfg.prefetch_bytes, cfg.verify,
-           cfg.write_hold_bytes)
+           cfg.write_hold_bytes, dirty_bytes if nvme else None)
     with _lock:
         t = _tiers.get(key)
     if t is not None:
         return t
     swap = swap_for(cfg, pool, own=own_swap) if nvme else None
-    t = _native.Tier(pool, swap, prefetch_bytes=cfg.prefetch_bytes, verify=cfg.verify,
+    t = _native.Tier(pool, swap, dirty_bytes=dirty_bytes if nvme else None,
+                     prefetch_bytes=cfg.prefetch_bytes, verify=cfg.verify,
                      write_hold_bytes=cfg.write_hold_bytes)
     with _lock:
         return _tiers.setdefault(key, t)

@@ -102,3 +102,19 @@ def test_a_registered_pool_is_never_unmapped_while_registered():
     assert spillover.empty_cache() >= 8 * MiB
     assert _pools.POOLS.unregistrations >= before + 1
     assert all(list(p.arenas()) != arenas for p in _pools.POOLS.sim_registered.values())
+
+
+def test_auto_uses_ram_before_the_drive(small_first_pool, tmp_path):
+    """Note [RAM before the drive] in _growth.py: tier auto (the default) on a host with RAM to
+    spare writes nothing to the drive once its pool holds the step; tier nvme, asked for, still
+    writes behind. Before, auto wrote all but a quarter of the pool every step."""
+    auto = _quick_start_loop("auto", 4, tmp_path)
+    assert [s.bytes_offloaded_nvme for s, _ in auto][2:] == [0, 0], [
+        s.bytes_offloaded_nvme for s, _ in auto]
+    assert all(s.bytes_offloaded_host > 0 for s, _ in auto[2:])
+    nvme = _quick_start_loop("nvme", 3, tmp_path)
+    assert nvme[2][0].bytes_offloaded_nvme > 0
+    cfg = GPTConfig(vocab=256, d_model=128, n_heads=4, n_layers=2, seq=128)
+    ctx = spillover.offload_context("auto", min_offload_bytes=0, nvme_path=str(tmp_path))
+    gpt_step(GPT(cfg), synthetic_batch(cfg, batch=8), ctx)
+    assert ctx.nvme  # the swap is open: past the pool's cap, auto still spills

@@ -40,6 +40,7 @@ class DriveModel:
     _writing_bytes: int
     _held_direct: collections.deque[Any]
     _largest_written: int
+    _in_use: int
     _disk_free: float
 
     def _pack_direct(self, e: _Entry, t: torch.Tensor, nbytes: int) -> None:
@@ -80,7 +81,7 @@ class DriveModel:
 
     def _pool_room(self) -> int:
         """Free bytes of the pool: leased without dropping anything or waiting."""
-        return self.capacity - sum(b for b, _ in self._pool.values())
+        return self.capacity - self._in_use - sum(b for b, _ in self._pool.values())
 
     def _needed_first(self, k: int, n: int) -> bool:
         """The learned order says backward unpacks piece ``k`` within the pool less the

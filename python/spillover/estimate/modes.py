@@ -232,7 +232,7 @@ class Runner:
                  for v in s.values() if isinstance(v, torch.Tensor)]
         ctx = None
         if mode in ("host", "nvme", "auto"):
-            tier = mode if mode != "auto" else ("nvme" if dev.nvme_write_bytes_per_s else "host")
+            tier = mode  # auto: Note [RAM before the drive] in _growth.py
             ctx = SimContext(tier, dev, tracker, self.host_pool_bytes, self.pool_cap,
                              storage_keys(params + list(model.buffers())),
                              self.min_offload_bytes)

@@ -86,7 +86,7 @@ class OffloadFigures:
 class _Entry:
     __slots__ = ("seq", "nbytes", "source", "staged", "views", "chunked", "on_disk",
                  "in_pool", "write_done", "read_done", "unpacked", "cached", "pieces",
-                 "copied", "back", "__weakref__")
+                 "copied", "back", "hosted", "__weakref__")
 
     def __init__(self, seq: int, nbytes: int, chunked: bool):
         self.seq = seq
@@ -104,6 +104,7 @@ class _Entry:
         self.pieces = 1
         self.copied = 0.0  # GPU: when its copy out lands
         self.back: Optional[float] = None  # GPU: when its copy back (staged) lands
+        self.hosted = False  # packed as the host tier packs (tier auto below its cap)
 
 
 class _StepRecord:
@@ -127,14 +128,19 @@ class _Handle:
 
 class SimContext(DriveModel):
     """Note [simulated offload]. ``pool_bytes``: the pool's size (None: the default pool,
-    starting at 64 MiB and growing to ``pool_cap``)."""
+    starting at 64 MiB and growing to ``pool_cap``). ``tier="auto"``: the NVMe tier where the
+    device has a drive, which spills only once a growing pool is at its cap (Note [RAM before
+    the drive] in _growth.py)."""
 
     def __init__(self, tier: str, device: Device, tracker: Tracker, pool_bytes: Optional[int],
                  pool_cap: int, params: set, min_offload_bytes: int = 1 << 20,
                  learns_order: bool = True):
-        if tier not in ("host", "nvme"):
-            raise ValueError(f"tier={tier!r}: expected host or nvme")
-        self.tier = tier
+        if tier not in ("host", "nvme", "auto"):
+            raise ValueError(f"tier={tier!r}: expected host, nvme or auto")
+        drive = bool(device.nvme_write_bytes_per_s)
+        self.tier = tier if tier != "auto" else ("nvme" if drive else "host")
+        #: whether the pool spills to the drive (auto over a growing pool: once at its cap)
+        self.spilling = tier != "auto" or pool_bytes is not None
         self.device = device
         self.tracker = tracker
         self.host_is_device = device.kind == "cpu"
@@ -166,7 +172,8 @@ class SimContext(DriveModel):
         self._after: list = []
         self._largest_written = 0
         self._seq = 0
-        self._in_use = 0
+        self._in_use = 0  # pool bytes of the entries packed as the host tier packs
+        self._hosted: set = set()  # their seqs
         self._link_free = 0.0  # the copies out (device to host)
         self._h2d_free = 0.0  # the copies back
         self._disk_free = 0.0
@@ -182,6 +189,21 @@ class SimContext(DriveModel):
     @property
     def pool_limit(self) -> int:
         return self.cap
+
+    @property
+    def _drive(self) -> bool:
+        """Entries packed now go through the drive's model (Note [RAM before the drive])."""
+        return self.nvme and self.spilling
+
+    def _no_room(self, blocks: int) -> bool:
+        """The host tier's pool has no room for ``blocks`` even grown: True when the tensor
+        stays; tier auto starts spilling instead."""
+        if self._grow(blocks):
+            return False
+        if self.nvme and not self.spilling:
+            self.spilling = True
+            return False
+        return True
 
     # -- steps --
 
@@ -275,14 +297,18 @@ class SimContext(DriveModel):
     def _new_entry(self, t: torch.Tensor, nbytes: int) -> Optional[_Entry]:
         now = self.tracker.clock
         blocks = _blocks(nbytes)
-        chunked = self.nvme and nbytes > self.capacity // 2
-        if not self.nvme:
-            if self.host_is_device and nbytes > self.capacity // 2 and not self._grow(blocks):
+        if not self._drive:
+            if self.host_is_device and nbytes > self.capacity // 2 and self._no_room(blocks):
                 return None  # Limits: a storage larger than half the host pool stays
-            if self._in_use + blocks > self.capacity and not self._grow(blocks):
+            if not self._drive and self._in_use + blocks > self.capacity and self._no_room(
+                    blocks):
                 return None
+        chunked = self._drive and nbytes > self.capacity // 2
         self._seq += 1
         e = _Entry(self._seq, nbytes, chunked)
+        if not self._drive:
+            e.hosted = True
+            self._hosted.add(e.seq)
         self._entries[e.seq] = weakref.ref(e)
         weakref.finalize(e, self._gone, e.seq, nbytes)  # its handles gone with the graph
         fig = self.figures
@@ -294,7 +320,7 @@ class SimContext(DriveModel):
         else:  # Note [two clocks]: the host's
             self.tracker.host_clock += dev.host_seconds_per_offload
         if self.host_is_device:
-            if self.nvme:
+            if self._drive:
                 self._pack_direct(e, t, nbytes)
             else:  # copied into the pool now
                 self.tracker.clock += nbytes / dev.link_bytes_per_s
@@ -333,11 +359,12 @@ class SimContext(DriveModel):
 
     def _gone(self, seq: int, nbytes: int) -> None:
         self._entries.pop(seq, None)
-        if self.host_is_device and self.nvme:
+        if self.host_is_device and self.nvme and seq not in self._hosted:
             for key in [k for k in self._pool if k[0] == seq]:
                 del self._pool[key]
         else:
             self._in_use -= _blocks(nbytes)
+        self._hosted.discard(seq)
 
     # -- unpack --
 
@@ -377,13 +404,14 @@ class SimContext(DriveModel):
         """Bytes brought back: a new device tensor (GPU; a CPU storage in pieces), or a view
         of a pool block (CPU), after the read and copy they wait for."""
         fig = self.figures
-        if self.host_is_device:
+        if self.host_is_device and not e.hosted:
             if self.nvme:
                 missing = sum(1 for i in range(e.pieces) if (e.seq, i) not in self._pool)
                 if missing and e.source is None:
                     self._read(e)
             if self.nvme and e.chunked:
                 return torch.empty(h.numel_base, dtype=h.dtype)
+        if self.host_is_device:
             with self.tracker.uncounted():
                 return torch.empty(h.numel_base, dtype=h.dtype)
         if self.nvme and e.on_disk:
@@ -443,7 +471,7 @@ class SimContext(DriveModel):
         """The step's figures, NVMe traffic settled (Note [simulated offload])."""
         fig = self.figures
         fig.pool_capacity = self.capacity
-        if self.nvme and not self.host_is_device:
+        if self._drive and not self.host_is_device:
             # written past a quarter of the pool; read back past its resident share
             fig.bytes_written = max(0, fig.bytes_offloaded - self.capacity // 4)
             fig.bytes_read = max(0, fig.bytes_offloaded - int(self.capacity * HIGH_WATER))
