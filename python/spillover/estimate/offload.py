@@ -86,7 +86,7 @@ class OffloadFigures:
 class _Entry:
     __slots__ = ("seq", "nbytes", "source", "staged", "views", "chunked", "on_disk",
                  "in_pool", "write_done", "read_done", "unpacked", "cached", "pieces",
-                 "copied", "back", "hosted", "__weakref__")
+                 "copied", "back", "__weakref__")
 
     def __init__(self, seq: int, nbytes: int, chunked: bool):
         self.seq = seq
@@ -104,7 +104,6 @@ class _Entry:
         self.pieces = 1
         self.copied = 0.0  # GPU: when its copy out lands
         self.back: Optional[float] = None  # GPU: when its copy back (staged) lands
-        self.hosted = False  # packed as the host tier packs (tier auto below its cap)
 
 
 class _StepRecord:
@@ -173,7 +172,7 @@ class SimContext(DriveModel):
         self._largest_written = 0
         self._seq = 0
         self._in_use = 0  # pool bytes of the entries packed as the host tier packs
-        self._hosted: set = set()  # their seqs
+        self._hosted: set = set()  # their seqs (tier auto below its cap), while they live
         self._link_free = 0.0  # the copies out (device to host)
         self._h2d_free = 0.0  # the copies back
         self._disk_free = 0.0
@@ -307,7 +306,6 @@ class SimContext(DriveModel):
         self._seq += 1
         e = _Entry(self._seq, nbytes, chunked)
         if not self._drive:
-            e.hosted = True
             self._hosted.add(e.seq)
         self._entries[e.seq] = weakref.ref(e)
         weakref.finalize(e, self._gone, e.seq, nbytes)  # its handles gone with the graph
@@ -404,7 +402,7 @@ class SimContext(DriveModel):
         """Bytes brought back: a new device tensor (GPU; a CPU storage in pieces), or a view
         of a pool block (CPU), after the read and copy they wait for."""
         fig = self.figures
-        if self.host_is_device and not e.hosted:
+        if self.host_is_device and e.seq not in self._hosted:
             if self.nvme:
                 missing = sum(1 for i in range(e.pieces) if (e.seq, i) not in self._pool)
                 if missing and e.source is None:
