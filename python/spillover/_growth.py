@@ -39,17 +39,17 @@ Note [growing pool]
 
 Note [RAM before the drive]
     ``tier="auto"`` opens the NVMe tier, whose write-behind (Note [write early, drop late] in
-    rust/tier/policy.rs) writes every byte past a quarter of the pool: so a step that a pool
-    of RAM held whole still wrote most of itself to the drive (the H200 estimate of the 1B
-    Llama, default pool: 1.1 GiB a step through a 64 MiB pool, on a host with 256 GiB of
-    RAM). So while a growing pool of tier auto is below its cap (the default of Note [node
-    budget], or the node's room now), its tier writes nothing behind: unwritten bytes may fill the pool (``dirty_bytes`` = its
-    capacity), and only a lease that finds the pool full writes the oldest out. The first
-    steps of a process, on pools smaller than the step, still write what passes their pool;
-    from the step whose pool holds the step (a growth between steps sizes it for what the
-    forwards held) nothing goes to the drive. A pool at its cap writes behind as the NVMe
-    tier does. ``tier="nvme"`` and a pool of the user's size keep the default: the drive was
-    asked for. ``spillover.estimate`` models the same (Note [simulated offload] in
+    rust/tier/policy.rs) writes every byte past a quarter of the pool: so a step that a pool of
+    RAM held whole still wrote most of itself to the drive (the H200 estimate of the 1B Llama,
+    default pool: 1.1 GiB a step through a 64 MiB pool, on a host with 256 GiB of RAM). So while
+    a growing pool of tier auto is below its cap (the default of Note [node budget], or the
+    node's room now), its tier writes nothing behind: unwritten bytes may fill the pool
+    (``dirty_bytes`` = its capacity), and only a lease that finds the pool full writes the
+    oldest out. The first steps of a process, on pools smaller than the step, still write what
+    passes their pool; from the step whose pool holds the step (a growth between steps sizes it
+    for what the forwards held) nothing goes to the drive. A pool at its cap writes behind as
+    the NVMe tier does. ``tier="nvme"`` and a pool of the user's size keep the default: the
+    drive was asked for. ``spillover.estimate`` models the same (Note [simulated offload] in
     estimate/offload.py).
 
 Note [growth off the critical path]
