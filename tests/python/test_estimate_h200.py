@@ -57,7 +57,9 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     """Note [a family's own offset] (planner/tuner.py): at full checkpointing's peak the
     plain-offload learning step's offset no longer rules the checkpoint family out; auto
     settles on a checkpoint plan within its budget, well under plain offload's time (the host
-    mode's), where it ran plain offload at 2.5x full's time before."""
+    mode's), where it ran plain offload at 2.5x full's time before. Note [the tail stays]
+    (planner/search.py): the plan keeps the loss's 0.5 GB on the device as full does, within
+    1.05x full's time (1.10x when the context shipped it)."""
     with torch.device("meta"):
         model = Llama(**DIMS).to(torch.bfloat16)
     idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
@@ -69,14 +71,17 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     assert au.device_peak_bytes - au.trace.base <= budget, au.note
     assert "checkpoint" in au.planner.peak_offsets
     assert au.step_seconds < 0.5 * est["host"].step_seconds
+    assert au.plan.keep_tail, au.note
+    assert au.step_seconds <= 1.05 * full.step_seconds, (au.step_seconds, au.note)
 
 
 def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     """Note [two clocks in the plan] (planner/machine.py): at 0.7x none's peak auto's plan
     stays within its budget (cuBLAS's workspace counted as the estimate counts it), and with
-    the hooks' dispatch priced it checkpoints fewer layers: under 1.40x none's predicted time
-    (1.45x before; the issue's goal, 1.01x, is not met: every checkpointed layer adds its
-    hooks' dispatch to a host-bound forward)."""
+    the hooks' dispatch priced it checkpoints fewer layers, and it keeps the tail (Note [the
+    tail stays] in planner/search.py): under 1.28x none's predicted time (1.45x before the
+    hooks were priced, 1.32x before the tail stayed; the issue's goal, 1.01x, is not met:
+    every checkpointed layer adds its hooks' dispatch to a host-bound forward)."""
     with torch.device("meta"):
         model = Llama(**DIMS).to(torch.bfloat16)
     idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
@@ -86,4 +91,19 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
                             host_pool_bytes="16GiB", budget=budget)["auto"]
     assert au.device_peak_bytes <= peak, au.note
-    assert au.step_seconds <= 1.40 * none.step_seconds, (au.step_seconds, au.note)
+    assert au.step_seconds <= 1.28 * none.step_seconds, (au.step_seconds, au.note)
+
+
+def test_h200_auto_without_a_budget_is_none(est):
+    """Without a budget everything fits: auto runs every layer plainly and keeps the tail (Note
+    [the tail stays] in planner/search.py), so it peaks no higher than none and takes its time
+    (1.12x none's when the context shipped the loss's 0.5 GB there and back)."""
+    with torch.device("meta"):
+        model = Llama(**DIMS).to(torch.bfloat16)
+    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
+    none = est["none"]
+    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
+                            host_pool_bytes="16GiB")["auto"]
+    assert au.plan is not None and au.plan.variant == "plain" and au.plan.keep_tail, au.note
+    assert au.device_peak_bytes <= none.device_peak_bytes
+    assert au.step_seconds <= 1.01 * none.step_seconds, (au.step_seconds, none.step_seconds)

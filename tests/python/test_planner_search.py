@@ -329,3 +329,44 @@ def test_two_clocks_in_the_plan():
                    and not recs[ri].ops[i].after_stop and recs[ri].ops[i].bytes
                    for (ri, i), (a, _, _) in g.ops.items())
     assert g.recompute >= 2 * hooks
+
+
+def test_the_tail_stays_on_the_device_when_the_budget_holds_it():
+    """Note [the tail stays]: on a GPU under a context, what the model saves after its last
+    region (here 64 MiB: a loss's log-probabilities) round-trips over the link with nothing to
+    hide behind. With room for it the plan keeps it (and charges the shipped variants that
+    round trip); with no room it still goes, and the plan fits as before."""
+    host = {"tier": "host", "pool_bytes": 4 << 30, "nvme": False}
+    tail = 64 * MiB
+    recs = _step(device="cuda:0", offload=host)
+    roomy = make_plan(recs, GPU, budget=600 * MiB, outside_bytes=80 * MiB, peak_offset=0,
+                      tail_bytes=tail)
+    assert roomy.fits and roomy.keep_tail and roomy.variant.endswith("tail kept")
+    assert roomy.model_peak <= 600 * MiB
+    recs = _step(device="cuda:0", offload=host)
+    shipped = make_plan(recs, GPU, budget=600 * MiB, outside_bytes=80 * MiB, peak_offset=0)
+    # without the tail's bytes the planner has nothing to weigh: the same plan, nothing kept
+    assert not shipped.keep_tail
+    # Backward frees the tail before it rebuilds a region, so a tail smaller than the largest
+    # region rebuilt costs no peak. A larger one (512 MiB) does: under a budget with room for
+    # the least peak but not for the tail on top, it goes, charged its round trip.
+    big = 512 * MiB
+    recs = _step(device="cuda:0", offload=host)
+    least = make_plan(recs, GPU, budget=0, outside_bytes=big + 16 * MiB, peak_offset=0,
+                      tail_bytes=big)
+    assert not least.keep_tail and least.model_peak < big
+    recs = _step(device="cuda:0", offload=host)
+    budget = (least.model_peak + big) // 2
+    tight = make_plan(recs, GPU, budget=budget, outside_bytes=big + 16 * MiB, peak_offset=0,
+                      tail_bytes=big)
+    assert tight.fits and not tight.keep_tail and tight.model_peak <= budget
+    assert tight.transfer_seconds >= 2 * big / GPU.link_bytes_per_s
+    recs = _step(device="cuda:0", offload=host)
+    kept = make_plan(recs, GPU, budget=big + least.model_peak, outside_bytes=big + 16 * MiB,
+                     peak_offset=0, tail_bytes=big)
+    assert kept.fits and kept.keep_tail
+    assert kept.transfer_seconds < tight.transfer_seconds
+    # a CPU host's context keeps its pool in this memory: nothing to weigh there
+    recs = _step(device="cpu", offload=host)
+    assert not make_plan(recs, CPU, budget=600 * MiB, outside_bytes=80 * MiB, peak_offset=0,
+                         tail_bytes=tail).keep_tail

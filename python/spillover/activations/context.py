@@ -300,6 +300,15 @@ class OffloadContext(Hooks, Guardrails):
         saved tensors themselves. Counted in the step active on this thread, else the latest."""
         return self._pack(tensor, offload=False)
 
+    def keep_rest(self, on: bool = True) -> None:
+        """Keep on the device, counted as kept by a policy, every tensor saved from now until
+        this step's backward starts (or until ``keep_rest(False)``): what a model saves after
+        its last region, which backward needs first (Note [the tail stays] in
+        planner/search.py). No-op when no step of this context is active on this thread."""
+        rec = registry.active_record(self)
+        if rec is not None:
+            rec.keep_rest = on
+
     @property
     def pool_limit(self) -> int:
         """The most the host pool may hold: the size given (``host_pool_bytes=``), else what

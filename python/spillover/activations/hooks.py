@@ -202,6 +202,9 @@ class Hooks(Unpack):
             # counter): a storage written in place after its pack is packed again
             if stored is not None and not hit[1].expired() and t._version == hit[2]:
                 return Packed(stored, t)
+        if rec.keep_rest:  # Note [the tail stays] in planner/search.py
+            rec.kept[key] = StorageWeakRef(storage)
+            return "bytes_kept_policy"
         return None
 
     def _put(self, rec: StepRecord, tr: Any, storage: Any, t: torch.Tensor, nbytes: int,

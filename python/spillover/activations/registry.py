@@ -225,7 +225,7 @@ class StepRecord:
     __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
                  "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
                  "node", "compiled", "checked", "findings", "errors", "pool_full", "packs",
-                 "pools_base", "pools_end", "__weakref__")
+                 "pools_base", "pools_end", "keep_rest", "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
@@ -256,6 +256,8 @@ class StepRecord:
         self.errors: List[BaseException] = []
         self.pool_full = False  # a pool without swap found full after waiting (hooks._full)
         self.packs = 0  # bytes offloaded since the pool's fill was last looked at
+        #: keep what is saved from now until backward (Note [the tail stays], planner/search.py)
+        self.keep_rest = False
 
     def begin(self, tier: Any) -> None:
         """Go on in a new tier step over ``tier`` (the first, or a grown pool's: Note [growing

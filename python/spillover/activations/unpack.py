@@ -85,6 +85,7 @@ class Unpack:
                 "together (pack passes tensors through under capture), or run this backward "
                 "eagerly")
         rec = s.record
+        rec.keep_rest = False  # backward started (Note [the tail stays], planner/search.py)
         node = self._note_backward(rec)
         if node is not None:
             self._note_node(rec, node, s)

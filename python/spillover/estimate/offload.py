@@ -177,6 +177,7 @@ class SimContext(DriveModel):
         self._h2d_free = 0.0  # the copies back
         self._disk_free = 0.0
         self._kept_keys: set = set()
+        self._keep_rest = False  # Note [the tail stays] in planner/search.py
         self._rec = _StepRecord()
 
     # -- what the regions and the planner read --
@@ -212,6 +213,7 @@ class SimContext(DriveModel):
         one); pushed where ``current_context()`` finds it."""
         self._dedup = {}
         self._kept_keys = set()
+        self._keep_rest = False
         if self._sizes and self.learns_order:
             self._learned, self._sizes = self._sizes, []
             after, acc = [], 0
@@ -269,6 +271,10 @@ class SimContext(DriveModel):
         self._kept_keys.add(_key(t))
         return t
 
+    def keep_rest(self, on: bool = True) -> None:
+        """``OffloadContext.keep_rest``: what is saved from now until backward stays."""
+        self._keep_rest = on
+
     # -- pack --
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -285,6 +291,9 @@ class SimContext(DriveModel):
             entry = hit[1]
             entry.views += 1
             return _Handle(entry, t)
+        if self._keep_rest:
+            self._kept_keys.add(k)
+            return t
         entry = self._new_entry(t, nbytes)
         if entry is None:
             self.figures.bytes_kept += nbytes
@@ -369,6 +378,7 @@ class SimContext(DriveModel):
     def _unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, _Handle):
             return h
+        self._keep_rest = False  # backward started
         e = h.entry
         e.unpacked += 1
         base = self._bring_back(e, h)

@@ -179,5 +179,6 @@ def hand_over(tmp: Any, planner: Any, device: str, predicted_peak: Optional[int]
         rp.signature = _retarget(rp.signature, "cpu", device)
     planner.seed(plan, records, tmp.peak_offsets, outside_bytes=tmp.outside_bytes,
                  loss_bytes=tmp.loss_bytes, loss_min_bytes=tmp.loss_min_bytes,
-                 predicted_peak=predicted_peak, fake_steps=tmp.steps, **about)
+                 tail_bytes=tmp.tail_bytes, predicted_peak=predicted_peak,
+                 fake_steps=tmp.steps, **about)
 

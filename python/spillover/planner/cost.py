@@ -201,6 +201,7 @@ class Costs:
         # (longer) backward; the last region's is never hidden (backward needs it first).
         self.hide_seconds = sum(self.fwd[: self.last])
         self.per_byte_cpu = 1.0 / machine.link_bytes_per_s if device_is_host else 0.0
+        self.keep_tail = False  # Note [the tail stays] in search.py
 
     @property
     def mem(self) -> int:
@@ -236,6 +237,12 @@ class Costs:
                 0, self.offloaded - self.resident)
             return t + over / (m.nvme_bytes_per_s or float("inf"))
         return nbytes / m.link_bytes_per_s
+
+    def tail_seconds(self, nbytes: int) -> float:
+        """Note [the tail stays] (search.py): what shipping the model's tail costs the step,
+        its copies out and back in full (backward needs it first), and the host's time."""
+        m = self.machine
+        return 2 * nbytes / m.link_bytes_per_s + 2 * m.host_seconds_per_offload
 
     def can_offload(self, it: Item) -> bool:
         if not self.use_offload:

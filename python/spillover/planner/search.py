@@ -35,6 +35,17 @@ Note [plain backward]
     tensor's gradient) above a model that counted only what the block holds, and the tuning
     steps swung between it and the plan without it. The largest output a plainly run region
     saves stands for the gradients being computed.
+
+Note [the tail stays]
+    On a device, an active offload context takes everything autograd saves, also what the
+    model saves after its last region (the final norm, the head, the loss: ``tail_bytes``, part
+    of ``outside_bytes``). Those tensors are packed last and backward needs them first, so their
+    copies cannot hide: out after forward, back at once, each way at the link's rate. On the
+    probe's 1B Llama (seq 4096, bf16) that is the loss's 0.5 GB of fp32 log-probabilities:
+    about 10 ms of a 127 ms step that torch's full checkpointing, which keeps them, never
+    pays. So each variant is also tried with the tail kept on the device (the context told
+    at the last region's end, ``OffloadContext.keep_rest``): its bytes are held like a plain
+    tail's, which backward frees first, and the shipped variants are charged the round trip.
 """
 
 from __future__ import annotations
@@ -78,6 +89,9 @@ class Plan:
     #: the cap on the loss region's chunk (Note [loss chunk under a budget] in
     #: loss/chunked.py): None when the speed rule's chunk fits
     loss_cap: Optional[int] = None
+    #: Note [the tail stays]: the offload context keeps on the device what the model saves
+    #: after its last region
+    keep_tail: bool = False
 
 
 
@@ -107,6 +121,8 @@ def make_plan(
     kinds: Sequence[str] = KINDS,
     loss_bytes: int = 0,
     loss_min_bytes: int = 0,
+    tail_bytes: int = 0,
+    keep_tail: Optional[bool] = None,
 ) -> Plan:
     """Decide every op output of ``regions`` (one step, in call order) under ``budget``.
 
@@ -124,12 +140,14 @@ def make_plan(
     backward starts (Note [loss transient] in spillover/loss/chunked.py), counted in peak budgets;
     ``loss_min_bytes`` (when smaller) what it adds with the smallest chunk: a plan that does
     not fit with the first is made with the second, its slack given back to the chunk
-    (``Plan.loss_cap``, Note [loss chunk under a budget] there).
+    (``Plan.loss_cap``, Note [loss chunk under a budget] there). ``tail_bytes``: what the model
+    saves after its last region (Note [the tail stays]); ``keep_tail`` True or False tries only
+    the variants that keep it or ship it (None: both).
     """
     if (peak_offset is not None and budget is not None
             and 0 < loss_min_bytes < loss_bytes):
         return _fit_loss(regions, machine, budget, outside_bytes, peak_offset, kinds,
-                         loss_bytes, loss_min_bytes)
+                         loss_bytes, loss_min_bytes, tail_bytes, keep_tail)
     plain = outside_bytes + sum(r.input_bytes + r.needed_bytes for r in regions)
     full = outside_bytes + sum(r.input_bytes for r in regions)
     peak = peak_offset is not None
@@ -163,6 +181,9 @@ def make_plan(
             budget, plain, full, plain, 0.0, 0.0, fits, note,
             model_peak=plain + host_pool + grad_of(regions),
             peak_offset=off("plain") if peak else None, variant="plain",
+            # Note [the tail stays]: everything fits, the tail too (it counts in ``plain``)
+            keep_tail=(fits and bool(tail_bytes) and keep_tail is not False and bool(regions)
+                       and regions[0].offload is not None and regions[0].device != "cpu"),
         )
 
     if not regions or budget is None \
@@ -175,6 +196,10 @@ def make_plan(
     # without offloading op outputs, or all run plainly with the context taking what they save.
     variants: List[Greedy] = []
     n = len(regions)
+    # Note [the tail stays]: on a device under a context, with the tail shipped and kept
+    tails: Tuple[bool, ...] = (False,)
+    if tail_bytes and ctx is not None and not device_is_host:
+        tails = (False, True) if keep_tail is None else (keep_tail,)
     for k in range(n):
         plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
         if k and plain_tail + off("checkpoint") > budget:
@@ -184,22 +209,25 @@ def make_plan(
         tried = [("checkpoint", False)] if "checkpoint" in kinds else []
         if ctx is not None:
             tried += [(kd, True) for kd in ("checkpoint+offload", "plain-offload") if kd in kinds]
-        for kind, use_offload in tried:
+        for (kind, use_offload), keep in ((t, kp) for t in tried for kp in tails):
             cls = PlainOffload if kind == "plain-offload" else Greedy
             g = cls(head, machine, 0, outside_bytes, ctx, device_is_host, use_offload)
             if kind == "plain-offload" and not g.use_offload:
                 continue  # the context frees nothing here (a CPU host's host tier)
             g.bwd = g.rebuilt_bytes() if peak else 0
+            held = plain_tail + (tail_bytes if keep else 0)
             # The plain tail's backward comes first and frees it before the others rebuild.
-            g.budget = budget - off(kind) - (max(plain_tail + tail_grad, g.bwd) if peak
-                                             else plain_tail)
+            g.budget = budget - off(kind) - (max(held + tail_grad, g.bwd) if peak else held)
             g.run()
-            g.add_plain_tail(regions[n - k:], plain_tail, tail_grad)
-            g.kind = kind + (f", last {k} plain" if k else "")
+            g.add_plain_tail(regions[n - k:], held, tail_grad)
+            if tails != (False,) and not keep:
+                g.transfer += g.tail_seconds(tail_bytes)
+            g.keep_tail = keep
+            g.kind = kind + (f", last {k} plain" if k else "") + (", tail kept" if keep else "")
             variants.append(g)
     if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
         return make_plan(regions, machine, budget, outside_bytes, peak_offset,
-                         loss_bytes=loss_bytes)
+                         loss_bytes=loss_bytes, tail_bytes=tail_bytes, keep_tail=keep_tail)
     fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
     if fitting:  # Note [near ties go to memory]: on a CPU host
         fastest = min(v.recompute + v.transfer for v in fitting)
@@ -238,20 +266,21 @@ def make_plan(
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
                 bool(fitting), note, model_peak=best.peak,
                 peak_offset=off(best.kind) if peak else None,
-                variant=best.kind)
+                variant=best.kind, keep_tail=best.keep_tail)
 
 
 
 def _fit_loss(regions: List[RegionRecord], machine: Machine, budget: int, outside_bytes: int,
               peak_offset: int | Dict[str, int], kinds: Sequence[str], loss_bytes: int,
-              loss_min_bytes: int) -> Plan:
+              loss_min_bytes: int, tail_bytes: int, keep_tail: Optional[bool]) -> Plan:
     """Note [loss chunk under a budget] (loss/chunked.py): the plan with the speed rule's chunk
     when it fits; else the plan with the smallest chunk, whose slack goes back to the chunk."""
-    plan = make_plan(regions, machine, budget, outside_bytes, peak_offset, kinds, loss_bytes)
+    plan = make_plan(regions, machine, budget, outside_bytes, peak_offset, kinds, loss_bytes,
+                     tail_bytes=tail_bytes, keep_tail=keep_tail)
     if plan.fits:
         return plan
     small = make_plan(regions, machine, budget, outside_bytes, peak_offset, kinds,
-                      loss_min_bytes)
+                      loss_min_bytes, tail_bytes=tail_bytes, keep_tail=keep_tail)
     slack = budget - small.model_peak - (small.peak_offset or 0) if small.fits else 0
     small.loss_cap = min(loss_bytes, loss_min_bytes + slack)
     # the chunk's growth counted in full (it adds at most that to the peak)

@@ -29,6 +29,24 @@ Note [a family's own offset]
     ``EXPLORE``, the first tuning step runs it: its peak gives the family its own offset, and
     the re-plan and the settling (the fastest measured plan within the budget) take it from
     there. A trial over the budget costs one tuning step, as a re-plan that went over does.
+    A trial within the budget is not settled on at once, even within ``SLACK`` of it: it is
+    the least-peak plan, made for its offset, not for its speed, so the next tuning step
+    follows the plan the budget gives with the offset just measured (on that estimate: the
+    same full recompute with the tail kept, Note [the tail stays] in search.py) and the
+    settling keeps the faster of the two measured within the budget.
+
+Note [a tail's trial]
+    A plan that keeps the model's tail on the device (Note [the tail stays] in search.py) holds
+    it at the start of backward, before the regions' gradients exist; the measured offset is
+    the whole step's, and where it is those gradients (the peak at the end of backward) the
+    model counts the tail on top of them. On the estimate of the H200 probe's 1B Llama at full
+    checkpointing's peak the tail (0.57 GB) exceeds the largest region rebuilt by 19 MB and
+    the offset left 15 MB: modeled over, the kept tail was never run, and auto took 1.10x
+    full's time. So when the plan settled on fits and tuning steps are left, its twin that
+    keeps the tail, when modeled faster and over the budget by at most ``EXPLORE``, runs one
+    tuning step; its measured peak alone decides (it does not set the family's offset,
+    which shipped plans keep using), and the settling keeps the fastest plan measured within
+    the budget.
 
 Note [learning frugally]
     The budget holds from the first step: the learning step runs the most frugal variant the
@@ -75,6 +93,12 @@ class Phase(enum.Enum):
     TUNING = "tuning"
     #: the plan is final: followed without measuring
     SETTLED = "settled"
+
+
+#: the note of a plan tried for its family's offset (Note [a family's own offset])
+EXPLORING = "exploring the checkpoint family's offset"
+#: the note of a plan tried for its kept tail's peak (Note [a tail's trial])
+EXPLORING_TAIL = "trying the tail kept on the device"
 
 
 class Planner:
@@ -129,6 +153,8 @@ class Planner:
         # ... and with the smallest chunk a budget may shrink it to (Note [loss chunk under a
         # budget], loss/chunked.py)
         self.loss_min_bytes = 0
+        # what the model saves after its last region (Note [the tail stays] in search.py)
+        self.tail_bytes = 0
         # Note [peak feedback]
         self.measure_peak = measure_peak
         self._meter: Optional[Any] = None
@@ -245,8 +271,15 @@ class Planner:
         self.measured.append((plan, peak))
         self.tuning_left -= 1
         budget = self._budget_for(self.planned_records[0].device)
+        if plan.note == EXPLORING_TAIL:  # Note [a tail's trial]: its peak decides, alone
+            self._settle(budget)
+            return
         self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
-        if budget * (1 - self.SLACK) <= peak <= budget or self.tuning_left <= 0:
+        # Note [a family's own offset]: a trial that fits is re-planned all the same
+        close = budget * (1 - self.SLACK) <= peak <= budget and plan.note != EXPLORING
+        if close or self.tuning_left <= 0:
+            if peak <= budget and self.tuning_left > 0 and self._try_tail(budget):
+                return
             self._settle(budget)
             return
         old = [(r.mode, r.actions) for r in plan.regions]
@@ -281,15 +314,38 @@ class Planner:
         budget = self._budget_for(recs[0].device)
         trial = make_plan(recs, self.machine(recs[0].device), 0, self.outside_bytes,
                           peak_offset=dict(self.peak_offsets), kinds=("checkpoint",),
-                          loss_bytes=self.loss_bytes)  # budget 0: the least peak it has
+                          loss_bytes=self.loss_bytes,
+                          tail_bytes=self.tail_bytes)  # budget 0: the least peak it has
         if (trial.recompute_seconds + trial.transfer_seconds
                 < plan.recompute_seconds + plan.transfer_seconds
                 and trial.model_peak + (trial.peak_offset or 0) <= budget * (1 + self.EXPLORE)):
-            trial.budget, trial.note = budget, "exploring the checkpoint family's offset"
+            trial.budget, trial.note = budget, EXPLORING
             self.plan = trial
             self._apply(trial)
         else:
             self._apply(plan)
+
+    def _try_tail(self, budget: int) -> bool:
+        """Note [a tail's trial]: follow the plan that keeps the tail for one tuning step when
+        it is modeled faster than the plan that fits and over the budget by at most
+        ``EXPLORE``. True when it will."""
+        plan = self.plan
+        assert plan is not None
+        recs = self.planned_records
+        if plan.keep_tail or not self.tail_bytes or not recs:
+            return False
+        twin = make_plan(recs, self.machine(recs[0].device), budget, self.outside_bytes,
+                         peak_offset=dict(self.peak_offsets), loss_bytes=self.loss_bytes,
+                         loss_min_bytes=self.loss_min_bytes, tail_bytes=self.tail_bytes,
+                         keep_tail=True)
+        if (twin.keep_tail and twin.recompute_seconds + twin.transfer_seconds
+                < plan.recompute_seconds + plan.transfer_seconds
+                and twin.model_peak + (twin.peak_offset or 0) <= budget * (1 + self.EXPLORE)):
+            twin.budget, twin.note = budget, EXPLORING_TAIL
+            self.plan = twin
+            return True
+        self._apply(plan)  # make_plan wrote the twin's decisions into the records
+        return False
 
     def _settle(self, budget: int) -> None:
         """Tuning over: keep the fastest measured plan within the budget, else the one whose
@@ -319,7 +375,7 @@ class Planner:
 
     def seed(self, plan: Plan, records: List[RegionRecord], peak_offsets: Dict[str, int],
              outside_bytes: int = 0, loss_bytes: int = 0, loss_min_bytes: int = 0,
-             predicted_peak: Optional[int] = None, **about: Any) -> None:
+             tail_bytes: int = 0, predicted_peak: Optional[int] = None, **about: Any) -> None:
         """Follow ``plan``, made from ``records`` (one step, in call order) with the measured
         ``peak_offsets`` of Note [peak feedback], from the next step on, without a learning
         step: the entry point of a plan made from a trace of the step on fake tensors
@@ -334,6 +390,7 @@ class Planner:
             self.outside_bytes = outside_bytes
             self.loss_bytes = loss_bytes
             self.loss_min_bytes = loss_min_bytes
+            self.tail_bytes = tail_bytes
             self.measured = []
             self.tuning_left = self.TUNING_STEPS if self.measure_peak else 0
             self.phase = Phase.TUNING if self.tuning_left else Phase.SETTLED
@@ -387,7 +444,8 @@ class Planner:
             offsets = {"learning": 0} if self.measure_peak else None
         self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
                               self.outside_bytes, peak_offset=offsets, kinds=kinds,
-                              loss_bytes=self.loss_bytes, loss_min_bytes=self.loss_min_bytes)
+                              loss_bytes=self.loss_bytes, loss_min_bytes=self.loss_min_bytes,
+                              tail_bytes=self.tail_bytes)
         self.planned_records = recs
         self.replans += 1
 

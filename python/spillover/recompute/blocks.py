@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .. import loss as _loss
+from ..activations import current_context
 from ..planner import Planner, RegionRecord
 from .modes import top_hooks
 from .ops import skey
@@ -57,6 +58,7 @@ class _CountingHooks:
         self.excluded: set = set()
         self.seen: set = set()
         self.bytes = 0
+        self.tail = 0  # of them, saved after the last region so far (Note [the tail stays])
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def exclude(self, args: Tuple[Any, ...]) -> None:
@@ -72,7 +74,9 @@ class _CountingHooks:
         if k is not None and k not in self.params and k not in self.excluded \
                 and k not in self.seen and not (t.is_leaf and t.requires_grad):
             self.seen.add(k)
-            self.bytes += t.untyped_storage().nbytes()
+            n = t.untyped_storage().nbytes()
+            self.bytes += n
+            self.tail += n
         return self.inner[0](t) if self.inner is not None else t
 
     def unpack(self, h: Any) -> torch.Tensor:
@@ -144,10 +148,13 @@ class _WrapState:
         if self.loss_scope is not None:
             scope, self.loss_scope = self.loss_scope, None
             loss_bytes, loss_min = _loss.end_scope(scope)
+        ctx = current_context()
+        if ctx is not None:  # the tail the plan kept ends with the model's forward
+            ctx.keep_rest(False)
         if self.counting is not None:
             c, self.counting = self.counting, None
             c.hooks.__exit__(None, None, None)
-            self.policy.end_step(c.bytes, loss_bytes, loss_min)
+            self.policy.end_step(c.bytes, loss_bytes, loss_min, tail_bytes=c.tail)
 
     def last_records(self) -> List[RegionRecord]:
         return self.step_records or self.records

@@ -89,11 +89,13 @@ class RegionPolicy(abc.ABC):
         model saves outside its regions during it, for :meth:`end_step`."""
         return False
 
-    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0
-                 ) -> None:
+    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0,
+                 tail_bytes: int = 0) -> None:
         """The forward :meth:`begin_step` asked to count has ended; ``loss_bytes``: what its
         chunked loss region adds when backward starts (Note [loss transient], loss/chunked.py), and
-        ``loss_min_bytes`` what it would add with the smallest chunk."""
+        ``loss_min_bytes`` what it would add with the smallest chunk; ``tail_bytes``: the part of
+        ``outside_bytes`` saved after the last region (Note [the tail stays], planner/search.py).
+        """
         return None
 
     def loss_cap(self) -> Optional[int]:
@@ -379,6 +381,12 @@ class _Auto(RegionPolicy):
                                   offload=_planner.ctx_offload_info(ctx))
             decide = _planned(pol, rplan) if rplan is not None else _learning
             out = _sac(fn, args, kwargs, _Run(decide, ctx, record, pol.add_record).contexts)
+        if state is not None and state.counting is not None:
+            state.counting.tail = 0  # what is saved from here on is the tail, so far
+        plan = pol.plan
+        if (ctx is not None and rplan is not None and plan is not None and plan.keep_tail
+                and rplan is plan.regions[-1]):
+            ctx.keep_rest()  # Note [the tail stays] in planner/search.py
         if not pol.explicit_steps:
             _note_backward_on(out, pol)
         return out
@@ -440,9 +448,10 @@ class _Auto(RegionPolicy):
         self.planner.begin_step()
         return self.planner.learning
 
-    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0
-                 ) -> None:
+    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0,
+                 tail_bytes: int = 0) -> None:
         self.planner.outside_bytes = outside_bytes
+        self.planner.tail_bytes = tail_bytes
         self.planner.loss_bytes = loss_bytes
         self.planner.loss_min_bytes = loss_min_bytes
 
