@@ -9,7 +9,9 @@ registration]). Before, every step of this loop mapped (and on a device register
 from __future__ import annotations
 
 import gc
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -118,3 +120,55 @@ def test_auto_uses_ram_before_the_drive(small_first_pool, tmp_path):
     ctx = spillover.offload_context("auto", min_offload_bytes=0, nvme_path=str(tmp_path))
     gpt_step(GPT(cfg), synthetic_batch(cfg, batch=8), ctx)
     assert ctx.nvme  # the swap is open: past the pool's cap, auto still spills
+
+
+def test_the_second_step_runs_on_a_pool_sized_for_the_first(small_first_pool, tmp_path):
+    """Note [growth off the critical path] in _growth.py: at the end of the first forward the
+    pool made ahead is sized for every byte that forward offloaded, the entries still being
+    written to the drive too, and a larger size asked for while a smaller one is being made
+    is made next. Before, the Quick start's second step on this GPT (2x256, seq 512, vocab
+    8192: 164 MiB a step) ran on a 128 MiB pool, mapped once more and wrote 136 MiB to the
+    drive; now it maps nothing and writes nothing."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=8192, d_model=256, n_heads=4, n_layers=2, seq=512)
+    model, batch = GPT(cfg), synthetic_batch(cfg, batch=4)
+    ref = gpt_step(model, batch)
+    rows = []
+    for _ in range(2):
+        ctx = spillover.offload_context("auto", min_offload_bytes=0, nvme_path=str(tmp_path))
+        assert_bitwise(ref, gpt_step(model, batch, ctx))
+        rows.append(ctx.stats())
+        del ctx
+    first, second = rows
+    assert first.bytes_offloaded_nvme > 0  # the 16 MiB first pool: the first step spills
+    assert second.bytes_offloaded_nvme == 0 and second.pool_maps == 0, second
+    assert second.pool_capacity >= second.bytes_offloaded, second
+
+
+def test_a_larger_size_asked_while_one_is_made_is_made_next(small_first_pool, monkeypatch):
+    """Note [growth off the critical path]: the forward's end asks for what its entries need
+    while an earlier, smaller generation is still being made; that size is made next by the
+    same thread and the smaller one goes back (before, the request was dropped)."""
+    ctx = spillover.offload_context("host", min_offload_bytes=0)
+    with ctx:
+        torch.ones(1 << 18, requires_grad=True).exp().sum()
+    pools = ctx._pools
+    cap = pools.pool.capacity
+    gate, made, returned = threading.Event(), [], []
+
+    def lease_pool(size):
+        gate.wait(10)
+        made.append(types.SimpleNamespace(capacity=size))
+        return made[-1]
+
+    monkeypatch.setattr(_pools, "lease_pool", lease_pool)
+    monkeypatch.setattr(_pools, "return_pool", returned.append)
+    monkeypatch.setattr(pools, "_room", lambda: 1 << 40)
+    pools.maybe_prepare(held=cap, size=2 * cap)  # the thread starts making 2x, held at the gate
+    pools.maybe_prepare(held=cap, size=8 * cap)  # asked for while it runs
+    thread = pools._next_thread
+    gate.set()
+    thread.join(10)
+    assert [m.capacity for m in made] == [2 * cap, 8 * cap]
+    assert returned == [made[0]] and pools._next is made[1]
+    pools._next = None  # not a real pool: nothing to give back

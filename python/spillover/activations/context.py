@@ -191,7 +191,8 @@ class OffloadContext(Hooks, Guardrails):
         if not suspend._forget(hooks):  # Note [no offload] in suspend.py
             hooks.__exit__(*exc)
         rec.active = False
-        self._pools.note_forward_end(prepare=not registry.capturing())
+        self._pools.note_forward_end(prepare=not registry.capturing(),
+                                     offloaded=sum(st.nbytes for st in list(rec.stored)))
         rec.dedup.clear()
         rec.marked.clear()
         rec.kept.clear()
