@@ -14,16 +14,24 @@ in planner/tuner.py).
 - CPU: the kernel's RSS high-water mark (VmHWM, reset by writing "5" to
   /proc/self/clear_refs, Linux >= 4.0) over RSS at the step's start. Where that file cannot be
   written the meter is unavailable and the planner plans from its model alone.
+- The simulated device (CPU tensors under a context with ``sim_link_bandwidth``): the live
+  tensor storages, the CPU allocator's events under torch's profiler (:class:`StorageMeter`),
+  as ``benches/python/sim_h200.py`` measures the device's memory there; RSS would count the
+  host pool the link copies into (Note [the simulated device is a device] in
+  planner/records.py). Where a profiler is already running the meter is unavailable.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import time
+import warnings
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["PeakMeter", "rss", "high_water", "reset_high_water"]
+__all__ = ["PeakMeter", "StorageMeter", "rss", "high_water", "reset_high_water",
+           "memory_events", "peak_of"]
 
 
 def rss() -> int:
@@ -85,3 +93,78 @@ class PeakMeter:
         except (OSError, RuntimeError):
             return None
         return max(0, peak - self.base)
+
+
+def memory_events(prof: Any) -> List[Tuple[int, int]]:
+    """The CPU allocator's events a stopped ``torch.profiler.profile(profile_memory=True)``
+    recorded: (wall-clock ns, bytes: + for an allocation, - for a free), in time order."""
+    return sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]")
+
+
+def peak_of(events: Iterable[Tuple[int, int]]) -> int:
+    """The most the events' running sum reached (0 when it never rose)."""
+    cur = peak = 0
+    for _, n in events:
+        cur += n
+        peak = max(peak, cur)
+    return peak
+
+
+class StorageMeter:
+    """:class:`PeakMeter`'s protocol for the simulated device: the most the live CPU tensor
+    storages grew between ``start()`` and ``read()``, from the allocator's events under torch's
+    profiler (run only while the planner measures: it slows the step it watches).
+
+    A ``read()`` inside backward (the planner's at backward's first region) marks the step's
+    end and returns None; the next ``read()`` outside backward stops the profiler and counts the
+    events up to that mark. Stopping it inside backward would not hold: autograd's engine puts
+    back, as backward ends, the thread-local state it found, the profiler's included, and the
+    next ``start()`` would find one "already enabled on this thread"."""
+
+    device = "storages"
+
+    def __init__(self) -> None:
+        self.available = True
+        self._prof: Optional[Any] = None
+        self._end: Optional[int] = None  # time.time_ns() of the step's end (the events' clock)
+
+    def start(self) -> bool:
+        self._stop()
+        if not self.available:
+            return False
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                prof.start()
+        except RuntimeError:  # another profiler runs: plan from the model alone
+            self.available = False
+            return False
+        self._prof, self._end = prof, None
+        return True
+
+    def _stop(self) -> Optional[int]:
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prof.stop()
+            events = memory_events(prof)
+        except RuntimeError:
+            return None
+        end = self._end
+        return peak_of(e for e in events if end is None or e[0] <= end)
+
+    def read(self) -> Optional[int]:
+        if self._prof is None:
+            return None
+        if torch._C._current_autograd_node() is not None:  # in backward: mark, stop later
+            if self._end is None:
+                self._end = time.time_ns()
+            return None
+        return self._stop()

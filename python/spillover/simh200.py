@@ -17,8 +17,14 @@ Note [the simulated H200]
     forward seconds / 4.9, and ``sim_call_cost`` = what each device call must cost the host for
     pack + unpack to reach 0.34 of the compute per offloaded tensor (0 when the CPU's own cost
     is already there). ``sim_compute_lag``: a tenth of the forward, as a GPU's compute stream
-    runs behind the host. ``benches/python/sim_h200.py`` measures, prints the ratios it ran at,
-    and runs the modes there; ``tests/python/test_sim_h200.py`` is its CI-sized form.
+    runs behind the host. ``copy_inflight_bytes``: the link's cap (the sources it may hold, in
+    flight or landed: Note [the newest sources stay] in activations/link/device.py) at the
+    H200's share of a forward's saved bytes -- its default cap, 20 ms of its link (1.08 GB), is
+    12 % of the 8.68 GB; the default's 64 MiB floor would hold a third of a CPU step's
+    activations on the simulated device, and offloading would free little there.
+    ``benches/python/sim_h200.py`` measures, prints the ratios it ran at, and runs the modes
+    there; ``tests/python/test_sim_h200.py`` and ``test_sim_device_plans.py`` are its CI-sized
+    forms.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ H200 = {
     "offloaded_tensors": 277,
     "host_seconds_per_offload": 58.9e-6 + 47.9e-6,
 }
+#: The link's default cap on the H200 (activations/link/common.py: 20 ms of the link).
+H200_CAP_BYTES = int(H200["link_bytes_per_s"] * 0.020)
 #: Note [the simulated H200]: forward's production of saved bytes over the link's bandwidth ...
 PRODUCTION_OVER_LINK = (H200["forward_saved_bytes"] / H200["forward_seconds"]
                         / H200["link_bytes_per_s"])
@@ -52,13 +60,15 @@ class SimH200:
     sim_link_bandwidth: float
     sim_call_cost: float
     sim_compute_lag: float
+    copy_inflight_bytes: int
     production_over_link: float
     host_over_compute: float
     cpu_host_over_compute: float  # what the CPU's own cost per offload gave, before call costs
 
     def context_kwargs(self) -> Dict[str, Any]:
         return {"sim_link_bandwidth": self.sim_link_bandwidth,
-                "sim_call_cost": self.sim_call_cost, "sim_compute_lag": self.sim_compute_lag}
+                "sim_call_cost": self.sim_call_cost, "sim_compute_lag": self.sim_compute_lag,
+                "copy_inflight_bytes": self.copy_inflight_bytes}
 
     def describe(self) -> str:
         return (f"simulated H200: link {self.sim_link_bandwidth / 1e9:.3g} GB/s (forward makes "
@@ -67,7 +77,8 @@ class SimH200:
                 f"call (host per offload {self.host_over_compute:.2f} of the compute per "
                 f"offloaded tensor; H200 {HOST_OVER_COMPUTE:.2f}; the CPU's own "
                 f"{self.cpu_host_over_compute:.2f}), compute lag "
-                f"{self.sim_compute_lag * 1e3:.1f} ms")
+                f"{self.sim_compute_lag * 1e3:.1f} ms, link cap "
+                f"{self.copy_inflight_bytes / 2**20:.1f} MiB")
 
 
 def settings(forward_seconds: float, step_seconds: float, saved_bytes: int, offloads: int,
@@ -89,5 +100,7 @@ def settings(forward_seconds: float, step_seconds: float, saved_bytes: int, offl
     host = (max(0.0, host_seconds_per_offload) + call_cost * calls_per_offload) / compute
     return SimH200(sim_link_bandwidth=bandwidth, sim_call_cost=call_cost,
                    sim_compute_lag=forward_seconds / 10,
+                   copy_inflight_bytes=max(1, int(saved_bytes * H200_CAP_BYTES
+                                                  / H200["forward_saved_bytes"])),
                    production_over_link=saved_bytes / forward_seconds / bandwidth,
                    host_over_compute=host, cpu_host_over_compute=own)

@@ -25,6 +25,7 @@ from spillover.planner import (
     RegionRecord,
     make_plan,
 )
+from spillover.planner.tuner import LEARNED
 
 
 def test_learns_plans_and_replans_on_shape_change(tiny_gpt_cl):
@@ -234,7 +235,9 @@ def test_peak_feedback_corrects_the_plan_until_it_fits(tiny_gpt_cl):
     assert first.peak_offset == 0 and second.peak_offset > 0
     assert second.model_peak < first.model_peak  # corrected by the measured overshoot
     assert planner.tuned and planner.plan is second
-    assert [m for _, m in planner.measured] == peaks[1:]
+    # Note [the learning step is a candidate]: the learning step fit, and its plan is measured
+    assert [m for _, m in planner.measured] == peaks
+    assert planner.measured[0][0].note == LEARNED
 
 
 def test_same_calibration_and_peaks_give_the_same_plan(tiny_gpt_cl):

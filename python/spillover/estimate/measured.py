@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterable, List, Tuple
 
 import torch
 
+from .._peak import memory_events, peak_of
+
 __all__ = ["storages_bytes", "allocator_events", "peak_of"]
 
 
@@ -38,17 +40,7 @@ def allocator_events(fn: Callable[[], Any]) -> List[Tuple[int, int]]:
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
-    return sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                  if e.name() == "[memory]")
-
-
-def peak_of(events: Iterable[Tuple[int, int]]) -> int:
-    """The most the events' running sum reached (0 when it never rose)."""
-    cur = peak = 0
-    for _, n in events:
-        cur += n
-        peak = max(peak, cur)
-    return peak
+    return memory_events(prof)
 
 
 def step_peak(mode: str, model: torch.nn.Module, args: Tuple[Any, ...], kwargs: dict,

@@ -94,6 +94,7 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
 
     from ..activations import current_context
     from ..planner import Planner
+    from ..planner.records import _sim_link
     from ..recompute.ops import device_of
     from ..recompute.policies import _Auto
     from .fakes import fake_inputs, fake_like, storage_keys
@@ -105,6 +106,11 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
     planner = state.policy.planner
     device = device_of(args, kwargs)
     ctx = current_context()
+    if device == "cpu" and ctx is not None and _sim_link(ctx):
+        # the trace's devices are the estimate's: it would plan a CPU host here
+        return ("the offload context is on the simulated device (sim_link_bandwidth), which "
+                "the trace does not model: the first step learns (Note [the simulated device "
+                "is a device] in planner/records.py)")
     dev = _device_for(device, planner)
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: Dict[str, torch.Tensor] = {}

@@ -202,6 +202,7 @@ class Costs:
         self.hide_seconds = sum(self.fwd[: self.last])
         self.per_byte_cpu = 1.0 / machine.link_bytes_per_s if device_is_host else 0.0
         self.keep_tail = False  # Note [the tail stays] in search.py
+        self.keep_all = False  # Note [everything kept] in search.py
 
     @property
     def mem(self) -> int:

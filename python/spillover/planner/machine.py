@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 #:     calibration) the costs are as before.
 
 
+#: Device calls of one pack and its unpack on the simulated link: 1.59 + 2.69, measured by
+#: ``benches/python/link_cost.py`` on the simulated link (2026-12-04; Note [device calls] in
+#: rust/link).
+SIM_CALLS_PER_OFFLOAD = 1.59 + 2.69
+
+
 @dataclasses.dataclass
 class Machine:
     """Measured rates of one device and its host (see :mod:`spillover.calibrate`)."""
@@ -58,6 +64,19 @@ class Machine:
             host_seconds_per_offload=float(d.get("host_seconds_per_offload") or 0.0),
             host_seconds_per_op=float(d.get("host_seconds_per_op") or 0.0),
         )
+
+    def simulated(self, sim: Optional[Sequence[float]]) -> Machine:
+        """This (the CPU's) machine as the simulated device of ``sim`` = (link bytes/s, host
+        seconds per device call) sees it: the link at its bandwidth both ways, and each offload
+        charged the device calls a pack and an unpack make on it (Note [the simulated device
+        is a device] in records.py); itself when ``sim`` is None."""
+        if not sim:
+            return self
+        bandwidth, call_cost = float(sim[0]), float(sim[1])
+        return dataclasses.replace(
+            self, d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth,
+            host_seconds_per_offload=self.host_seconds_per_offload
+            + call_cost * SIM_CALLS_PER_OFFLOAD)
 
     def flops_per_s(self, dtype: str) -> float:
         f = self.matmul_flops

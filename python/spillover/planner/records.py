@@ -152,11 +152,22 @@ class RegionRecord:
 
 
 
+def _sim_link(ctx: Any) -> Optional[Tuple[float, float]]:
+    """The simulated device's link of ``ctx`` (bytes/s, host seconds per device call), or None
+    where its tensors are not on the simulated device (Note [the simulated device is a
+    device])."""
+    cfg = getattr(ctx, "config", None)
+    bw = getattr(cfg, "sim_link_bandwidth", None)
+    if not bw:
+        return None
+    return (float(bw), float(getattr(cfg, "sim_call_cost", 0.0) or 0.0))
+
+
 def _ctx_signature(ctx: Any) -> Optional[Tuple[Any, ...]]:
     if ctx is None:
         return None
     cap = ctx.pool_limit  # not what is mapped now: a default pool grows (_growth.py)
-    return (ctx.tier, cap, ctx.nvme)
+    return (ctx.tier, cap, ctx.nvme, _sim_link(ctx))
 
 
 def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
@@ -166,7 +177,25 @@ def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
         "tier": ctx.tier,
         "pool_bytes": ctx.pool_limit,
         "nvme": ctx.nvme,
+        "sim": _sim_link(ctx),
     }
+
+
+#: Note [the simulated device is a device]
+#:     A context with ``sim_link_bandwidth`` puts CPU tensors on the simulated device: its
+#:     copies cross a link of that bandwidth into the host pool, and the tensor's storage is
+#:     freed as on a GPU. The planner once saw those regions as a CPU host's (the pool charged
+#:     as device memory, offloading "freeing nothing", the CPU's memcpy as the link, RSS as the
+#:     peak), so on the simulated H200 auto planned for a machine that was not there and missed
+#:     both budgets (0.81x none's live-storage peak against 0.58x and 0.7x). Such regions are
+#:     planned as a device's: :func:`host_is_device` is False for them, the machine's link is
+#:     the simulated one (:meth:`~spillover.planner.machine.Machine.simulated`), and the peak
+#:     meter counts live tensor storages (``spillover._peak.StorageMeter``), the device's
+#:     memory there.
+def host_is_device(rec: RegionRecord) -> bool:
+    """True where the region's "device" is this host's memory, the offload pool's too: a CPU
+    region not on the simulated device (Note [the simulated device is a device])."""
+    return rec.device == "cpu" and not (rec.offload and rec.offload.get("sim"))
 
 
 def input_signature(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:

@@ -46,6 +46,19 @@ Note [the tail stays]
     pays. So each variant is also tried with the tail kept on the device (the context told
     at the last region's end, ``OffloadContext.keep_rest``): its bytes are held like a plain
     tail's, which backward frees first, and the shipped variants are charged the round trip.
+
+Note [everything kept]
+    Under a device's context a checkpoint plan still ships the region inputs and whatever the
+    model saves between regions, and shipping holds memory of its own: the sources of copies
+    in flight or landed up to the link's cap, the copies staged back ahead of backward. At a
+    budget near torch's full checkpointing's peak those can be all the room there is: on the
+    simulated H200 (GPT 4x128, seq 256) full recomputation under the Quick start's context
+    peaked 6 % over torch's, so nothing auto could plan fit. So the checkpoint variants are
+    also tried with nothing shipped (``KEPT``, costed as without a context: inputs and the rest
+    held, no copies, no host time per offload): the plan's first region tells the context to
+    keep everything from there to backward (``OffloadContext.keep_rest``), which makes the
+    step torch's checkpointing plus the ops the budget lets it keep. Its own offset family
+    ("kept"), as its backward holds no staged copies.
 """
 
 from __future__ import annotations
@@ -56,7 +69,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..config import format_size
 from .cost import Costs
 from .machine import Machine
-from .records import RegionRecord
+from .records import RegionRecord, host_is_device
 from .variants import Greedy, PlainOffload
 
 # ---- the plan --------------------------------------------------------------------------------
@@ -92,6 +105,8 @@ class Plan:
     #: Note [the tail stays]: the offload context keeps on the device what the model saves
     #: after its last region
     keep_tail: bool = False
+    #: Note [everything kept]: ... and everything it saves from its first region on
+    keep_all: bool = False
 
 
 
@@ -104,11 +119,19 @@ TIME_SLACK = 0.05
 KINDS = ("checkpoint", "checkpoint+offload", "plain-offload")
 
 
+#: Note [everything kept]: the checkpoint variant under a device's context that keeps on the
+#: device all the context would take (region inputs, the tail), as torch's checkpointing does
+KEPT = "checkpoint, all kept"
+
+
 def family(kind: str) -> str:
     """Variants whose backward peaks the same offset corrects: regions rebuilt at once in
-    backward ("checkpoint"), reloaded one by one ("plain-offload"), or all plain."""
+    backward ("checkpoint"), the same with nothing shipped ("kept": no copies in flight or
+    staged), reloaded one by one ("plain-offload"), or all plain."""
     if kind.startswith("plain-offload"):
         return "plain-offload"
+    if kind.startswith(KEPT):
+        return "kept"
     return "plain" if kind == "plain" else "checkpoint"
 
 
@@ -160,7 +183,7 @@ def make_plan(
     # On a CPU host the context's pool is this same memory, faulted in whole: a step run plainly
     # under it peaks with the pool on top (the variants below count it as they charge it).
     host_pool = (int(regions[0].offload["pool_bytes"]) if peak and regions
-                 and regions[0].offload and regions[0].device == "cpu" else 0)
+                 and regions[0].offload and host_is_device(regions[0]) else 0)
 
     def grad_of(tail: List[RegionRecord]) -> int:
         """What the backward of regions run plainly adds (Note [plain backward]), or the loss
@@ -183,14 +206,14 @@ def make_plan(
             peak_offset=off("plain") if peak else None, variant="plain",
             # Note [the tail stays]: everything fits, the tail too (it counts in ``plain``)
             keep_tail=(fits and bool(tail_bytes) and keep_tail is not False and bool(regions)
-                       and regions[0].offload is not None and regions[0].device != "cpu"),
+                       and regions[0].offload is not None and not host_is_device(regions[0])),
         )
 
     if not regions or budget is None \
             or plain + host_pool + grad_of(regions) + off("plain") <= budget:
         return all_plain(True)
     ctx = regions[0].offload
-    device_is_host = regions[0].device == "cpu"
+    device_is_host = host_is_device(regions[0])
     # The last k regions run plainly (they are needed first in backward and cost nothing to
     # rebuild); the others are planned op by op in what remains of the budget, with and
     # without offloading op outputs, or all run plainly with the context taking what they save.
@@ -209,17 +232,29 @@ def make_plan(
         tried = [("checkpoint", False)] if "checkpoint" in kinds else []
         if ctx is not None:
             tried += [(kd, True) for kd in ("checkpoint+offload", "plain-offload") if kd in kinds]
+            if not device_is_host and ("checkpoint" in kinds or KEPT in kinds):
+                tried.append((KEPT, False))  # Note [everything kept]
         for (kind, use_offload), keep in ((t, kp) for t in tried for kp in tails):
+            if kind == KEPT and keep is not tails[-1]:
+                continue  # one variant: its tail stays whatever ``keep`` says
             cls = PlainOffload if kind == "plain-offload" else Greedy
-            g = cls(head, machine, 0, outside_bytes, ctx, device_is_host, use_offload)
+            # the kept variant is costed as without a context: inputs and the rest counted
+            g = cls(head, machine, 0, outside_bytes, None if kind == KEPT else ctx,
+                    device_is_host, use_offload)
             if kind == "plain-offload" and not g.use_offload:
                 continue  # the context frees nothing here (a CPU host's host tier)
             g.bwd = g.rebuilt_bytes() if peak else 0
-            held = plain_tail + (tail_bytes if keep else 0)
+            # (the kept variant's tail is in ``outside_bytes``, counted as held)
+            held = plain_tail + (tail_bytes if keep and kind != KEPT else 0)
             # The plain tail's backward comes first and frees it before the others rebuild.
             g.budget = budget - off(kind) - (max(held + tail_grad, g.bwd) if peak else held)
             g.run()
             g.add_plain_tail(regions[n - k:], held, tail_grad)
+            if kind == KEPT:
+                g.keep_tail = g.keep_all = True
+                g.kind = kind + (f", last {k} plain" if k else "")
+                variants.append(g)
+                continue
             if tails != (False,) and not keep:
                 g.transfer += g.tail_seconds(tail_bytes)
             g.keep_tail = keep
@@ -266,7 +301,7 @@ def make_plan(
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
                 bool(fitting), note, model_peak=best.peak,
                 peak_offset=off(best.kind) if peak else None,
-                variant=best.kind, keep_tail=best.keep_tail)
+                variant=best.kind, keep_tail=best.keep_tail, keep_all=best.keep_all)
 
 
 
@@ -309,7 +344,7 @@ def fixed_modes(regions: List[RegionRecord], machine: Machine, outside_bytes: in
                                 ("offload", ("plain-offload",), 0)):
         recs = copy.deepcopy(regions)
         if mode == "offload":
-            ctx, host = recs[0].offload if recs else None, bool(recs) and recs[0].device == "cpu"
+            ctx, host = recs[0].offload if recs else None, bool(recs) and host_is_device(recs[0])
             if not PlainOffload(recs, machine, 0, outside_bytes, ctx, host, True).use_offload:
                 continue  # no context, or one that frees nothing here
         if mode == "none":
@@ -332,7 +367,7 @@ def learning_peak(regions: List[RegionRecord], machine: Machine, outside_bytes: 
     Note [learning frugally])."""
     if not regions:
         return outside_bytes
-    ctx, host = regions[0].offload, regions[0].device == "cpu"
+    ctx, host = regions[0].offload, host_is_device(regions[0])
     if kind == "plain-offload":
         g: Costs = PlainOffload(regions, machine, 0, outside_bytes, ctx, host, True).run()
     else:

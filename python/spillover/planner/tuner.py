@@ -59,6 +59,16 @@ Note [learning frugally]
     253 MiB) and recomputes nothing. Either way the ops of each region are recorded as it
     runs (bytes, FLOPs, what autograd saves), which is all the search needs.
 
+Note [the learning step is a candidate]
+    A learning step that recomputed every region and fit the budget is a measured plan like
+    the tuning steps': its plan (the checkpoint family's least-peak one, tail shipped) joins
+    them, and the settling keeps it when nothing faster measured within the budget. Before,
+    only plans followed after it were candidates: on the simulated H200 (GPT 4x256, seq 512,
+    budget torch's full checkpointing's peak, 72 MiB) the learning step measured 71 MiB, the
+    three tuning steps' plans, each made within the budget by its model and offsets, measured
+    94, 120 and 140 MiB (link-bound copies and staging the model does not see), and auto
+    settled on the least of those, 30 % over a budget a step had already met.
+
 Note [planner step boundaries]
     ``wrap`` starts a step at each forward of the wrapped model. A standalone
     ``checkpoint(..., policy=planner)`` starts one when a region runs after a backward has
@@ -76,8 +86,8 @@ import torch
 
 from ..config import Config, format_size
 from .machine import Machine
-from .records import RegionRecord, _ctx_signature, input_signature
-from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
+from .records import RegionRecord, _ctx_signature, _sim_link, host_is_device, input_signature
+from .search import KEPT, KINDS, Plan, RegionPlan, family, learning_peak, make_plan
 
 #: Share of free memory the planner may use when no budget is given.
 DEFAULT_BUDGET_SHARE = 0.5
@@ -97,6 +107,10 @@ class Phase(enum.Enum):
 
 #: the note of a plan tried for its family's offset (Note [a family's own offset])
 EXPLORING = "exploring the checkpoint family's offset"
+#: the note of the learning step's own plan (Note [the learning step is a candidate])
+LEARNED = "what the learning step ran: every region recomputed"
+#: the note of the kept family's first plan (Note [everything kept] in search.py)
+EXPLORING_KEPT = "exploring the kept family's offset"
 #: the note of a plan tried for its kept tail's peak (Note [a tail's trial])
 EXPLORING_TAIL = "trying the tail kept on the device"
 
@@ -188,6 +202,12 @@ class Planner:
 
         return machine_for(device)
 
+    def machine_of(self, recs: Sequence[RegionRecord]) -> Machine:
+        """The machine the step of ``recs`` ran on: the simulated device's where its context
+        has one (Note [the simulated device is a device] in records.py)."""
+        info = recs[0].offload
+        return self.machine(recs[0].device).simulated(info.get("sim") if info else None)
+
     @property
     def learning(self) -> bool:
         """True while the next step learns (no plan to follow)."""
@@ -219,16 +239,17 @@ class Planner:
                         else "checkpoint")
                 self.peak_offsets = {}
                 if peak is not None:
-                    off = peak - learning_peak(recs, self.machine(recs[0].device),
+                    off = peak - learning_peak(recs, self.machine_of(recs),
                                                self.outside_bytes, kind, self.loss_bytes)
                     self.peak_offsets[family(kind)] = off
                     self.peak_offsets["learning"] = off  # for the families not measured yet
+                ran = self._learned_plan(recs, kind, peak)
                 self._make_plan(recs)
                 if kind == "plain-offload" and self.peak_offsets:
                     self._explore_checkpoint(recs)
                 self.tuning_left = self.TUNING_STEPS if self.peak_offsets else 0
                 self.phase = Phase.TUNING if self.tuning_left else Phase.SETTLED
-                self.measured = []
+                self.measured = [ran] if ran is not None else []
             elif ran and self._dirty:  # part of the step followed a plan that no longer fits
                 self.phase = Phase.LEARNING
                 self.plan = None
@@ -246,6 +267,24 @@ class Planner:
             self.steps += 1
             self._metering = False
 
+    def _learned_plan(self, recs: List[RegionRecord], kind: str, peak: Optional[int]
+                      ) -> Optional[Tuple[Plan, int]]:
+        """Note [the learning step is a candidate]: the plan of what the learning step ran
+        (every region recomputed, the tail shipped), with its measured peak, when it fit."""
+        if kind != "checkpoint" or peak is None:
+            return None
+        budget = self._budget_for(recs[0].device)
+        if peak > budget:
+            return None
+        plan = make_plan(recs, self.machine_of(recs), 0, self.outside_bytes,
+                         peak_offset=dict(self.peak_offsets), kinds=("checkpoint",),
+                         loss_bytes=self.loss_bytes, tail_bytes=self.tail_bytes,
+                         keep_tail=False)  # budget 0: every region recomputed, as it ran
+        if family(plan.variant) != "checkpoint":  # the offsets say running plainly peaks less
+            return None
+        plan.budget, plan.note, plan.fits = budget, LEARNED, True
+        return plan, peak
+
     def _finish_peak(self, recs: List[RegionRecord]) -> Optional[int]:
         """The peak of the step that ran (None when it was not measured)."""
         if not self._metering or self._meter is None:
@@ -262,7 +301,7 @@ class Planner:
         """On a CPU host the offload context's pool is this same memory, faulted in when the
         context opened (before the step): charged in full, as the budget counts it."""
         info = recs[0].offload
-        return int(info["pool_bytes"]) if info and recs[0].device == "cpu" else 0
+        return int(info["pool_bytes"]) if info and host_is_device(recs[0]) else 0
 
     def _tune(self, peak: int) -> None:
         """Note [peak feedback]: correct the model by the peak the planned step reached."""
@@ -275,8 +314,11 @@ class Planner:
             self._settle(budget)
             return
         self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
+        if peak > budget and self.tuning_left > 0 and self._explore_kept(budget):
+            return
         # Note [a family's own offset]: a trial that fits is re-planned all the same
-        close = budget * (1 - self.SLACK) <= peak <= budget and plan.note != EXPLORING
+        close = (budget * (1 - self.SLACK) <= peak <= budget
+                 and plan.note not in (EXPLORING, EXPLORING_KEPT))
         if close or self.tuning_left <= 0:
             if peak <= budget and self.tuning_left > 0 and self._try_tail(budget):
                 return
@@ -312,7 +354,7 @@ class Planner:
         if family(plan.variant) != "plain-offload" or "checkpoint" in self.peak_offsets:
             return
         budget = self._budget_for(recs[0].device)
-        trial = make_plan(recs, self.machine(recs[0].device), 0, self.outside_bytes,
+        trial = make_plan(recs, self.machine_of(recs), 0, self.outside_bytes,
                           peak_offset=dict(self.peak_offsets), kinds=("checkpoint",),
                           loss_bytes=self.loss_bytes,
                           tail_bytes=self.tail_bytes)  # budget 0: the least peak it has
@@ -325,6 +367,25 @@ class Planner:
         else:
             self._apply(plan)
 
+    def _explore_kept(self, budget: int) -> bool:
+        """Note [everything kept] in search.py: when a plan under a device's context measured
+        over the budget and the kept family was never run, follow its least-peak plan for one
+        tuning step (its offset is not the shipping families': no copies in flight or staged).
+        True when it will."""
+        recs = self.planned_records
+        if "kept" in self.peak_offsets or not recs or recs[0].offload is None \
+                or host_is_device(recs[0]):
+            return False
+        trial = make_plan(recs, self.machine_of(recs), 0, self.outside_bytes,
+                          peak_offset=dict(self.peak_offsets), kinds=(KEPT,),
+                          loss_bytes=self.loss_bytes, tail_bytes=self.tail_bytes)
+        if not trial.keep_all:
+            self._apply(self.plan)  # type: ignore[arg-type]
+            return False
+        trial.budget, trial.note = budget, EXPLORING_KEPT
+        self.plan = trial
+        return True
+
     def _try_tail(self, budget: int) -> bool:
         """Note [a tail's trial]: follow the plan that keeps the tail for one tuning step when
         it is modeled faster than the plan that fits and over the budget by at most
@@ -334,7 +395,7 @@ class Planner:
         recs = self.planned_records
         if plan.keep_tail or not self.tail_bytes or not recs:
             return False
-        twin = make_plan(recs, self.machine(recs[0].device), budget, self.outside_bytes,
+        twin = make_plan(recs, self.machine_of(recs), budget, self.outside_bytes,
                          peak_offset=dict(self.peak_offsets), loss_bytes=self.loss_bytes,
                          loss_min_bytes=self.loss_min_bytes, tail_bytes=self.tail_bytes,
                          keep_tail=True)
@@ -406,14 +467,16 @@ class Planner:
             self.tuning_left = 0
             self.measure_peak = False
 
-    def _start_peak(self, device: str) -> None:
-        """Measure this step's peak if it learns or tunes the plan."""
+    def _start_peak(self, device: str, ctx: Any) -> None:
+        """Measure this step's peak if it learns or tunes the plan (on the simulated device,
+        its live tensor storages: Note [the simulated device is a device] in records.py)."""
         if not self.measure_peak or self._metering or self.phase is Phase.SETTLED:
             return
-        if self._meter is None or self._meter.device != device:
-            from .._peak import PeakMeter
+        what = "storages" if _sim_link(ctx) and device == "cpu" else device
+        if self._meter is None or self._meter.device != what:
+            from .._peak import PeakMeter, StorageMeter
 
-            self._meter = PeakMeter(device)
+            self._meter = StorageMeter() if what == "storages" else PeakMeter(device)
         self._step_peak = None
         self._metering = self._meter.start()
 
@@ -442,7 +505,7 @@ class Planner:
         if not offsets:
             # nothing measured: the modeled peak alone, or (measure_peak=False) held bytes
             offsets = {"learning": 0} if self.measure_peak else None
-        self.plan = make_plan(recs, self.machine(device), self._budget_for(device),
+        self.plan = make_plan(recs, self.machine_of(recs), self._budget_for(device),
                               self.outside_bytes, peak_offset=offsets, kinds=kinds,
                               loss_bytes=self.loss_bytes, loss_min_bytes=self.loss_min_bytes,
                               tail_bytes=self.tail_bytes)
@@ -466,7 +529,7 @@ class Planner:
             pos = self._pos
             self._pos += 1
             if pos == 0:
-                self._start_peak(_device_of_args(args, kwargs))
+                self._start_peak(_device_of_args(args, kwargs), ctx)
                 if self._metering:
                     _on_grad_of(args, self.end_of_backward)
             if self.learning or self.plan is None or self._dirty:

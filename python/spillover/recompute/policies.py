@@ -77,7 +77,9 @@ class RegionPolicy(abc.ABC):
                 if not o.reason and not o.forced and not o.after_stop:
                     o.reason = self.reason(o)
         device = records[0].device if records else "cpu"
-        m = machine or (_planner.machine_for(device) if records else None)
+        info = records[0].offload if records else None
+        m = machine or (_planner.machine_for(device).simulated(info and info.get("sim"))
+                        if records else None)
         return _planner.explain_records(records, repr(self), m)
 
     def attach(self, model: nn.Module) -> None:
@@ -357,6 +359,10 @@ class _Auto(RegionPolicy):
         sig, rplan = pol.region_plan(key, args, kwargs, ctx)
         if state is not None and state.counting is not None:
             state.counting.exclude(args)
+        plan = pol.plan
+        if (ctx is not None and rplan is not None and plan is not None and plan.keep_all
+                and rplan is plan.regions[0]):
+            ctx.keep_rest()  # Note [everything kept] in planner/search.py
         if rplan is not None and rplan.mode == "plain-keep":
             if ctx is not None:  # keep everything: the context counts them, offloads none
                 with torch.autograd.graph.saved_tensors_hooks(ctx.kept, _identity):
