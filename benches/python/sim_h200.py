@@ -94,6 +94,11 @@ def main(argv: List[str] = None) -> int:
     print(f"GPT {args.layers}x{args.d_model}, seq {args.seq}, batch {args.batch}, {args.attn}; "
           f"torch {torch.__version__}")
     print(sim.describe())
+    mach = spillover.planner.machine_for("cpu")
+    print(f"planner's calibration of this CPU: matmul {mach.flops_per_s('float32') / 1e9:.0f} "
+          f"GFLOP/s, elementwise {mach.elementwise_bytes_per_s / 1e9:.1f} GB/s, "
+          f"{mach.host_seconds_per_op * 1e6:.1f} us per region op (a stale one plans wrongly: "
+          "`python -m spillover bench` measures again)")
     kw = dict(sim.context_kwargs(), min_offload_bytes=0)  # every saved tensor, as measured
 
     def peak(fn: Callable[[], Any]) -> int:
@@ -109,12 +114,16 @@ def main(argv: List[str] = None) -> int:
             models[mode] = (m, False)
         models["host"] = (base, True)
         full_peak = peak(lambda: step(models["full"][0], batch))
-        for name, budget in (("auto@full", full_peak), ("auto@0.7none", int(0.7 * none_peak))):
+        budgets = {"auto@full": full_peak, "auto@0.7none": int(0.7 * none_peak)}
+        plans: Dict[str, str] = {}
+        for name, budget in budgets.items():
+            planner = spillover.Planner(budget_bytes=budget)
             m = copy.deepcopy(base)
-            spillover.wrap(m, policy="auto", budget_bytes=budget, chunked_loss=False)
+            spillover.wrap(m, policy=planner, chunked_loss=False)
             models[name] = (m, True)
-            for _ in range(5):  # auto's seeded plan and its corrections settle
+            for _ in range(6):  # auto's learning step and its tuning steps settle
                 step(m, batch, spillover.offload_context("host", **kw))
+            plans[name] = planner.plan.variant if planner.plan is not None else "-"
     times: Dict[str, List[float]] = {k: [] for k in models}
     peaks: Dict[str, int] = {}
     for r in range(args.rounds):  # interleaved: every mode once per round
@@ -132,6 +141,15 @@ def main(argv: List[str] = None) -> int:
         print(f"{name:14} {statistics.median(t):8.3f} [{min(t):6.3f}, {max(t):6.3f}] "
               f"{statistics.median(t) / t_none:7.2f} {peaks[name] / 2**20:9.1f} "
               f"{peaks[name] / none_peak:7.2f}")
+    fixed = ("none", "full", "selective", "host")
+    for name, budget in budgets.items():  # auto's Pareto points against the fixed modes
+        fits = [f for f in fixed if peaks[f] <= budget]
+        best = min(fits, key=lambda f: statistics.median(times[f]), default=None)
+        vs = (f"{statistics.median(times[name]) / statistics.median(times[best]):.2f}x {best}"
+              if best else "no fixed mode fits")
+        print(f"{name}: budget {budget / 2**20:.1f} MiB, peak {peaks[name] / budget:.3f}x "
+              f"of it; time {vs} (the fastest fixed mode within it); plan "
+              f"{plans[name]}")
     return 0
 
 
