@@ -355,3 +355,33 @@ def test_calibrations_back_to_back_give_the_same_plan(tmp_path, monkeypatch):
     # +15 %, -15 %: the numbers and the plan stay; x2: the machine changed, the numbers follow
     assert plans[0] == plans[1] == plans[2]
     assert plans[3][1].elementwise_bytes_per_s == 1e10
+
+
+def test_a_calibration_made_under_load_is_measured_again_when_quiet(tmp_path, monkeypatch):
+    """Note [a calibration made under load]: numbers measured on a busy machine (load 2.0 per
+    core) are measured again once it is quiet (0.3), and kept from then on."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rates = iter([0.2, 1.0, 3.0])
+    measured = []
+
+    def fake_device(device, quick=False):
+        f = next(rates)
+        measured.append(f)
+        return {"matmul_flops": {"float32": 1e11 * f}, "elementwise_bytes_per_s": 5e9 * f,
+                "d2h_bytes_per_s": 1e10 * f, "h2d_bytes_per_s": 1e10 * f}
+
+    monkeypatch.setattr(calibrate, "measure_device", fake_device)
+    monkeypatch.setattr(calibrate, "_nvme", lambda cfg, total, chunk: {
+        "nvme_write_bytes_per_s": 2e9, "nvme_read_bytes_per_s": 2e9, "nvme_error": None})
+    load = [2.0]
+    monkeypatch.setattr(calibrate, "_load_per_core", lambda: load[0])
+    first = calibrate.calibrate(device="cpu")
+    assert first["load"] == {"cpu": 2.0}
+    assert calibrate.calibrate(device="cpu") == first  # still busy: the cache stands
+    load[0] = 0.3
+    again = calibrate.calibrate(device="cpu")  # quiet now: measured again
+    assert measured == [0.2, 1.0]
+    assert again["devices"]["cpu"]["elementwise_bytes_per_s"] == 5e9
+    assert again["load"] == {"cpu": 0.3}
+    assert calibrate.calibrate(device="cpu") == again  # measured quiet: kept
+    assert measured == [0.2, 1.0]
