@@ -85,7 +85,7 @@ def test_the_storage_meter_reads_inside_backward_and_starts_again():
         x = torch.randn(1 << 16, requires_grad=True)
         y = (x * 2).exp()
         seen = []
-        x.register_hook(lambda g: seen.append(meter.read()))
+        x.register_hook(lambda g, seen=seen: seen.append(meter.read()))
         y.sum().backward()
         big = torch.empty(1 << 22)  # after the mark: not the step's
         peak = meter.read()
