@@ -467,6 +467,18 @@ class Planner:
             self.tuning_left = 0
             self.measure_peak = False
 
+    def start_peak(self, args: Sequence[Any], kwargs: Dict[str, Any], ctx: Any) -> None:
+        """A wrapped model's forward starts (Note [planner step boundaries]): measure the
+        step's peak from here, over what was live before it -- as the budget means it, and as
+        torch's counters read around a step -- not from its first region, after the embedding
+        ran. Tensor arguments name the device; a forward without any waits for its first
+        region."""
+        if not any(isinstance(a, torch.Tensor) for a in [*args, *kwargs.values()]):
+            return
+        with self._lock:
+            if self._pos == 0:
+                self._start_peak(_device_of_args(args, kwargs), ctx)
+
     def _start_peak(self, device: str, ctx: Any) -> None:
         """Measure this step's peak if it learns or tunes the plan (on the simulated device,
         its live tensor storages: Note [the simulated device is a device] in records.py)."""

@@ -135,7 +135,7 @@ class _WrapState:
         if self.step_records:
             self.records = self.step_records
         self.step_records = []
-        counting = self.policy.begin_step()
+        counting = self.policy.begin_step(args, kwargs)
         if self.loss_scope is None:  # Note [loss transient]: what the loss adds; its cap, Note
             # [loss chunk under a budget], from the plan this step follows
             self.loss_scope = _loss.begin_scope(self.policy.loss_cap())

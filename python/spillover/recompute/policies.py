@@ -86,9 +86,11 @@ class RegionPolicy(abc.ABC):
         """``wrap`` made ``model``'s blocks regions of this policy."""
         return None
 
-    def begin_step(self) -> bool:
-        """A wrapped model's forward starts (eager, grad enabled). True: count the bytes the
-        model saves outside its regions during it, for :meth:`end_step`."""
+    def begin_step(self, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
+                   ) -> bool:
+        """A wrapped model's forward starts (eager, grad enabled), called with ``args`` and
+        ``kwargs``. True: count the bytes the model saves outside its regions during it, for
+        :meth:`end_step`."""
         return False
 
     def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0,
@@ -450,8 +452,10 @@ class _Auto(RegionPolicy):
             # the model's forward hooks mark steps (containers have none)
             self.planner.explicit_steps = True
 
-    def begin_step(self) -> bool:
+    def begin_step(self, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
+                   ) -> bool:
         self.planner.begin_step()
+        self.planner.start_peak(args, kwargs or {}, current_context())
         return self.planner.learning
 
     def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0,
