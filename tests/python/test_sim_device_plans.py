@@ -111,9 +111,8 @@ def test_full_recomputation_under_a_context_peaks_as_without(gpt):
 def test_auto_on_the_simulated_h200_keeps_its_budget(gpt, share):
     """auto's Pareto points on the simulated H200: at torch's full checkpointing's peak
     (wrap's "full" without a context) and at 0.7x none's, a new context each step as the
-    Quick start writes it; bitwise to none, within the budget (the planner's meter starts at
-    the first region, the step at the embedding: 5 % for what runs before it and for
-    gc's timing)."""
+    Quick start writes it; bitwise to none, within the budget (5 % for gc's timing and the
+    copies' timing, which move a step's peak between runs)."""
     base, batch = gpt
     ref = gpt_step(base, batch)
     none = _peak(base, batch)
