@@ -192,10 +192,16 @@ def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
 #:     the simulated one (:meth:`~spillover.planner.machine.Machine.simulated`), and the peak
 #:     meter counts live tensor storages (``spillover._peak.StorageMeter``), the device's
 #:     memory there.
+def sim_of(rec: RegionRecord) -> Optional[Tuple[float, float]]:
+    """The simulated link the region ran over (bytes/s, host seconds per device call), or None
+    (Note [the simulated device is a device])."""
+    return rec.offload.get("sim") if rec.offload else None
+
+
 def host_is_device(rec: RegionRecord) -> bool:
     """True where the region's "device" is this host's memory, the offload pool's too: a CPU
     region not on the simulated device (Note [the simulated device is a device])."""
-    return rec.device == "cpu" and not (rec.offload and rec.offload.get("sim"))
+    return rec.device == "cpu" and not sim_of(rec)
 
 
 def input_signature(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:

@@ -240,7 +240,7 @@ def make_plan(
             if not device_is_host and ("checkpoint" in kinds or KEPT in kinds):
                 tried.append((KEPT, False))  # Note [everything kept]
         for (kind, use_offload), keep in ((t, kp) for t in tried for kp in tails):
-            if kind == KEPT and keep is not tails[-1]:
+            if kind == KEPT and keep != tails[-1]:
                 continue  # one variant: its tail stays whatever ``keep`` says
             cls = PlainOffload if kind == "plain-offload" else Greedy
             # the kept variant is costed as without a context: inputs and the rest counted

@@ -86,7 +86,14 @@ import torch
 
 from ..config import Config, format_size
 from .machine import Machine
-from .records import RegionRecord, _ctx_signature, _sim_link, host_is_device, input_signature
+from .records import (
+    RegionRecord,
+    _ctx_signature,
+    _sim_link,
+    host_is_device,
+    input_signature,
+    sim_of,
+)
 from .search import KEPT, KINDS, Plan, RegionPlan, family, learning_peak, make_plan
 
 #: Share of free memory the planner may use when no budget is given.
@@ -205,8 +212,7 @@ class Planner:
     def machine_of(self, recs: Sequence[RegionRecord]) -> Machine:
         """The machine the step of ``recs`` ran on: the simulated device's where its context
         has one (Note [the simulated device is a device] in records.py)."""
-        info = recs[0].offload
-        return self.machine(recs[0].device).simulated(info.get("sim") if info else None)
+        return self.machine(recs[0].device).simulated(sim_of(recs[0]))
 
     @property
     def learning(self) -> bool:

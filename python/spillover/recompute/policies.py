@@ -37,6 +37,7 @@ from ..planner import (
     output_tensors,
     storage_bytes,
 )
+from ..planner.records import sim_of
 from .modes import Decider, _Run, top_hooks
 from .ops import device_of, forced, input_bytes, key_of
 
@@ -77,8 +78,7 @@ class RegionPolicy(abc.ABC):
                 if not o.reason and not o.forced and not o.after_stop:
                     o.reason = self.reason(o)
         device = records[0].device if records else "cpu"
-        info = records[0].offload if records else None
-        m = machine or (_planner.machine_for(device).simulated(info and info.get("sim"))
+        m = machine or (_planner.machine_for(device).simulated(sim_of(records[0]))
                         if records else None)
         return _planner.explain_records(records, repr(self), m)
 
@@ -391,7 +391,6 @@ class _Auto(RegionPolicy):
             out = _sac(fn, args, kwargs, _Run(decide, ctx, record, pol.add_record).contexts)
         if state is not None and state.counting is not None:
             state.counting.tail = 0  # what is saved from here on is the tail, so far
-        plan = pol.plan
         if (ctx is not None and rplan is not None and plan is not None and plan.keep_tail
                 and rplan is plan.regions[-1]):
             ctx.keep_rest()  # Note [the tail stays] in planner/search.py
