@@ -10,6 +10,13 @@ flight), ``sim`` (the simulated device of rust/link/sim/ with free transfers -- 
 (min-max over rounds) are printed, with the device calls per pack and per unpack the link
 counted (Note [device calls] in rust/link/mod.rs).
 
+Medians of rounds leave out the pauses of Python's garbage collector, which the objects a pack
+leaves alive until backward bring on (Note [survivors of a pack] in
+spillover/activations/hooks.py): ``--gc-steps N`` (default 150) runs N more steps per link with
+the collector on, then off, and prints the mean host time per tensor (pack + unpack, the op
+taken out) each way, the collections of the oldest generation, and the collector-tracked
+objects one pack leaves alive at the end of forward.
+
 ``--call-cost S`` also runs the CPU GPT of recompute_bench.py on the simulated device charging S
 host seconds per device call, against free calls: the ratio of their step times says whether a
 driver's host cost per call would make the step host-bound.
@@ -143,6 +150,82 @@ def device_calls(n: int, nbytes: int) -> Dict[str, float]:
     return {"calls_per_pack": (c1 - c0) / n, "calls_per_unpack": (c2 - c1) / n}
 
 
+def tracked_per_pack(link: str, n: int) -> float:
+    """Collector-tracked objects alive at the end of a forward under the context, per pack,
+    beyond the same forward without it (after a youngest-generation pass, which untracks
+    tuples of numbers)."""
+    import gc
+
+    x = torch.randn(1024, requires_grad=True)
+    ctx = context(link, "cpu", 0.0)
+
+    def alive(c: Any) -> int:
+        with c if c is not None else torch.enable_grad():
+            h = x
+            for _ in range(n):
+                h = h.sin()
+            gc.collect(0)
+            count = len(gc.get_objects())
+        h.sum().backward()
+        x.grad = None
+        return count
+
+    chain_step(x, n, ctx)
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        return (alive(ctx) - alive(None)) / n
+    finally:
+        if was:
+            gc.enable()
+
+
+def gc_cost(links: List[str], n: int, steps: int) -> List[Dict[str, Any]]:
+    """Per link: the mean host seconds per tensor over ``steps`` chain steps with the
+    collector on and off (the same steps without the context taken out), with the
+    oldest-generation collections and their seconds."""
+    import gc
+
+    x = torch.randn(1024, requires_grad=True)
+    ctxs: Dict[str, Any] = {name: context(name, "cpu", 0.0) for name in links}
+    ctxs["none"] = None
+    seen = {"full": 0, "seconds": 0.0, "t0": 0.0}
+
+    def watch(phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            seen["t0"] = time.perf_counter()
+        else:
+            seen["seconds"] += time.perf_counter() - seen["t0"]
+            seen["full"] += info["generation"] == 2
+
+    gc.callbacks.append(watch)
+    rows: Dict[str, Dict[str, Any]] = {}
+    try:
+        for on in (True, False):
+            (gc.enable if on else gc.disable)()
+            for name, ctx in ctxs.items():
+                chain_step(x, n, ctx)
+                seen.update(full=0, seconds=0.0)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    chain_step(x, n, ctx)
+                row = rows.setdefault(name, {"link": name})
+                key = "on" if on else "off"
+                row[f"us_gc_{key}"] = (time.perf_counter() - t0) / (steps * n) * 1e6
+                if on:
+                    row["full_collections"], row["gc_seconds"] = seen["full"], seen["seconds"]
+    finally:
+        gc.callbacks.remove(watch)
+        gc.enable()
+    base = rows.pop("none")
+    for r in rows.values():
+        for key in ("on", "off"):
+            r[f"us_gc_{key}"] -= base[f"us_gc_{key}"]
+        r["tracked_per_pack"] = tracked_per_pack(r["link"], n)
+    return list(rows.values())
+
+
 def gpt_with_call_cost(call_cost: float, rounds: int) -> Dict[str, Any]:
     """The CPU GPT of recompute_bench.py (SDPA) on the simulated device, free device calls
     against ``call_cost`` seconds each, interleaved: step seconds, medians."""
@@ -180,6 +263,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--call-cost", type=float, default=0.0,
                     help="host seconds per simulated device call (also runs the GPT check)")
+    ap.add_argument("--gc-steps", type=int, default=150,
+                    help="steps per link for the collector's cost (0: not measured)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     links = ["cuda"] if args.device == "cuda" else ["host", "sim"]
@@ -199,6 +284,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         out["device_calls"] = calls
         print(f"device calls: {calls['calls_per_pack']:.2f} per pack, "
               f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4)")
+    if args.device == "cpu" and args.gc_steps > 0:
+        g_rows = gc_cost(links, args.n, args.gc_steps)
+        out["gc"] = g_rows
+        print(f"with the collector, 4 KiB, {args.gc_steps} steps each: mean us per tensor "
+              "(pack + unpack), collector on / off; full collections; tracked objects a pack "
+              "leaves alive")
+        for r in g_rows:
+            print(f"{r['link']:<6}{r['us_gc_on']:>8.1f} /{r['us_gc_off']:>6.1f} us   "
+                  f"{r['full_collections']} full ({r['gc_seconds']:.3f} s)   "
+                  f"{r['tracked_per_pack']:.2f} per pack")
     if args.call_cost > 0:
         g = gpt_with_call_cost(args.call_cost, max(3, args.rounds // 2))
         out["gpt_call_cost"] = g

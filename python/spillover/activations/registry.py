@@ -171,6 +171,7 @@ def note_module(rec: StepRecord, module: torch.nn.Module) -> None:
         except (RuntimeError, NotImplementedError):  # e.g. a sharded DTensor between steps
             continue
         rec.params[storage._cdata] = StorageWeakRef(storage)
+        rec.param_numels.add(t.numel())
 
 
 def is_param(rec: StepRecord, t: torch.Tensor, storage: Any) -> bool:
@@ -181,7 +182,9 @@ def is_param(rec: StepRecord, t: torch.Tensor, storage: Any) -> bool:
     ref = rec.params.get(storage._cdata)
     if ref is not None and not ref.expired():
         return True
-    return _cast_of_param(base)
+    # Note [survivors of a pack]: grad_fn makes the node's Python object, which lives as long
+    # as the node: asked only of tensors a parameter's size
+    return base.numel() in rec.param_numels and _cast_of_param(base)
 
 
 def _cast_of_param(t: torch.Tensor) -> bool:
@@ -223,9 +226,10 @@ class StepRecord:
     what its forward deduplicated and marked, and what its guardrails found."""
 
     __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
-                 "kept", "params", "modules", "active", "tr_base", "tr_end", "devices", "others",
-                 "node", "compiled", "checked", "findings", "errors", "pool_full", "packs",
-                 "pools_base", "pools_end", "keep_rest", "__weakref__")
+                 "kept", "params", "param_numels", "modules", "active", "tr_base", "tr_end",
+                 "devices", "others", "node", "compiled", "checked", "findings", "errors",
+                 "pool_full", "packs", "pools_base", "pools_end", "keep_rest", "lock",
+                 "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
         self.index = index
@@ -233,13 +237,16 @@ class StepRecord:
         self.stats = OffloadStats(steps=1)
         self.stored: Any = weakref.WeakSet()  # live Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
-        self.dedup: Dict[Tuple[str, int, int], Tuple[Any, Any, int]] = {}
+        self.dedup: Dict[Tuple[str, int, int], Any] = {}  # -> weakref(Stored)
         self.marked: set = set()
         self.kept: Dict[Tuple[str, int, int], Any] = {}  # Note [kept by a policy]: weak refs
         #: Note [parameters by identity]: storage (StorageImpl address) -> its weak reference,
         #: of the parameters and buffers of the modules this step ran; id(module) -> weakref.
         self.params: Dict[int, Any] = {}
+        self.param_numels: set = set()  # their element counts (a cast of one has the same)
         self.modules: Dict[int, Any] = {}
+        #: Note [survivors of a pack]: guards each Stored's shared return and staging
+        self.lock = threading.Lock()
         self.active = True
         self.tr_base = tr_base  # per device: (stall seconds, forced waits) when it began
         self.tr_end: Optional[Dict[Any, Tuple]] = None  # ... when the next step began

@@ -14,9 +14,8 @@ Note [storage identity]
 
 from __future__ import annotations
 
-import threading
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -24,16 +23,21 @@ from .. import _native
 
 __all__ = ["Packed", "Stored"]
 
+# held here: the torch module may be cleared at exit before the last Stored goes
+_EXPIRED = torch.UntypedStorage._expired
+_FREE_WEAK = torch.UntypedStorage._free_weak_ref
+
 
 class Stored:
     """One offloaded storage: its tier entry (a ``Handle``, or a ``Gathered`` of pieces) and the
     device->host copies that fill it."""
 
     __slots__ = ("record", "entry", "nbytes", "device", "copies", "seq", "views", "staged",
-                 "chunked", "_lock", "_cached", "_cached_uses", "_cached_stream", "__weakref__")
+                 "chunked", "src_weak", "src_version", "_cached", "_cached_uses", "_cached_stream",
+                 "__weakref__")
 
     def __init__(self, record: Any, entry: Any, nbytes: int, device: torch.device,
-                 copies: List[Any], seq: int):
+                 copies: Sequence[Any], seq: int):
         self.record = record  # its step (Note [one context, many steps]): lives as long as it
         self.entry = entry
         self.nbytes = nbytes
@@ -42,11 +46,32 @@ class Stored:
         self.seq = seq  # the tier's pack order (the last piece's, for a gathered storage)
         self.chunked = isinstance(entry, _native.Gathered)
         self.views = 0
+        #: Note [storage identity]: a weak reference to the source storage (torch's own, an
+        #: int: Note [survivors of a pack] in hooks.py) and its version when packed, for the
+        #: step's dedup table; 0: none
+        self.src_weak = 0
+        self.src_version = 0
         self.staged: Any = None  # (device tensor, event) staged ahead of its unpack
-        self._lock = threading.Lock()
         self._cached: Optional[torch.Tensor] = None  # device bytes shared by several views
         self._cached_uses = 0
         self._cached_stream: Any = None  # the stream it was brought back on
+
+    def watch_source(self, storage: Any, version: int) -> None:
+        """Hold a weak reference to the source ``storage`` (Note [storage identity])."""
+        self.src_weak, self.src_version = storage._weak_ref(), version
+
+    def source_alive(self) -> bool:
+        return bool(self.src_weak) and not _EXPIRED(self.src_weak)
+
+    def __del__(self) -> None:
+        if self.src_weak:
+            _FREE_WEAK(self.src_weak)
+
+    @property
+    def _lock(self) -> Any:
+        """Its step's lock (Note [survivors of a pack] in hooks.py): guards the shared return
+        and the staging claim."""
+        return self.record.lock
 
     @property
     def modified(self) -> bool:
@@ -74,7 +99,7 @@ class Packed:
     def __init__(self, stored: Stored, t: torch.Tensor):
         self.stored = stored
         self.dtype = t.dtype
-        self.size = t.size()
+        self.size = tuple(t.size())  # a tuple of ints leaves the GC (Note [survivors of a pack])
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.version = t._version
