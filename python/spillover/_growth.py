@@ -44,10 +44,13 @@ Note [RAM before the drive]
     default pool: 1.1 GiB a step through a 64 MiB pool, on a host with 256 GiB of RAM). So while
     a growing pool of tier auto is below its cap (the default of Note [node budget], or the
     node's room now), its tier writes nothing behind: unwritten bytes may fill the pool
-    (``dirty_bytes`` = its capacity), and only a lease that finds the pool full writes the
-    oldest out. The first steps of a process, on pools smaller than the step, still write what
-    passes their pool; from the step whose pool holds the step (a growth between steps sizes it
-    for what the forwards held) nothing goes to the drive. A pool at its cap writes behind as
+    (``dirty_bytes`` = its capacity), and a put that finds the pool full does not write the
+    oldest out either: it fails, and the pool grows (Note [writes wait for growth] in
+    rust/tier/room.rs); only when it cannot grow (its cap, no room on the node, a storage in
+    pieces, which one tier step must hold) does the tier write. Before, the first steps of a
+    process, on pools smaller than the step, wrote what passed their pool (GPT 2x256, seq 512:
+    the first step on a 16 MiB first pool wrote to the drive; now nothing from the first step
+    on). A pool at its cap writes behind as
     the NVMe tier does. ``tier="nvme"`` and a pool of the user's size keep the default: the
     drive was asked for. ``spillover.estimate`` models the same (Note [simulated offload] in
     estimate/offload.py).
@@ -157,8 +160,12 @@ class Pools:
         if self.tier_name == "host":
             return _tiers.tier_for(self.config, pool, nvme=False)
         try:
-            return _tiers.tier_for(self.config, pool, nvme=True, own_swap=leased,
-                                   dirty_bytes=self._dirty_bytes(pool, leased))
+            dirty = self._dirty_bytes(pool, leased)
+            tier = _tiers.tier_for(self.config, pool, nvme=True, own_swap=leased,
+                                   dirty_bytes=dirty)
+            if dirty is not None and tier.has_swap:
+                tier.defer_writes(True)  # Note [writes wait for growth] in rust/tier/room.rs
+            return tier
         except Exception as e:
             if self.tier_name == "nvme":
                 raise

@@ -84,6 +84,18 @@ impl PyTier {
         self.tier.swap().is_some()
     }
 
+    /// Note [writes wait for growth] (rust/tier/room.rs): while `on`, a put that finds the pool
+    /// full raises PoolExhaustedError rather than write entries out (the caller grows the
+    /// pool, or turns this off and puts again).
+    fn defer_writes(&self, on: bool) {
+        self.tier.set_defer_writes(on)
+    }
+
+    #[getter]
+    fn defers_writes(&self) -> bool {
+        self.tier.defers_writes()
+    }
+
     /// Finish every write and read in flight (GIL released); raises the first error.
     fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
         guarded(py, || self.tier.wait_idle())

@@ -105,6 +105,10 @@ impl Step {
         if let Ok(block) = tier.inner.pool.lease(head + nbytes) {
             return self.copy_in(block, src, head); // room to spare: it stays in the pool
         }
+        if tier.defers_writes() {
+            // Note [writes wait for growth] (room.rs): the caller grows the pool first
+            return self.put_copy_at(src, head);
+        }
         if self.needed_first(nbytes) {
             match self.put_copy_at(src, head) {
                 Err(Error::PoolExhausted { .. }) => {} // written from the tensor after all
@@ -192,6 +196,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
+    use crate::error::Error;
     use crate::io::{FaultKind, IoOptions, Swap};
     use crate::pool::{Pool, PoolOptions};
     use crate::tier::{Step, Tier, TierOptions};
@@ -398,5 +403,36 @@ mod tests {
         let r = unsafe { step.put_direct(b.as_ptr(), 16, Box::new(()), true) };
         assert!(r.is_err());
         assert_eq!(tier.stats().entries, 0);
+    }
+
+    #[test]
+    fn deferred_writes_fail_the_put_and_write_nothing_until_turned_off() {
+        // Note [writes wait for growth] (room.rs): a full pool refuses a put, copied or
+        // written from the tensor, instead of writing entries out (write-behind off, as tier
+        // auto sets it while its pool can grow)
+        let (_dir, tier, step) = nvme_step_with(256 << 10, |t| t.dirty_bytes = 256 << 10);
+        tier.set_defer_writes(true);
+        let first = step.put_copy(&[1u8; 200 << 10]).unwrap(); // unwritten, in the pool
+        let refused = step.put_copy(&[2u8; 200 << 10]);
+        assert!(matches!(refused, Err(Error::PoolExhausted { .. })));
+        let n = 100_000;
+        let (buf, off) = unaligned(n);
+        let (released, src) = source();
+        // SAFETY: `buf` outlives the call and is not written meanwhile.
+        let direct = unsafe { step.put_direct(buf[off..].as_ptr(), n as u64, src, true) };
+        assert!(matches!(direct, Err(Error::PoolExhausted { .. })));
+        assert!(
+            released.load(Ordering::SeqCst),
+            "a refused put holds no source"
+        );
+        tier.wait_idle().unwrap();
+        assert_eq!(step.stats().bytes_written, 0);
+        assert_eq!(tier.stats().entries, 1);
+        tier.set_defer_writes(false); // the pool cannot grow: write the oldest out
+        let second = step.put_copy(&[2u8; 200 << 10]).unwrap();
+        tier.wait_idle().unwrap();
+        assert!(step.stats().bytes_written >= 200 << 10);
+        assert_eq!(first.get().unwrap().as_slice(), &[1u8; 200 << 10][..]);
+        assert_eq!(second.get().unwrap().as_slice(), &[2u8; 200 << 10][..]);
     }
 }

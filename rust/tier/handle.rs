@@ -142,7 +142,8 @@ impl Step {
         if nbytes == 0 {
             return Err(Error::Invalid("cannot put a 0-byte entry".into()));
         }
-        let Some(block) = self.tier.lease_making_room(nbytes, self.id)? else {
+        let may_write = !self.tier.defers_writes();
+        let Some(block) = self.tier.lease_making_room(nbytes, self.id, may_write)? else {
             let p = self.tier.inner.pool.stats();
             return Err(Error::PoolExhausted {
                 need: nbytes,

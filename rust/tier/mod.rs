@@ -70,7 +70,8 @@ mod transitions;
 mod unpack;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::Result;
@@ -96,6 +97,9 @@ pub(crate) struct Inner {
     /// that copies takes no lock for them.
     direct_run: AtomicU64,
     direct_largest: AtomicU64,
+    /// Note [writes wait for growth] (room.rs): a put that finds the pool full fails rather
+    /// than write out, while the caller can still grow the pool.
+    defer_writes: AtomicBool,
 }
 
 /// The tier. Cheap to clone; share it between steps and threads.
@@ -139,6 +143,7 @@ impl Tier {
                 }),
                 direct_run: AtomicU64::new(0),
                 direct_largest: AtomicU64::new(0),
+                defer_writes: AtomicBool::new(false),
             }),
         }
     }
@@ -158,6 +163,18 @@ impl Tier {
 
     pub fn options(&self) -> &TierOptions {
         &self.inner.opts
+    }
+
+    /// Note [writes wait for growth] (room.rs): while `on`, a put that finds the pool full
+    /// (nothing clean to drop, nothing in flight to wait for) fails with
+    /// [`Error::PoolExhausted`] instead of writing unwritten entries out; reads back still
+    /// make room as before.
+    pub fn set_defer_writes(&self, on: bool) {
+        self.inner.defer_writes.store(on, Relaxed);
+    }
+
+    pub fn defers_writes(&self) -> bool {
+        self.inner.defer_writes.load(Relaxed)
     }
 
     /// Start a step. The order the previous step unpacked becomes this one's forecast.

@@ -1,6 +1,15 @@
 //! Where the tier's blocks come from: the pool, making room by dropping clean entries (Note
 //! [write early, drop late]), waiting for requests in flight and writing unwritten ones; else,
 //! for a read back, a one-off mapping.
+//!
+//! Note [writes wait for growth]
+//!     A pool that can still grow (`tier="auto"` over a default pool below its cap: Note [RAM
+//!     before the drive] in spillover/_growth.py) wrote its oldest entries out whenever a put
+//!     found it full: the first step of a process, on a 64 MiB first pool, wrote most of itself
+//!     to the drive on a host with RAM to spare. While [`Tier::set_defer_writes`] is on, such a
+//!     put fails with `PoolExhausted` instead (after dropping clean entries and waiting for
+//!     requests in flight, which write nothing new), and the caller grows the pool, or, when it
+//!     cannot, turns deferring off and puts again. Reads back make room as before.
 
 use std::time::Instant;
 
@@ -21,9 +30,15 @@ impl Tier {
     }
 
     /// Lease `nbytes`, making room by dropping clean entries, waiting for writes and reads in
-    /// flight, and writing unwritten entries, earliest packed first. `Ok(None)`: nothing can
-    /// be freed now (every block is staged or viewed).
-    pub(super) fn lease_making_room(&self, nbytes: u64, step: u64) -> Result<Option<Block>> {
+    /// flight, and writing unwritten entries, earliest packed first (unless `may_write` is
+    /// false: Note [writes wait for growth]). `Ok(None)`: nothing can be freed now (every
+    /// block is staged or viewed, or only a write would free one and none may start).
+    pub(super) fn lease_making_room(
+        &self,
+        nbytes: u64,
+        step: u64,
+        may_write: bool,
+    ) -> Result<Option<Block>> {
         loop {
             match self.inner.pool.lease(nbytes) {
                 Ok(b) => return Ok(Some(b)),
@@ -52,11 +67,11 @@ impl Tier {
                             _ => None,
                         });
                         match oldest {
-                            Some(id) => {
+                            Some(id) if may_write => {
                                 self.start_write(&mut st, id)?;
                                 continue;
                             }
-                            None => return Ok(None),
+                            _ => return Ok(None),
                         }
                     }
                 }
@@ -72,7 +87,7 @@ impl Tier {
     /// A block for reading back `nbytes`: from the pool (making room), else a one-off mapping
     /// that goes away with the entry's view (counted as an overflow read).
     pub(super) fn read_block(&self, nbytes: u64, step: u64) -> Result<Block> {
-        if let Some(b) = self.lease_making_room(nbytes, step)? {
+        if let Some(b) = self.lease_making_room(nbytes, step, true)? {
             return Ok(b);
         }
         let mut st = self.lock();

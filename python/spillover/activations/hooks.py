@@ -165,6 +165,10 @@ class Hooks(Unpack):
                 counts["storages_deduplicated"] = 1
             stats.add(tensors_packed=1, bytes_packed=nbytes, **counts)
             return t
+        if self._chunk_above and nbytes > self._chunk_above and rec.tier.defers_writes:
+            # Note [writes wait for growth] (rust/tier/room.rs): pieces are one tier step's,
+            # so a pool that may grow grows before them, not between them
+            self._grow(rec, nbytes)
         tr = self._transfer(device)
         if tr.host_is_device:  # Note [host link]: one call into the tier, no copy in flight
             stored = self._pack_host(rec, storage, t, nbytes)
@@ -247,7 +251,7 @@ class Hooks(Unpack):
         except PoolExhaustedError:
             if rec.pool_full:  # found full after waiting: waiting again frees nothing
                 raise
-            if not tr.bytes_in_flight and not (grow and self._grow(rec, nbytes)):
+            if not tr.bytes_in_flight and not self._room_for(rec, nbytes, grow):
                 self._full(rec)
                 raise
         if tr.bytes_in_flight:
@@ -257,7 +261,7 @@ class Hooks(Unpack):
             try:
                 return put()
             except PoolExhaustedError:
-                if not (grow and self._grow(rec, nbytes)):
+                if not self._room_for(rec, nbytes, grow):
                     self._full(rec)
                     raise
         return put()
@@ -269,6 +273,18 @@ class Hooks(Unpack):
         for the device again. With swap, write-behind makes room: those packs still wait."""
         if not rec.tier.has_swap:
             rec.pool_full = True
+
+    def _room_for(self, rec: StepRecord, nbytes: int, grow: bool = True) -> bool:
+        """A put of ``nbytes`` found the pool full: grow it (``grow``); else, where its tier
+        deferred writes for a growth (Note [writes wait for growth] in rust/tier/room.rs), let
+        it write from now on. False: no room can be made."""
+        if grow and self._grow(rec, nbytes):
+            return True
+        tier = rec.tier
+        if tier.has_swap and tier.defers_writes:
+            tier.defer_writes(False)
+            return True
+        return False
 
     def _grow(self, rec: StepRecord, nbytes: int) -> bool:
         """Mid-step growth: ``rec`` goes on over a larger pool (another thread's step may have
@@ -290,9 +306,20 @@ class Hooks(Unpack):
         try:
             return rec.step.put_from(src, src.data_ptr() + offset, nbytes)
         except PoolExhaustedError:
-            if not (grow and self._grow(rec, nbytes)):
+            if not self._room_for(rec, nbytes, grow):
                 raise
         return rec.step.put_from(src, src.data_ptr() + offset, nbytes)
+
+    def _put_direct(self, rec: StepRecord, storage: Any, addr: int, nbytes: int,
+                    first: bool = True, grow: bool = True) -> Any:
+        """Note [written from the tensor] (rust/tier/direct.rs): ``nbytes`` at ``addr`` of
+        ``storage`` into the tier; a pool whose writes wait for its growth grows first."""
+        try:
+            return rec.step.put_direct(storage, addr, nbytes, first)
+        except PoolExhaustedError:
+            if not self._room_for(rec, nbytes, grow):
+                raise
+        return rec.step.put_direct(storage, addr, nbytes, first)
 
     def _pack_host(self, rec: StepRecord, storage: Any, t: torch.Tensor, nbytes: int
                    ) -> Optional[Stored]:
@@ -304,7 +331,7 @@ class Hooks(Unpack):
         if not (self._chunk_above and nbytes > self._chunk_above):
             try:
                 if direct:
-                    handle = rec.step.put_direct(storage, storage.data_ptr(), nbytes)
+                    handle = self._put_direct(rec, storage, storage.data_ptr(), nbytes)
                 else:
                     handle = self._put_from(rec, storage, 0, nbytes)
             except PoolExhaustedError:
@@ -318,7 +345,8 @@ class Hooks(Unpack):
             while off < nbytes:
                 n = min(n, nbytes - off)
                 if direct:
-                    handles.append(rec.step.put_direct(storage, addr + off, n, off == 0))
+                    handles.append(self._put_direct(rec, storage, addr + off, n, off == 0,
+                                                    grow=False))
                 else:
                     handles.append(self._put_from(rec, storage, off, n, grow=False))
                 off, n = off + n, self._chunk_bytes
