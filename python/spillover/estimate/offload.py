@@ -113,6 +113,7 @@ class _StepRecord:
     def __init__(self) -> None:
         self.modules: Dict[int, Any] = {}
         self.params: Dict[int, Any] = {}
+        self.param_numels: set = set()  # Note [survivors of a pack] in activations/hooks.py
 
 
 class _Handle:
