@@ -130,7 +130,10 @@ def test_storages_in_pieces_come_back_piece_by_piece_and_are_staged(monkeypatch)
     ref = _grads(model)
     bw = 4e9 + 31
     ctx = spillover.offload_context("host", sim_link_bandwidth=bw, min_offload_bytes=0,
-                                    host_pool_bytes=32 * MiB + 5 * 4096,
+                                    # a size no other test's pool has: explicit pools are
+                                    # the process's, kept with the arenas they were made with
+                                    # (test_node_budget's 32 MiB + k x 4 KiB was this one)
+                                    host_pool_bytes=33 * MiB + 5 * 4096,
                                     copy_inflight_bytes=MiB)
     tr = link_for("cpu", sim_bandwidth=bw, cap_bytes=MiB)
     before = tr.counters()
