@@ -122,7 +122,8 @@ def test_auto_uses_ram_before_the_drive(small_first_pool, tmp_path):
     assert ctx.nvme  # the swap is open: past the pool's cap, auto still spills
 
 
-def test_the_second_step_runs_on_a_pool_sized_for_the_first(small_first_pool, tmp_path):
+@pytest.mark.parametrize("sim", [None, 4e9 + 41], ids=["cpu", "simulated-device"])
+def test_the_second_step_runs_on_a_pool_sized_for_the_first(small_first_pool, tmp_path, sim):
     """Note [growth off the critical path] in _growth.py: at the end of the first forward the
     pool made ahead is sized for every byte that forward offloaded, the entries still being
     written to the drive too, and a larger size asked for while a smaller one is being made
@@ -135,7 +136,8 @@ def test_the_second_step_runs_on_a_pool_sized_for_the_first(small_first_pool, tm
     ref = gpt_step(model, batch)
     rows = []
     for _ in range(2):
-        ctx = spillover.offload_context("auto", min_offload_bytes=0, nvme_path=str(tmp_path))
+        ctx = spillover.offload_context("auto", min_offload_bytes=0, nvme_path=str(tmp_path),
+                                        sim_link_bandwidth=sim)
         assert_bitwise(ref, gpt_step(model, batch, ctx))
         rows.append(ctx.stats())
         del ctx
