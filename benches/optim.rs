@@ -99,6 +99,7 @@ impl Setup {
                 out: Ptr::new(p.as_mut_ptr() as usize, self.dtype),
                 hyper: hyper(self.step),
                 tail: 0,
+                predict: false,
                 key: 0,
             })
             .collect();

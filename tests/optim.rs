@@ -226,6 +226,7 @@ impl Model {
                     out: Ptr::new(addr, Dtype::F32),
                     hyper: hyper(counts[u] as f64),
                     tail: p.len() % 8,
+                    predict: false,
                     key: 0,
                 });
             }
@@ -409,6 +410,7 @@ fn master_state_starts_from_bf16_parameters_and_writes_them_back() {
             out: Ptr::new(param.as_mut_ptr() as usize, Dtype::Bf16),
             hyper: hyper(s as f64),
             tail: n % 8,
+            predict: false,
             key: 0,
         }];
         // SAFETY: live Vecs of the unit's length.
@@ -450,6 +452,7 @@ fn bad_work_lists_are_refused_before_anything_is_written() {
         out: Ptr::new(out, Dtype::F32),
         hyper: hyper(1.0),
         tail: 0,
+        predict: false,
         key: 0,
     };
     let (ga, pa, pb) = (
@@ -534,6 +537,7 @@ fn nvme_errors_surface_and_a_small_pool_is_named() {
                 out: Ptr::new(p.as_mut_ptr() as usize, Dtype::F32),
                 hyper: hyper(step),
                 tail: 0,
+                predict: false,
                 key: 0,
             })
             .collect()

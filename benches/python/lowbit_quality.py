@@ -21,12 +21,20 @@ so a later call with ``--report`` or with the remaining ``--only`` names complet
 - ``bits8-nomaster``: ``OffloadAdamW(state_bits=8, master_weights=False)`` on bf16
   parameters (the model computes in bf16), about 2 bytes of state per parameter;
 - ``delayed``: ``OffloadAdamW(overlap="delayed")`` (issue 41: fp32 state, the one-step delayed
-  update, Note [delayed update] in spillover/optim/delayed.py). Its validations run on the
-  parameters the training's forward sees (one update behind), the last one after
-  ``opt.flush()`` (the model with every update). The exact default is bitwise equal to
-  ``fp32`` (tests/python/test_optim.py), so ``fp32`` is the exact update's curve too;
+  update, Note [delayed update] in spillover/optim/delayed.py, with its default weight
+  prediction, Note [weight prediction] in rust/optim/predict.rs). Its validations run on the
+  parameters the training's forward sees, the last one after ``opt.flush()`` (the model with
+  every update). The exact default is bitwise equal to ``fp32`` (tests/python/test_optim.py),
+  so ``fp32`` is the exact update's curve too;
 - ``delayed-after50``: the same with ``delay_after=50`` (the first 50 steps exact: the
-  learning rate's warm-up here).
+  learning rate's warm-up here);
+- ``delayed-plain``: ``overlap="delayed", predict_weights=False``: the plain delayed update
+  (the device's parameters one update behind).
+
+``--seed N`` (default 0) starts the model from another initialization and draws other training
+batches (the validation batches stay the same); its curves go to ``DIR/NAME-seedN.json``, and
+the report adds, per run, the mean over the seeds found of the final loss against fp32's of
+the same seeds: one run's final loss moves by about 1 % with the seed alone.
 
 torchao's and bitsandbytes' 8-bit AdamW are not installed here (and run on CUDA), so they
 have no column. The table gives each run's final validation loss (mean over ``--val-batches``
@@ -50,16 +58,18 @@ import torch
 import spillover
 from spillover.models import GPT, GPTConfig
 
-RUNS = ("fp32", "bits16", "bits8", "bits8-nomaster", "delayed", "delayed-after50")
+RUNS = ("fp32", "bits16", "bits8", "bits8-nomaster", "delayed", "delayed-after50",
+        "delayed-plain")
 BARS = {"bits16": 0.01, "bits8": 0.02, "bits8-nomaster": 0.03, "delayed": 0.01,
-        "delayed-after50": 0.01}
+        "delayed-after50": 0.01, "delayed-plain": 0.01}
 LABELS = {
     "fp32": "torch AdamW fused, fp32 state",
     "bits16": "OffloadAdamW state_bits=16",
     "bits8": "OffloadAdamW state_bits=8",
     "bits8-nomaster": "OffloadAdamW state_bits=8, master_weights=False (bf16 params)",
-    "delayed": "OffloadAdamW overlap=\"delayed\" (fp32 state)",
+    "delayed": "OffloadAdamW overlap=\"delayed\" (fp32 state, weight prediction)",
     "delayed-after50": "OffloadAdamW overlap=\"delayed\", delay_after=50",
+    "delayed-plain": "OffloadAdamW overlap=\"delayed\", predict_weights=False",
 }
 
 
@@ -110,7 +120,7 @@ def val_loss(model: GPT, val: torch.Tensor, args: Any) -> float:
 def run(name: str, args: Any, train: torch.Tensor, val: torch.Tensor) -> Dict[str, Any]:
     cfg = GPTConfig(vocab=256, d_model=args.d_model, n_heads=args.d_model // 64,
                     n_layers=args.layers, seq=args.seq, attn="sdpa")
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = GPT(cfg)
     if name == "bits8-nomaster":
         model = model.to(torch.bfloat16)
@@ -123,12 +133,13 @@ def run(name: str, args: Any, train: torch.Tensor, val: torch.Tensor) -> Dict[st
         opt: Any = torch.optim.AdamW(groups, fused=True, **hyper)
     elif name.startswith("delayed"):
         after = 50 if name == "delayed-after50" else 0
-        opt = spillover.OffloadAdamW(groups, overlap="delayed", delay_after=after, **hyper)
+        opt = spillover.OffloadAdamW(groups, overlap="delayed", delay_after=after,
+                                     predict_weights=name != "delayed-plain", **hyper)
     else:
         bits = 16 if name == "bits16" else 8
         opt = spillover.OffloadAdamW(groups, state_bits=bits,
                                      master_weights=name != "bits8-nomaster", **hyper)
-    g = torch.Generator().manual_seed(42)
+    g = torch.Generator().manual_seed(42 + args.seed)
     curve: List[Tuple[int, float]] = []
     vals: List[Tuple[int, float]] = []
     t0 = time.perf_counter()
@@ -148,11 +159,49 @@ def run(name: str, args: Any, train: torch.Tensor, val: torch.Tensor) -> Dict[st
             vals.append((step + 1, val_loss(model, val, args)))
             print(f"  {name} step {step + 1}: train {curve[-1][1]:.4f} val {vals[-1][1]:.4f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = dict(name=name, label=LABELS[name], params=n_params, train=curve, val=vals,
+    out = dict(name=name, label=LABELS[name], seed=args.seed, params=n_params, train=curve,
+               val=vals,
                final_val=vals[-1][1], seconds=time.perf_counter() - t0)
     if name != "fp32":
         out["state_bytes_per_param"] = opt.stats()["state_bytes"] / n_params
     return out
+
+
+def _suffix(seed: int) -> str:
+    return f"-seed{seed}" if seed else ""
+
+
+def _over_seeds(out: str) -> None:
+    """Per run, the mean over the seeds (0 and every ``-seedN`` file) of its final loss
+    against fp32's final loss of the same seed."""
+    found: Dict[str, Dict[int, float]] = {}
+    for fn in sorted(os.listdir(out)):
+        if not fn.endswith(".json"):
+            continue
+        stem = fn[:-5]
+        name, _, seed = stem.partition("-seed")
+        if name not in RUNS or (seed and not seed.isdigit()):
+            continue
+        with open(os.path.join(out, fn)) as f:
+            found.setdefault(name, {})[int(seed or 0)] = json.load(f)["final_val"]
+    ref = found.get("fp32", {})
+    if len(ref) < 2:
+        return
+    print(f"\n### Over seeds ({len(ref)} fp32 runs): final val loss against fp32 of the same "
+          "seed\n")
+    print("| run | seeds | each | mean | bar | met |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, by_seed in found.items():
+        seeds = sorted(s for s in by_seed if s in ref)
+        if not seeds:
+            continue
+        rel = [by_seed[s] / ref[s] - 1 for s in seeds]
+        mean = sum(rel) / len(rel)
+        bar = BARS.get(name)
+        met = "" if bar is None else ("yes" if mean <= bar else "NO")
+        print(f"| {LABELS[name]} | {', '.join(map(str, seeds))} | "
+              f"{', '.join(f'{r * 100:+.2f} %' for r in rel)} | {mean * 100:+.2f} % | "
+              f"{'' if bar is None else f'<= {bar * 100:.0f} %'} | {met} |")
 
 
 def report(args: Any) -> None:
@@ -166,6 +215,7 @@ def report(args: Any) -> None:
         print("no fp32 run yet: nothing to compare against")
         return
     ref = res["fp32"]["final_val"]
+    _over_seeds(args.out)
     print(f"\n### {res['fp32']['params'] / 1e6:.1f}M-parameter GPT, {args.steps} steps, "
           f"Python stdlib sources (bytes)\n")
     print("| run | final val loss | vs fp32 | bar | met | state bytes/param | seconds |")
@@ -216,6 +266,7 @@ def main() -> None:
     ap.add_argument("--val-every", type=int, default=100)
     ap.add_argument("--val-batches", type=int, default=32)
     ap.add_argument("--max-bytes", type=int, default=32 << 20)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benches/results/lowbit-quality")
     ap.add_argument("--only", default=",".join(RUNS))
     ap.add_argument("--report", action="store_true", help="only print the table and plot")
@@ -229,7 +280,7 @@ def main() -> None:
             if name not in RUNS:
                 raise SystemExit(f"--only: unknown run {name!r}; choose from {', '.join(RUNS)}")
             r = run(name, args, train, val)
-            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            with open(os.path.join(args.out, f"{name}{_suffix(args.seed)}.json"), "w") as f:
                 json.dump(r, f)
     report(args)
 

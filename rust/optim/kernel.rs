@@ -255,6 +255,14 @@ pub enum Run<'a, G: Grad, P: Param> {
         grad: &'a [G],
         out: &'a mut [P],
     },
+    /// As `Master`, writing to `out` the parameter predicted for the next step (Note [weight
+    /// prediction] in predict.rs).
+    Predict {
+        master: &'a mut [f32],
+        grad: &'a [G],
+        out: &'a mut [P],
+        pred: super::predict::Pred,
+    },
     /// Read the fp32 parameter from `src`, write the result to `out` (sharded fp32: the
     /// parameter stays untouched until the all-gather brings the new value back).
     Copy {
@@ -317,7 +325,7 @@ unsafe fn apply_avx2_fma<G: Grad, P: Param, const TAIL: bool>(
 
 /// Lanes per iteration: loops over fixed-size chunks let LLVM vectorise without a remainder
 /// check inside the body.
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 
 #[inline(always)]
 fn apply_generic<G: Grad, P: Param, const FMA: bool, const TAIL: bool>(
@@ -338,6 +346,14 @@ fn apply_generic<G: Grad, P: Param, const FMA: bool, const TAIL: bool>(
         Run::Master { master, grad, out } => {
             with_master::<G, P, FMA, TAIL>(master, grad, out, m, v, k)
         }
+        Run::Predict {
+            master,
+            grad,
+            out,
+            pred,
+        } => super::predict::with_master_predicting::<G, P, FMA, TAIL>(
+            master, grad, out, m, v, k, &pred,
+        ),
         Run::Copy { src, grad, out } => copy::<G, P, FMA, TAIL>(src, grad, out, m, v, k),
     }
 }

@@ -28,6 +28,7 @@ pub mod kernel;
 pub mod layout;
 mod lowbit;
 mod nvme;
+pub mod predict;
 mod q8;
 pub mod quant;
 mod step;
@@ -104,6 +105,9 @@ pub struct UnitStep {
     /// remainder loop (`numel % vector width` for a unit that ends a tensor, else 0), to stay
     /// bitwise equal to torch's fused kernel (Note [torch rounding]).
     pub tail: usize,
+    /// Write to `out` the parameter predicted for the next step, not the master (Note [weight
+    /// prediction] in predict.rs): needs an fp32 master and fp32 moments.
+    pub predict: bool,
     /// The key of the unit's first element for stochastic rounding (Note [stochastic
     /// rounding]): where it sits in its parameter, the same whatever the tier or layout.
     pub key: u64,

@@ -118,6 +118,12 @@ impl AdamState {
                     return bad("source and output overlap without being the same buffer");
                 }
             }
+            if w.predict && (!self.master || self.bits != StateBits::F32 || w.out.is_none()) {
+                return bad(
+                    "a predicted output (Note [weight prediction]) needs an fp32 master, fp32 \
+                     moments and an output address",
+                );
+            }
             if !w.out.is_none() {
                 let (a, b) = w.out.range(len);
                 if overlaps((a, b), w.grad.range(len)) {
@@ -260,6 +266,38 @@ unsafe fn run_typed<G: Grad>(t: &Task, w: &UnitStep, k: &Coeffs, init: bool, tai
                     out: &mut [],
                 };
                 go(tail, run, m, v, k)
+            }
+            (Some(master), false, Dtype::F32) if w.predict => {
+                let out = part_mut::<f32>(w.out, t);
+                let pred = w.hyper.prediction();
+                go(
+                    tail,
+                    Run::Predict {
+                        master,
+                        grad,
+                        out,
+                        pred,
+                    },
+                    m,
+                    v,
+                    k,
+                )
+            }
+            (Some(master), false, Dtype::Bf16) if w.predict => {
+                let out = part_mut::<Bf16>(w.out, t);
+                let pred = w.hyper.prediction();
+                go(
+                    tail,
+                    Run::Predict {
+                        master,
+                        grad,
+                        out,
+                        pred,
+                    },
+                    m,
+                    v,
+                    k,
+                )
             }
             (Some(master), false, Dtype::F32) => {
                 let out = part_mut::<f32>(w.out, t);

@@ -47,9 +47,14 @@ pub(crate) const BUFFER_FIELDS: [(&str, &str); 6] = [
     ("exp_avg_scale", "u8"),
     ("exp_avg_sq_scale", "u8"),
 ];
-/// Bits of the step record's `flags` (`_native.STEP_FLAGS`): which pointers are bf16.
-pub(crate) const STEP_FLAGS: [(&str, u64); 3] =
-    [("grad_bf16", 1), ("src_bf16", 2), ("out_bf16", 4)];
+/// Bits of the step record's `flags` (`_native.STEP_FLAGS`): which pointers are bf16, and
+/// whether `out` gets the predicted parameter (Note [weight prediction]).
+pub(crate) const STEP_FLAGS: [(&str, u64); 4] = [
+    ("grad_bf16", 1),
+    ("src_bf16", 2),
+    ("out_bf16", 4),
+    ("predict", 8),
+];
 
 const STEP_RECORD: usize = STEP_FIELDS.len() * 8;
 const BUFFER_RECORD: usize = BUFFER_FIELDS.len() * 8;
@@ -95,6 +100,7 @@ const fn flag(name: &str) -> u64 {
 const FLAG_GRAD_BF16: u64 = flag("grad_bf16");
 const FLAG_SRC_BF16: u64 = flag("src_bf16");
 const FLAG_OUT_BF16: u64 = flag("out_bf16");
+const FLAG_PREDICT: u64 = flag("predict");
 
 #[pyclass(name = "AdamState", module = "spillover._native", frozen)]
 pub struct PyAdamState {
@@ -172,6 +178,7 @@ fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
                     grad_scale: f64_at(r, SCALE),
                 },
                 tail: u64_at(r, TAIL) as usize,
+                predict: flags & FLAG_PREDICT != 0,
                 key: u64_at(r, KEY),
             }
         })
@@ -300,6 +307,24 @@ impl PyAdamState {
             Some(p) => p.current_num_threads(),
             None => rayon::current_num_threads(),
         }
+    }
+
+    /// Write the fp32 master of the units in `records` (step records: `unit` and `out` are
+    /// read) to their `out` buffers in the model's dtype, GIL released: the parameters after
+    /// predicted outputs (Note [weight prediction]). The caller's contract is `step`'s.
+    fn write_params(&self, py: Python<'_>, records: &[u8]) -> PyResult<()> {
+        let work = parse_steps(records)?;
+        guarded(py, || {
+            let run = || {
+                let mut st = self.lock();
+                // SAFETY: as in `step`.
+                unsafe { st.write_params(&work) }
+            };
+            match &self.threads {
+                Some(p) => p.install(run),
+                None => run(),
+            }
+        })
     }
 
     /// One AdamW step over the units in `records` (see `STEP_RECORD`), GIL released.

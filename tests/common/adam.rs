@@ -99,6 +99,7 @@ pub fn unit_step(
         out: Ptr::new(p, pd),
         hyper: h,
         tail,
+        predict: false,
         key: (u as u64) << 40,
     }
 }

@@ -115,14 +115,25 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             and returns, the host computes it while the device runs the next forward and
             backward, and the next ``step()`` copies its parameters back, so each gradient is
             computed on parameters one update older than those it updates (``p[t+1] =
-            AdamW(p[t], grad(p[t-1]))``). Its cost in quality is measured by
-            ``benches/python/lowbit_quality.py --only fp32,delayed``. ``state_dict()`` and
+            AdamW(p[t], grad(p[t-1]))``), or, with ``predict_weights`` (the default where
+            it runs), on ``p[t-1]`` moved by the update predicted for step t. Its cost in
+            quality is measured by ``benches/python/lowbit_quality.py --only
+            fp32,delayed,delayed-plain``. ``state_dict()`` and
             ``flush()`` first apply the pending update to the parameters. One rank or
             ``shard=False``; not with ``update_in_backward``; Note [delayed update] in
             delayed.py.
         delay_after: with ``overlap="delayed"``, the first ``delay_after`` steps are exact
             (ZeRO-Offload starts its delayed update after a few dozen iterations: the early
             steps, large and fast-changing, suffer most from the lag).
+        predict_weights: with ``overlap="delayed"``, give the device the parameters moved by
+            the next update as predicted from the state (the momentum for its gradient: Note
+            [weight prediction] in rust/optim/predict.rs), so that the gradients are computed
+            close to where the exact update would compute them. The host's master is the
+            plain delayed update's; ``flush()`` and ``state_dict()`` give the model the
+            master. Default (``None``): on where it can run, fp32 state with an fp32 master
+            (``state_bits=32``, ``master_weights=True``); ``False``: the plain delayed
+            update. Measured on ``benches/python/lowbit_quality.py``: README, "The delayed
+            update".
         state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored (Note [state formats] in
             formats.py): 32 (fp32, torch's AdamW state: 8 bytes per parameter, 12 with a master
             copy), 16 (bf16, rounded stochastically: 4 / 8 bytes) or 8 (one byte each plus an
@@ -170,6 +181,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         update_in_backward: bool = False,
         overlap: Optional[str] = None,
         delay_after: int = 0,
+        predict_weights: Optional[bool] = None,
         update_threads: Optional[int] = None,
         max_grad_norm: Optional[float] = None,
         state_bits: int = 32,
@@ -229,6 +241,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             raise ValueError(f"OffloadAdamW: delay_after must be an integer >= 0, got "
                              f"{delay_after!r}")
         self._delay_after = delay_after
+        self._predict = self._check_predict(predict_weights)
         if update_threads is not None and (
             isinstance(update_threads, bool) or not isinstance(update_threads, int)
             or update_threads < 1
@@ -304,6 +317,29 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 "gradients itself, so the post-accumulate-grad hooks that start the updates do "
                 "not fire; use the default mode (update_in_backward=False)"
             )
+
+    def _check_predict(self, predict: Optional[bool]) -> bool:
+        """Note [weight prediction] (rust/optim/predict.rs): on by default with
+        overlap="delayed" where the kernel computes it (an fp32 master, fp32 moments)."""
+        if predict is not None and not isinstance(predict, bool):
+            raise ValueError(f"OffloadAdamW: predict_weights must be None, True or False, got "
+                             f"{predict!r}")
+        if not self._delayed:
+            if predict:
+                raise ValueError(
+                    "OffloadAdamW: predict_weights=True applies to overlap='delayed' (the "
+                    "exact update has no lag to predict across)"
+                )
+            return False
+        can = self._state_bits == 32 and self._master_weights
+        if predict and not can:
+            raise ValueError(
+                "OffloadAdamW: predict_weights=True needs fp32 state (state_bits=32) and an "
+                f"fp32 master (master_weights=True); got state_bits={self._state_bits}, "
+                f"master_weights={self._master_weights}. Use predict_weights=False (the plain "
+                "delayed update) or the default state"
+            )
+        return can if predict is None else predict
 
     def _check_delayed(self) -> None:
         """Note [delayed update]: where it is offered."""

@@ -25,7 +25,13 @@ Note [delayed update]
     clipping (``max_grad_norm``: the gradients are copied at ``step()``, after it),
     GradScaler (a skipped step hands nothing over), hyper-parameters read at ``step()`` — is
     the exact one's, on those gradients; only the parameters the gradients are computed on
-    differ. ``delay_after=N`` makes the first N steps exact (the update waits), as
+    differ. With ``predict_weights`` (the default where it runs: fp32 state, an fp32 master)
+    the parameters copied back are not step t-1's master but that master moved by step t's
+    update as predicted from the state step t-1's update left, its momentum for step t's
+    gradient (Note [weight prediction] in rust/optim/predict.rs): the kernel's pass writes
+    them to the output buffers, the masters stay the plain delayed update's, and ``flush()``
+    writes the masters to the output buffers (``AdamState.write_params``) before copying them
+    back. ``delay_after=N`` makes the first N steps exact (the update waits), as
     ZeRO-Offload starts its delayed update after some iterations. What this costs in quality
     is measured, not assumed: ``benches/python/lowbit_quality.py --only
     fp32,delayed,delayed-after50`` compares the validation loss with the exact update's.
@@ -82,7 +88,7 @@ class Delayed:
     _check: Callable[[torch.Tensor], None]
     _copy_grad: Callable[..., Tuple[List[Any], List[int]]]
     _fill_hyper: Callable[..., None]
-    _flat_records: Callable[[np.ndarray], bytes]
+    _flat_records: Callable[..., bytes]
     _send_back: Callable[[int, List[int]], None]
     _wait_h2d: Callable[[int], None]
     end_step: Callable[[], None]
@@ -142,7 +148,7 @@ class Delayed:
                 copies.hold_compute(ev)
             rows_idx = np.asarray(mine, dtype=np.int64)
             self._fill_hyper(rows_idx, hyper)
-            recs = self._flat_records(rows_idx)
+            recs = self._flat_records(rows_idx, predict=self.opt._predict)
             with self.lock:  # the copies back that read b's output buffer: the worker waits
                 waits = self.h2d_events.pop(b, []) + events
             fut = self.opt._executor().submit(self._update_later, b, recs, waits)
@@ -182,6 +188,8 @@ class Delayed:
         for b, rows, fut in pending:
             e = fut.exception()
             if e is None:
+                if self.opt._predict:  # the master, not the prediction (Note [weight prediction])
+                    self.state.write_params(self._flat_records(np.asarray(rows, dtype=np.int64)))
                 self._send_back(b, rows)
             elif err is None:
                 err = e

@@ -75,6 +75,14 @@ def explain_state(opt: OffloadAdamW) -> StateExplanation:
         "state_bits": f"{opt._state_bits} ({formats.FORMAT_NAMES[opt._state_bits]})",
         "master_weights": opt._master_weights,
     }
+    if opt._delayed:  # Note [delayed update], Note [weight prediction]
+        why = ("" if opt._predict else
+               " (predict_weights=False)" if opt._state_bits == 32 and opt._master_weights else
+               " (it needs state_bits=32 and master_weights=True)")
+        summary["update"] = ("one-step delayed (overlap='delayed'), weight prediction "
+                             f"{'on' if opt._predict else 'off'}{why}"
+                             + (f", exact for the first {opt._delay_after} steps"
+                                if opt._delay_after else ""))
     if total_elems:
         summary["state"] = (f"{format_size(total_bytes)} for {total_elems:,} elements on this "
                             f"rank = {total_bytes / total_elems:.2f} bytes/param")

@@ -17,6 +17,7 @@ STEP_RECORD = np.dtype([(name, "<" + kind) for name, kind in _native.STEP_RECORD
 BUFFER_RECORD = np.dtype([(name, "<" + kind) for name, kind in _native.BUFFER_RECORD_FIELDS])
 _FLAGS = dict(_native.STEP_FLAGS)
 _GRAD_BF16, _SRC_BF16, _OUT_BF16 = _FLAGS["grad_bf16"], _FLAGS["src_bf16"], _FLAGS["out_bf16"]
+_PREDICT = _FLAGS["predict"]  # Note [weight prediction] in rust/optim/predict.rs
 
 _DTYPES = (torch.float32, torch.bfloat16)
 # torch's fused CPU AdamW updates the last `numel % 8` elements of each tensor in a scalar

@@ -30,6 +30,7 @@ from .layout import (
     _HOST_CHUNK_BYTES,
     _NVME_CHUNK_BYTES,
     _OUT_BF16,
+    _PREDICT,
     _SRC_BF16,
     _TORCH_TAIL,
     BUFFER_RECORD,
@@ -259,13 +260,16 @@ class _Space(abc.ABC):
         rec["step"][rows] = self.opt._steps[g] + 1
         rec["grad_scale"][rows] = h["grad_scale"] * scale
 
-    def _flat_records(self, rows: np.ndarray) -> bytes:
-        """Records for units whose gradient and output are in the flat or staging buffers."""
+    def _flat_records(self, rows: np.ndarray, predict: bool = False) -> bytes:
+        """Records for units whose gradient and output are in the flat or staging buffers;
+        `predict`: their outputs get the predicted parameters (Note [weight prediction] in
+        rust/optim/predict.rs)."""
         rec = self.rec
         rec["grad"][rows] = self.grad_addr[rows]
         rec["out"][rows] = self.out_addr[rows]
         rec["src"][rows] = self.out_addr[rows]  # holds the parameter when a unit starts
-        rec["flags"][rows] = _bf16_flag(self.dtype, _GRAD_BF16 | _SRC_BF16 | _OUT_BF16)
+        rec["flags"][rows] = (_bf16_flag(self.dtype, _GRAD_BF16 | _SRC_BF16 | _OUT_BF16)
+                              | (_PREDICT if predict else 0))
         return rec[rows].tobytes()
 
     def _check(self, p: torch.Tensor) -> None:
