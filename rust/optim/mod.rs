@@ -23,6 +23,7 @@
 //! it from a checkpoint instead, [`AdamState::reset`] forgets it.
 
 mod checkpoint;
+pub mod dtype;
 mod host;
 pub mod kernel;
 pub mod layout;
