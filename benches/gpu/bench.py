@@ -47,7 +47,9 @@ with step() apart, and for the optimizers the time not hidden behind backward
 returned; OffloadAdamW's gradient copies per step, stale copies (0 unless gradients change
 after backward), the gradient fingerprint's throughput on the device (Note [gradient
 fingerprint] in spillover/optim/fingerprint.py) and the largest parameter difference from
-torch's AdamW after the run (for each OffloadAdamW way).
+torch's AdamW after the run (for each OffloadAdamW way). ``--optim-model llama``: the same
+ways on the probe's 1B Llama (llama.py, 16 x 2048, vocab 32000) with bf16 parameters, batch
+4 x 1024 (issue 41's second model; not in run.sh's budget: run it as a call of its own).
 
 Gradients: the fingerprints of a mode's steps must agree with each other, and with `none`'s.
 `none` is the control: when its own steps differ, the model's kernels are not deterministic on
@@ -318,6 +320,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small model, to test the script")
     ap.add_argument("--out", default=None, help="folder of bench-MODE.json")
     ap.add_argument("--summary", default=None, help="append this mode's row to this file")
+    ap.add_argument("--optim-model", choices=("gpt", "llama"), default="gpt",
+                    help="mode optim: the GPT (fp32 parameters, bf16 autocast; run.sh's) or the "
+                    "probe's 1B Llama with bf16 parameters (fp32 masters on the host), seq 1024")
     ap.add_argument("--optim-budget", type=float, default=30.0,
                     help="mode optim: seconds run.sh gives it (B_OPTIM); the update_in_backward "
                     "way runs only if it fits")

@@ -94,11 +94,32 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
+    llama = args.optim_model == "llama"
     if args.tiny:
         cfg, batch = GPTConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq=64), 2
     else:
         cfg, batch = GPTConfig(vocab=32000, d_model=768, n_heads=12, n_layers=12, seq=512), 8
     cfg.attn = "sdpa"
+    # --optim-model llama: the probe's 1B Llama (llama.py) with bf16 parameters and no
+    # autocast; OffloadAdamW keeps their fp32 masters on the host, torch's fused AdamW its
+    # state in bf16 on the device (its own way with bf16 parameters)
+    dims = (dict(vocab=256, d=64, layers=2, heads=4, ffn=128, seq=64) if args.tiny else
+            dict(vocab=32000, d=2048, layers=16, heads=16, ffn=5632, seq=1024))
+    if llama:
+        batch = 2 if args.tiny else 4
+        cfg.vocab, cfg.seq, cfg.n_layers, cfg.d_model = (dims["vocab"], dims["seq"],
+                                                         dims["layers"], dims["d"])
+    pdtype = torch.bfloat16 if llama else torch.float32
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        if llama:
+            from llama import Llama
+
+            with dev:
+                return Llama(**dims).to(pdtype)
+        with dev:
+            return GPT(cfg)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g).to(dev)
             for _ in range(args.steps + 1)]
@@ -130,11 +151,10 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
                                   f"needed, budget {args.optim_budget:.0f} s")
                 print(f"  skipped {res['skipped']}", flush=True)
                 break
-        torch.manual_seed(0)
-        with dev:
-            model = GPT(cfg)
+        model = build()
         n = sum(p.numel() for p in model.parameters())
-        res.update(params=n, seq=cfg.seq, batch=batch, layers=cfg.n_layers,
+        res.update(model="llama" if llama else "gpt", param_dtype=str(pdtype), params=n,
+                   seq=cfg.seq, batch=batch, layers=cfg.n_layers,
                    d_model=cfg.d_model, device=str(dev), torch=torch.__version__,
                    gpu=torch.cuda.get_device_name() if cuda else "cpu")
         opt: Any = None
@@ -159,7 +179,7 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
             mem.reset()
             t0 = time.perf_counter()
             st: Dict[str, Any] = {"host0": t0, "ev0": mark()}
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda and not llama):
                 loss = model(idx[:, :-1], idx[:, 1:])
             st["fwd"] = mark()
             phases = [mem.peaks()]  # forward, backward, step(): counters reset between them
@@ -206,7 +226,7 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
                 opt.zero_grad(set_to_none=True)
             else:
                 model.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda and not llama):
                 loss = model(idx[:, :-1], idx[:, 1:])
             loss.backward()
             if opt is not None:
@@ -249,11 +269,13 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
     steady = res["steady_s"]
     base_t, base_m = steady["fwd+bwd only"], med("fwd+bwd only", "peak_bytes")
     torch_t = steady["torch AdamW(fused)"]
-    amp = "bf16 autocast" if cuda else "fp32"
+    amp = ("bf16 parameters, fp32 masters on the host" if llama else
+           "bf16 autocast" if cuda else "fp32")
     counter = ("" if mem.kind == "cuda" else
                "; memory: the CPU's stand-in, the process's peak RSS" if mem.kind else
                "; memory: no counter")
-    lines = ["", f"GPT {n / 1e6:.1f}M fp32 parameters ({amp}), batch {batch} x seq "
+    lines = ["", f"{'Llama' if llama else 'GPT'} {n / 1e6:.1f}M parameters ({amp}), batch "
+             f"{batch} x seq "
              f"{cfg.seq}, {args.steps} measured steps, {dev}{counter}", "",
              "| way | step s | vs torch fused | optimizer s not hidden | synced step s "
              "| step() s after backward | peak GiB | reserved GiB | fwd / bwd / step() peak GiB "
@@ -289,7 +311,9 @@ def run_optim(args: Any, res: Dict[str, Any], path: Optional[str]) -> List[str]:
         lines.append(f"| {way} | " + " | ".join(cells) + " |")
     diffs = ", ".join(f"{w} {d:.2e}" for w, d in res.get("max_param_diff", {}).items())
     lines += ["", f"max |param - torch's| after {2 * args.steps + 1} steps: {diffs} (delayed: "
-              "another update, Note [delayed update]); fingerprint "
+              "another update, Note [delayed update]"
+              + ("; bf16 parameters: torch's AdamW has no fp32 master, so every way differs"
+                 if llama else "") + "); fingerprint "
               f"{res.get('fingerprint_gib_s', float('nan')):.2f} GiB/s on {dev}"]
     if inbwd not in finals:
         lines.append(f"update_in_backward row skipped: {res.get('skipped')}")
