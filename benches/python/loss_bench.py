@@ -153,7 +153,8 @@ def child(args):
     if mode.endswith("-own"):  # a torch without linear_cross_entropy, as below 2.13
         from torch.nn import functional as F
 
-        del F.linear_cross_entropy
+        if hasattr(F, "linear_cross_entropy"):  # below 2.13 it is already so
+            del F.linear_cross_entropy
     model, ids = build(args, mode)
     swap = tempfile.mkdtemp(prefix="spillover-loss-bench-")
     if mode.startswith("trainer"):

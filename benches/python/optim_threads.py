@@ -49,6 +49,25 @@ import time
 from typing import Any, Dict, List, Tuple
 
 
+def _predict_cost(opt: Any, rounds: int) -> Dict[str, float]:
+    """The staged fp32 kernel's pass over every unit as the exact update runs it and as the
+    delayed update with weight prediction runs it (Note [weight prediction] in
+    rust/optim/predict.rs: the same bytes, a division more per element), interleaved; the
+    fastest of `rounds` each, in seconds."""
+    import numpy as np
+
+    best = {"plain": float("inf"), "predicted": float("inf")}
+    for _ in range(rounds):
+        for way in best:
+            for sp in opt._spaces:
+                rows = np.arange(len(sp.units), dtype=np.int64)
+                recs = sp._flat_records(rows, predict=way == "predicted")
+                t0 = time.perf_counter()
+                sp.state.step(recs)
+                best[way] = min(best[way], time.perf_counter() - t0)
+    return best
+
+
 def child(args: Any) -> Dict[str, Any]:
     import torch
     from optim_common import params_like, sizes, warm
@@ -100,6 +119,8 @@ def child(args: Any) -> Dict[str, Any]:
             ts.append(time.perf_counter() - t0)
             ks.append(opt.stats()["compute_seconds"] - before)
         t, k = min(ts), min(ks)
+        if name == "staged fp32":  # the kernel's pass with and without weight prediction
+            out["predict"] = _predict_cost(opt, args.rounds)
         out[name] = {"step_s": t, "kernel_s": k, "gbs": per * n / t / 1e9,
                      "kernel_gbs": per * n / k / 1e9, "bytes_per_param": per,
                      "kernel_gbs_median": per * n / statistics.median(ks) / 1e9}
@@ -149,6 +170,13 @@ def main() -> None:
         print(f"| {r['threads']} | {r['copy_gbs']:.1f} | {r['add_gbs']:.1f} | "
               + " | ".join(cells) + f" | {r['fp32 in place']['gbs']:.1f} |")
     if rows:
+        cost = []
+        for r in rows:
+            a, b = r["predict"]["plain"], r["predict"]["predicted"]
+            cost.append(f"{r['threads']} thread(s) {a * 1e3:.1f} ms -> {b * 1e3:.1f} ms "
+                        f"({(b / a - 1) * 100:+.0f} %)")
+        print("\nweight prediction (overlap=\"delayed\"'s default), the staged fp32 pass: "
+              + "; ".join(cost))
         last = rows[-1]
         shares = {k: last[k]["kernel_gbs"] / last["copy_gbs"] for k in kinds}
         low = min(shares.values())
