@@ -8,6 +8,8 @@ would and compiles in seconds on a CPU; one test runs inductor itself."""
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import pytest
@@ -138,5 +140,28 @@ def test_inductor_twelve_steps(tmp_path, deterministic):
     got, graphs, recompiles, hooks = run(gpt(None), "module", False, lambda: ctx,
                                          backend="inductor")
     assert (graphs, recompiles) == (ref_graphs, 0) and not hooks
+    for a, b in zip(got, ref):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_wrapped_model_compiles_block_by_block(how):
+    """A wrapped model copied or loaded compiles its blocks under its own policy: the policy's
+    context_fn is made with each policy, not read from the original (Note [context_fn under
+    Dynamo] in recompute/policies.py), and the copy's steps equal the original's."""
+    ref, ref_graphs, _, _ = run(gpt("selective"), "blocks", True, lambda: None)
+    model = gpt("selective")
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    policy = twin._spillover_state.policy
+    assert policy is not model._spillover_state.policy
+    assert policy.torch_contexts.__closure__[0].cell_contents is policy
+    got, graphs, recompiles, _ = run(twin, "blocks", True, lambda: None)
+    assert (graphs, recompiles) == (ref_graphs, 0)
     for a, b in zip(got, ref):
         assert_bitwise(a, b)

@@ -152,6 +152,20 @@ class _Offload(RegionPolicy):
         return "'offload'"
 
 
+def _contexts_of(policy: _StaticPolicy) -> Callable[[], Tuple[Any, Any]]:
+    # Note [context_fn under Dynamo]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Dynamo turns the checkpoint's context_fn into a constant of the graph it compiles and
+    # calls it again when AOT traces the region. torch 2.8 to 2.1x keep a bound method's
+    # function but not its object ("torch_contexts() missing 1 required positional argument:
+    # 'self'"); the newest keeps both. A plain function made outside the compiled region,
+    # with the policy in its closure, is a constant on every torch: made when the policy is.
+    def torch_contexts() -> Tuple[Any, Any]:
+        return _tc.create_selective_checkpoint_contexts(policy.torch_policy)
+
+    return torch_contexts
+
+
 class _StaticPolicy(RegionPolicy):
     """A fixed save/recompute rule per op output (the base of "selective" and user callables):
     saved outputs go to the active ``offload_context``, or are kept without one."""
@@ -186,10 +200,18 @@ class _StaticPolicy(RegionPolicy):
         return _tc.checkpoint(fn, *args, use_reentrant=False, context_fn=self.torch_contexts,
                               **extra, **kwargs)
 
-    # Dynamo needs context_fn to be a function, a partial or a method of an object made outside
-    # the compiled region: this bound method of a policy made by wrap() or at import is one.
-    def torch_contexts(self) -> Tuple[Any, Any]:
-        return _tc.create_selective_checkpoint_contexts(self.torch_policy)
+    # torch_contexts: torch's selective-checkpoint contexts for this policy, the context_fn
+    # of torch.utils.checkpoint under torch.compile; an attribute of each policy, made with
+    # it (Note [context_fn under Dynamo]); copies and pickles make their own.
+    torch_contexts: Callable[[], Tuple[Any, Any]]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _StaticPolicy:
+        self = super().__new__(cls)
+        self.torch_contexts = _contexts_of(self)
+        return self
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "torch_contexts"}
 
     def torch_policy(self, sac_ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         if forced(func) in ("view", "mutates an input", "random", "allocates only"):
@@ -239,7 +261,7 @@ class SelectivePolicy(_StaticPolicy):
         # Pickled with a wrapped model (Note [pickling a wrapped model] in blocks.py): what it
         # learned is keyed by ids of this process and priced with this machine's rates; the
         # loaded model's blocks learn again on their first call.
-        return {**self.__dict__, "_saved": {}}
+        return {**super().__getstate__(), "_saved": {}}
 
     def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
         if not is_compute_bound(op):
