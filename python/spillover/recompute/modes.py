@@ -381,7 +381,12 @@ class _SaveMode(TorchDispatchMode):
             for key, idx, op in entries:
                 if op.index >= stop and self.storage[key].get(idx) is not RECOMPUTE:
                     self.storage[key][idx] = RECOMPUTE
-        self._skip_dead(stop)
+        if self.last_save >= 0:
+            # Only where autograd's saves were seen (needed_ops): without the pack hook
+            # (torch < 2.8 has no _top_saved_tensors_default_hooks) an op autograd saves
+            # would look unread and come back as an empty tensor (2026-12-06: nan gradients
+            # on torch 2.5/2.6 under selective policies that save matmuls).
+            self._skip_dead(stop)
         if self.run.ctx is not None:  # Note [kept by a policy] in activations/hooks.py
             for entries in self.cached.values():
                 for key, idx, _ in entries:

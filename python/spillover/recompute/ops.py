@@ -208,10 +208,20 @@ def producer_of(producer: Dict[Tuple[Any, int], int], t: torch.Tensor) -> Option
 
 
 def detach(x: Any) -> Any:
-    helper = getattr(_tc, "_detach_helper", None)
-    if helper is not None:
-        return helper(x)
-    return x.detach() if isinstance(x, torch.Tensor) else x
+    """An alias of ``x`` without autograd history that shares its version counter, from inside
+    a dispatch mode (below autograd): torch's ``_detach_helper`` (2.13+), or what it does.
+    A plain ``detach()`` there skips ADInplaceOrView, which carries the version counter over:
+    the alias would start at version 0, and an in-place write to the region's output after
+    forward would go unseen (torch 2.8 and 2.11 did so until 2026-12-06)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if _DETACH_HELPER is not None:
+        return _DETACH_HELPER(x)
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+_DETACH_HELPER = getattr(_tc, "_detach_helper", None)
 
 
 # ---- a region's arguments ------------------------------------------------------------------------
