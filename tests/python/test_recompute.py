@@ -390,7 +390,9 @@ def test_explain_selective(tiny_gpt_cl):
     soft = by_op[("aten._softmax.default", f"[{b}, 4, {s}, {s}] float32")]
     assert soft["decision"] == "recompute" and soft["recompute_s"] > 0
     text = str(ex)
-    assert "aten._softmax.default" in text and "not rerun" in text
+    assert "aten._softmax.default" in text
+    # Ops only saved ops read are skipped where torch shows a region what autograd saves (2.8+)
+    assert ("not rerun" in text) == (recompute.modes.top_hooks is not None)
     with pytest.raises(ValueError):
         spillover.explain(copy.deepcopy(base))
 

@@ -65,7 +65,8 @@ def explain_records(
     groups: Dict[Tuple[str, Tuple[int, ...], str, str], Dict[str, Any]] = {}
     for ri, r in enumerate(records):
         # A plan's records carry its decisions, not what the runtime then skips.
-        dead = region_skipped(r.ops, lambda o: o.action) if r.mode == "checkpoint" else set()
+        dead = (region_skipped(r.ops, lambda o: o.action)
+                if r.mode == "checkpoint" and r.saves_seen else set())
         for o in r.ops:
             if o.bytes == 0 and o.forced == "view":
                 continue  # views hold nothing and cost nothing

@@ -141,6 +141,8 @@ class RegionRecord:
     ops: List[OpRecord] = dataclasses.field(default_factory=list)
     needed_bytes: int = 0  # op outputs autograd saved: what running it plainly holds
     stop: int = 0  # ops at or after this index are never recomputed
+    # autograd's saves were seen (torch 2.8+): only then are unread ops skipped at runtime
+    saves_seen: bool = True
     offload: Optional[Dict[str, Any]] = None  # the offload context seen: tier, pool bytes
 
     @property

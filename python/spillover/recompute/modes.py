@@ -376,6 +376,7 @@ class _SaveMode(TorchDispatchMode):
         rec = self.run.record
         stop = self.last_save if self.last_save >= 0 else self.n
         rec.stop = stop
+        rec.saves_seen = self.last_save >= 0
         # Note [after the last save]: drop what recomputation never asks for.
         for entries in self.cached.values():
             for key, idx, op in entries:
