@@ -382,7 +382,7 @@ class _SaveMode(TorchDispatchMode):
             for key, idx, op in entries:
                 if op.index >= stop and self.storage[key].get(idx) is not RECOMPUTE:
                     self.storage[key][idx] = RECOMPUTE
-        if self.last_save >= 0:
+        if rec.saves_seen:
             # Only where autograd's saves were seen (needed_ops): without the pack hook
             # (torch < 2.8 has no _top_saved_tensors_default_hooks) an op autograd saves
             # would look unread and come back as an empty tensor (2026-12-06: nan gradients
