@@ -72,7 +72,14 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     assert "checkpoint" in au.planner.peak_offsets
     assert au.step_seconds < 0.5 * est["host"].step_seconds
     assert au.plan.keep_tail, au.note
-    assert au.step_seconds <= 1.05 * full.step_seconds, (au.step_seconds, au.note)
+    # Issue 40 asks for no slower than the fastest fixed mode that fits (full here): missed by
+    # the context's own packing of the 16 layer inputs (107 us each) and what it stages. The
+    # plan that keeps everything on the device, as full does, is not tried: its offset,
+    # borrowed from the shipping families, puts it 36 % over. Before Note [a replay's host
+    # time is the region's] (planner/machine.py) auto offloaded the rotary outputs to skip
+    # ops whose dispatch the replay pays all the same.
+    assert au.step_seconds <= 1.03 * full.step_seconds, (au.step_seconds, au.note)
+    assert au.plan.variant == "checkpoint, tail kept", au.note  # nothing offloaded for speed
 
 
 def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
@@ -80,8 +87,11 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     stays within its budget (cuBLAS's workspace counted as the estimate counts it), and with
     the hooks' dispatch priced it checkpoints fewer layers, and it keeps the tail (Note [the
     tail stays] in planner/search.py): under 1.28x none's predicted time (1.45x before the
-    hooks were priced, 1.32x before the tail stayed; the issue's goal, 1.01x, is not met:
-    every checkpointed layer adds its hooks' dispatch to a host-bound forward)."""
+    hooks were priced, 1.32x before the tail stayed; 1.24x since a replay's kept ops pay
+    their dispatch, Note [a replay's host time is the region's] in planner/machine.py; the
+    issue's goal, 1.01x, is not met: every checkpointed layer adds its hooks' dispatch to a
+    host-bound forward and its replay's to backward), and faster than the fixed modes that
+    fit (full and selective)."""
     with torch.device("meta"):
         model = Llama(**DIMS).to(torch.bfloat16)
     idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
@@ -92,6 +102,17 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
                             host_pool_bytes="16GiB", budget=budget)["auto"]
     assert au.device_peak_bytes <= peak, au.note
     assert au.step_seconds <= 1.28 * none.step_seconds, (au.step_seconds, au.note)
+    # never slower than the fastest fixed mode that fits (issue 40): full and selective do
+    fixed = spillover.estimate(model, idx, idx, device="h200", optimizer="none",
+                               modes=["full", "selective"])
+    # Note [a replay's host time is the region's]: selective's replay dispatches every op
+    # before each region's stop, as full's does, though it runs fewer of them on the device
+    phases = {m: [o.phase for o in fixed[m].trace.ops] for m in ("full", "selective")}
+    assert phases["selective"].count("recompute") == phases["full"].count("recompute")
+    assert fixed["selective"].recompute_flops < fixed["full"].recompute_flops
+    fitting = [fixed[m].step_seconds for m in ("full", "selective")
+               if fixed[m].device_peak_bytes <= peak]
+    assert fitting and au.step_seconds <= min(fitting), (au.step_seconds, fitting)
 
 
 def test_h200_auto_without_a_budget_is_none(est):

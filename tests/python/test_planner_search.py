@@ -2,6 +2,8 @@
 recomputes or offloads, where near ties go, and the peak it plans. Shared by
 test_planner.py and test_planner_budget.py: the synthetic blocks (``_step``) and the machines."""
 
+import pytest
+
 from spillover.planner import Machine, OpRecord, RegionRecord, explain_records, make_plan
 
 MiB = 1 << 20
@@ -228,6 +230,41 @@ def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
     assert rows[("scale", "not rerun")]["recompute_s"] is None
 
 
+def test_without_autograds_saves_seen_nothing_is_planned_as_skipped():
+    """RegionRecord.saves_seen (torch < 2.8 cannot show a region what autograd saves): the
+    runtime then reruns every op it does not keep, so the plan must not count the ops a kept
+    chain end would spare; the same region with its saves seen counts them (the test above)."""
+    def chain(ri, seen):
+        ops = [
+            _op(0, "scale", 128),
+            _op(1, "mask", 128),
+            _op(2, "softmax", 128, needed=True),
+            _op(3, "attn_v", 8, flops_per_byte=512, needed=True),
+            _op(4, "out", 8, flops_per_byte=1024, after_stop=True),
+        ]
+        for o, readers in zip(ops, [(1,), (2,), (3,), (4,), ()]):
+            o.readers = readers
+        return RegionRecord(key=ri, name=f"b{ri}", signature=ri, device="cpu",
+                            mode="checkpoint", input_bytes=8 * MiB, ops=ops,
+                            needed_bytes=136 * MiB, stop=4, saves_seen=seen)
+
+    from spillover.planner.variants import Greedy
+
+    recompute = {}
+    for seen in (True, False):
+        recs = [chain(i, seen) for i in range(2)]
+        g = Greedy(recs, CPU, 0, 0, None, True, False)
+        for ri in range(2):  # the softmax and attn_v kept, the rest recomputed
+            g.ops[(ri, 2)] = g.ops[(ri, 3)] = ("keep", "", "")
+            g.ops[(ri, 0)] = g.ops[(ri, 1)] = ("recompute", "", "")
+        g._total_recompute()
+        recompute[seen] = g.recompute
+    assert recompute[True] == 0  # the scale and mask only feed the kept softmax: skipped
+    # the runtime reruns them all the same
+    spared = 2 * sum(CPU.rerun_seconds(_op(i, "x", 128)) for i in range(2))
+    assert recompute[False] == pytest.approx(spared)
+
+
 def test_peak_budget_counts_the_region_rebuilt_in_backward():
     # One block saves 208 MiB for backward: a checkpointed region brings all of it back at once,
     # and on the way rebuilds its 128 MiB of scores that autograd does not keep (Note
@@ -329,6 +366,45 @@ def test_two_clocks_in_the_plan():
                    and not recs[ri].ops[i].after_stop and recs[ri].ops[i].bytes
                    for (ri, i), (a, _, _) in g.ops.items())
     assert g.recompute >= 2 * hooks
+
+
+def test_a_host_bound_replay_costs_its_dispatch_whatever_it_keeps():
+    """Note [a replay's host time is the region's] (planner/machine.py): with two clocks a
+    region's replay dispatches every op before its stop, kept or rerun. Where that dispatch is
+    longer than the rerun kernels, keeping ops saves nothing; where the kernels are longer,
+    keeping one saves its kernel. With one clock each rerun op costs its kernel and dispatch,
+    as before."""
+    import dataclasses
+
+    from spillover.planner.variants import Greedy
+
+    ops = _block(0).ops
+    before_stop = sum(1 for o in ops if not o.after_stop)
+    rerun = [o for o in ops if not o.after_stop and not o.forced]
+    dev = sum(GPU.op_seconds(o) for o in rerun)
+    host_bound = dataclasses.replace(GPU, host_seconds_per_op=12e-3,
+                                     host_seconds_per_forward_op=30e-3)
+    assert host_bound.replay_seconds(ops, rerun) == pytest.approx(42e-3 * before_stop)
+    assert host_bound.replay_seconds(ops, rerun[:1]) == pytest.approx(
+        42e-3 * before_stop)  # the rest kept: no gain
+    dev_bound = dataclasses.replace(GPU, host_seconds_per_op=12e-9,
+                                    host_seconds_per_forward_op=30e-9)
+    assert dev_bound.replay_seconds(ops, rerun) == pytest.approx(dev)
+    assert dev_bound.replay_seconds(ops, rerun[1:]) == pytest.approx(
+        dev - GPU.op_seconds(rerun[0]))
+    one = dataclasses.replace(GPU, host_seconds_per_op=12e-6)
+    assert one.replay_seconds(ops, rerun) == pytest.approx(
+        sum(one.rerun_seconds(o) for o in rerun))
+    # A plan that keeps everything it can and one that keeps nothing cost the same host-bound
+    # replay: the plan's recompute is the regions' hooks and dispatch, not less.
+    recs = _step(2, device="cuda:0")
+    keep_all = Greedy(recs, host_bound, 1 << 40, 0, None, False, False).run()
+    recs = _step(2, device="cuda:0")
+    keep_none = Greedy(recs, host_bound, 0, 0, None, False, False).run()
+    assert keep_all.kept > keep_none.kept
+    assert keep_all.recompute == pytest.approx(keep_none.recompute)
+    assert keep_none.recompute == pytest.approx(
+        2 * (host_bound.wrapped_seconds(ops) + 42e-3 * before_stop))
 
 
 def test_the_tail_stays_on_the_device_when_the_budget_holds_it():

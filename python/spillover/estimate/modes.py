@@ -50,6 +50,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import _runtime
+from ..recompute import modes as _rmodes
 from ..recompute import ops as _ops
 from .devices import Device
 from .fakes import fake_copy, fake_inputs, storage_keys
@@ -135,6 +136,19 @@ def _device_named(name: Optional[str]) -> Iterator[None]:
         yield
     finally:
         _ops.DEVICE_OVERRIDE.name = prev
+
+
+@contextlib.contextmanager
+def _answered_by(tracker: Tracker) -> Iterator[None]:
+    """Note [a replay's host time is the region's] (planner/machine.py): the replays of the
+    step charge ``tracker`` the dispatch of the calls they answer without running them. A
+    process-wide hook, not a thread's: autograd may run a replay on a thread of its own."""
+    prev = _rmodes.ANSWERED
+    _rmodes.ANSWERED = tracker.answered
+    try:
+        yield
+    finally:
+        _rmodes.ANSWERED = prev
 
 
 class Runner:
@@ -243,7 +257,7 @@ class Runner:
             steps = planner.TUNING_STEPS + 3  # learning, tuning, then the settled step
         trace: Optional[Trace] = None
         name = None if dev.kind == "cpu" else "cuda:0"
-        with _device_named(name):
+        with _device_named(name), _answered_by(tracker):
             for i in range(steps):
                 if planner is not None and i and planner.tuned and trace is not None \
                         and trace.extra.get("settled"):

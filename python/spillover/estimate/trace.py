@@ -190,6 +190,21 @@ class Tracker(TorchDispatchMode):
 
     # -- ops --
 
+    def answered(self, func: Any) -> None:
+        """A replay handed back ``func``'s kept or offloaded output without running it: on two
+        clocks the host still dispatches the call (Note [a replay's host time is the region's]
+        in planner/machine.py); the device runs nothing. One clock (a CPU): not charged, as
+        the CPU's planner does not charge it either."""
+        if self.host_seconds is None or self.seconds is None:
+            return
+        op = OpCost(func.__name__, "recompute", 0, 0, False, "")
+        self.ops.append(op)
+        self.series.append(self.live)
+        self.host_clock += self.host_seconds(op)  # the device's clock: nothing to run
+        if self.on_op is not None:
+            self.on_op()
+        self.times.append(self.clock)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -88,6 +88,8 @@ def worth_saving(rec: RegionRecord, machine: Machine) -> Dict[int, str]:
         before = region_skipped(rec.ops, lambda x: action[x.index])
         action[o.index] = "keep"
         gained = region_skipped(rec.ops, lambda x: action[x.index]) - before
+        if not rec.saves_seen:  # torch < 2.8: the runtime skips nothing (RegionRecord)
+            gained = set()
         cost = machine.rerun_seconds(o) + sum(machine.rerun_seconds(x) for x in rec.ops
                                            if x.index in gained)
         rate = o.bytes / cost if cost > 0 else float("inf")
@@ -280,6 +282,8 @@ class Costs:
 
     def _dead(self, ri: int, ops: List[OpRecord]) -> set:
         """Recomputed ops that only saved ops read: the runtime skips them in recomputation."""
+        if not self.regions[ri].saves_seen:  # torch < 2.8: the runtime skips nothing
+            return set()
         return region_skipped(ops, lambda o: self.ops[(ri, o.index)][0])
 
 
@@ -290,10 +294,10 @@ class Costs:
                 continue
             t += self.machine.wrapped_seconds(r.ops)  # Note [two clocks in the plan]
             dead = self._dead(ri, r.ops)
-            for o in r.ops:
-                if (not o.after_stop and o.index not in dead
-                        and self.ops[(ri, o.index)][0] == "recompute"):
-                    t += self.machine.rerun_seconds(o)
+            rerun = [o for o in r.ops if not o.after_stop and o.index not in dead
+                     and self.ops[(ri, o.index)][0] == "recompute"]
+            # Note [a replay's host time is the region's] in machine.py
+            t += self.machine.replay_seconds(r.ops, rerun)
         self.recompute = t
 
 

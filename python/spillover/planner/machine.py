@@ -25,6 +25,23 @@ if TYPE_CHECKING:
 #:     calibration) the costs are as before.
 
 
+#: Note [a replay's host time is the region's]
+#:     A region's replay runs its Python forward again: every op up to the region's stop is
+#:     dispatched and seen by the replay's mode, whether the plan recomputes it or the mode
+#:     hands back its kept or offloaded output, or an empty tensor for a skipped op (Note
+#:     [outputs only saved ops read] in recompute/modes.py). Keeping an op saves its kernel,
+#:     not its dispatch. Costed op by op (``rerun_seconds`` summed over the rerun ops), a plan
+#:     that kept ops saved their dispatch too: on the estimate of the H200 probe's 1B Llama at
+#:     full checkpointing's peak, whose replay is host-bound (1,024 ops at 42 us against 18 ms
+#:     of kernels), auto offloaded both rotary outputs of each layer to skip the 14 ops that
+#:     build them, modeled 14 ms faster than full checkpointing, and ran 2 % slower (the same
+#:     dispatches, and 30 offloads at 107 us each). So with two clocks a region's replay costs
+#:     the longer of its rerun ops' kernels and the dispatch of all its ops before the stop:
+#:     what a plan keeps pays only where the replay is device-bound. (Where the device lags
+#:     the host in backward, part of that dispatch hides behind backward's kernels; a plan's
+#:     decisions do not change that share, so it is left out of the comparison.)
+
+
 #: Device calls of one pack and its unpack on the simulated link: 1.59 + 2.69, measured by
 #: ``benches/python/link_cost.py`` on the simulated link (2026-12-04; Note [device calls] in
 #: rust/link).
@@ -98,6 +115,18 @@ class Machine:
             return max(self.op_seconds(op),
                        self.host_seconds_per_forward_op + self.host_seconds_per_op)
         return self.op_seconds(op) + self.host_seconds_per_op
+
+    def replay_seconds(self, ops: Sequence[OpRecord], rerun: Sequence[OpRecord]) -> float:
+        """One checkpointed region's replay in backward, ``ops`` its ops as recorded and
+        ``rerun`` those its plan recomputes (not kept, offloaded or skipped). With one clock,
+        each rerun op's :meth:`rerun_seconds`. With two (Note [a replay's host time is the
+        region's]), the longer of the rerun ops' device time and the host's dispatch of every
+        op before the region's stop."""
+        if not self.host_seconds_per_forward_op:
+            return sum(self.rerun_seconds(o) for o in rerun)
+        dev = sum(self.op_seconds(o) for o in rerun)
+        per = self.host_seconds_per_forward_op + self.host_seconds_per_op
+        return max(dev, per * sum(1 for o in ops if not o.after_stop))
 
     def forward_seconds(self, ops: Sequence[OpRecord], wrapped: bool = False) -> float:
         """A region's forward on two clocks: the longer of its device time and the host's

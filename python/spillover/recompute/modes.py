@@ -416,6 +416,13 @@ class _SaveMode(TorchDispatchMode):
             self.run.sink(rec)
 
 
+#: Note [a replay's host time is the region's] (planner/machine.py): when set, called with each
+#: op a replay answers without running it (a kept or offloaded output), whose dispatch the
+#: host pays all the same; the estimate's tracker charges it (estimate/trace.py). None in a
+#: training run.
+ANSWERED: Optional[Callable[[Any], None]] = None
+
+
 class _ReplayMode(TorchDispatchMode):
     """Recompute: saved outputs come back (unpacked if offloaded), every other op runs again."""
 
@@ -448,8 +455,10 @@ class _ReplayMode(TorchDispatchMode):
             )
         if entry is RECOMPUTE:
             return func(*args, **kwargs)
-        if type(entry) is _Saved:
-            return entry.get()
         if isinstance(entry, _Skip):
             return entry.make()
+        if ANSWERED is not None:
+            ANSWERED(func)
+        if type(entry) is _Saved:
+            return entry.get()
         return tree_map(lambda s: s.get() if isinstance(s, _Saved) else s, entry)
