@@ -54,7 +54,7 @@ def test_h200_host_mode_is_link_bound(est):
 
 
 def test_h200_auto_at_full_budget_checkpoints(est):
-    """Note [a family's own offset] (planner/tuner.py): at full checkpointing's peak the
+    """Note [a family's own offset] (planner/trials.py): at full checkpointing's peak the
     plain-offload learning step's offset no longer rules the checkpoint family out; auto
     settles on a checkpoint plan within its budget, well under plain offload's time (the host
     mode's), where it ran plain offload at 2.5x full's time before. Note [the tail stays]

@@ -1,5 +1,6 @@
 """The online tuner: :class:`Planner`, the ``"auto"`` policy. It learns a step, plans it, and
-corrects the plan by the peaks the first planned steps reach (Note [peak feedback]).
+corrects the plan by the peaks the first planned steps reach (Note [peak feedback]); the
+trial steps it runs for what its model cannot tell are in :mod:`.trials`.
 
 Note [peak feedback]
     The budget is the step's peak (forward and backward), not what it holds after forward. The
@@ -16,37 +17,6 @@ Note [peak feedback]
     it fits. After them the fastest measured plan within the budget is kept (else the one with
     the least peak). With the same calibration and the same measured peaks the plans are the
     same.
-
-Note [a family's own offset]
-    The learning step measures one family's offset; the others borrow it until measured. Under
-    the NVMe context that family is plain-offload, and its offset is not the checkpoint
-    family's: on the estimate of the H200 probe's 1B Llama (seq 4096, bf16, budget = full
-    checkpointing's peak) the plain-offload learning step measured 1,849 MiB over its model,
-    a checkpoint plan 1,464 MiB, and borrowed, the offset put full recompute 109 MiB over a
-    budget that full checkpointing meets: auto ran plain offload, 2.5x full's time. So after a
-    plain-offload learning step, when the checkpoint family's least-peak plan (full recompute,
-    or close) is modeled faster and the borrowed offset puts it over the budget by at most
-    ``EXPLORE``, the first tuning step runs it: its peak gives the family its own offset, and
-    the re-plan and the settling (the fastest measured plan within the budget) take it from
-    there. A trial over the budget costs one tuning step, as a re-plan that went over does.
-    A trial within the budget is not settled on at once, even within ``SLACK`` of it: it is
-    the least-peak plan, made for its offset, not for its speed, so the next tuning step
-    follows the plan the budget gives with the offset just measured (on that estimate: the
-    same full recompute with the tail kept, Note [the tail stays] in search.py) and the
-    settling keeps the faster of the two measured within the budget.
-
-Note [a tail's trial]
-    A plan that keeps the model's tail on the device (Note [the tail stays] in search.py) holds
-    it at the start of backward, before the regions' gradients exist; the measured offset is
-    the whole step's, and where it is those gradients (the peak at the end of backward) the
-    model counts the tail on top of them. On the estimate of the H200 probe's 1B Llama at full
-    checkpointing's peak the tail (0.57 GB) exceeds the largest region rebuilt by 19 MB and
-    the offset left 15 MB: modeled over, the kept tail was never run, and auto took 1.10x
-    full's time. So when the plan settled on fits and tuning steps are left, its twin that
-    keeps the tail, when modeled faster and over the budget by at most ``EXPLORE``, runs one
-    tuning step; its measured peak alone decides (it does not set the family's offset,
-    which shipped plans keep using), and the settling keeps the fastest plan measured within
-    the budget.
 
 Note [learning frugally]
     The budget holds from the first step: the learning step runs the most frugal variant the
@@ -94,7 +64,10 @@ from .records import (
     input_signature,
     sim_of,
 )
-from .search import KEPT, KINDS, Plan, RegionPlan, family, learning_peak, make_plan
+from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
+from .trials import EXPLORING, EXPLORING_KEPT, EXPLORING_TAIL, LEARNED, Trials
+
+__all__ = ["Planner", "Phase", "EXPLORING", "EXPLORING_KEPT", "EXPLORING_TAIL", "LEARNED"]
 
 #: Share of free memory the planner may use when no budget is given.
 DEFAULT_BUDGET_SHARE = 0.5
@@ -112,17 +85,7 @@ class Phase(enum.Enum):
     SETTLED = "settled"
 
 
-#: the note of a plan tried for its family's offset (Note [a family's own offset])
-EXPLORING = "exploring the checkpoint family's offset"
-#: the note of the learning step's own plan (Note [the learning step is a candidate])
-LEARNED = "what the learning step ran: every region recomputed"
-#: the note of the kept family's first plan (Note [everything kept] in search.py)
-EXPLORING_KEPT = "exploring the kept family's offset"
-#: the note of a plan tried for its kept tail's peak (Note [a tail's trial])
-EXPLORING_TAIL = "trying the tail kept on the device"
-
-
-class Planner:
+class Planner(Trials):
     """The ``"auto"`` policy: one per wrapped model (``wrap(model, policy="auto")``), or shared
     by standalone ``checkpoint(fn, ..., policy=planner)`` calls.
 
@@ -143,9 +106,6 @@ class Planner:
     TUNING_STEPS = 3
     #: a measured peak within this share under the budget is close enough: no re-plan
     SLACK = 0.05
-    #: Note [a family's own offset]: how far over the budget the borrowed offset may put the
-    #: checkpoint family's least-peak plan for it to be tried
-    EXPLORE = 0.10
 
     def __init__(self, budget_bytes: Optional[int | str] = None, machine: Optional[Machine] = None,
                  measure_peak: bool = True, seed_from_trace: bool = True):
@@ -316,13 +276,13 @@ class Planner:
         self.measured.append((plan, peak))
         self.tuning_left -= 1
         budget = self._budget_for(self.planned_records[0].device)
-        if plan.note == EXPLORING_TAIL:  # Note [a tail's trial]: its peak decides, alone
+        if plan.note == EXPLORING_TAIL:  # Note [a tail's trial] (trials.py): its peak decides
             self._settle(budget)
             return
         self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
         if peak > budget and self.tuning_left > 0 and self._explore_kept(budget):
             return
-        # Note [a family's own offset]: a trial that fits is re-planned all the same
+        # Note [a family's own offset] (trials.py): a trial that fits is re-planned all the same
         close = (budget * (1 - self.SLACK) <= peak <= budget
                  and plan.note not in (EXPLORING, EXPLORING_KEPT))
         if close or self.tuning_left <= 0:
@@ -350,69 +310,6 @@ class Planner:
             self._settle(budget)
         elif [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore[union-attr]
             self._settle(budget)  # the correction changes nothing
-
-    def _explore_checkpoint(self, recs: List[RegionRecord]) -> None:
-        """Note [a family's own offset]: after a plain-offload learning step, try the checkpoint
-        family's least-peak plan in the first tuning step when its model says it is faster and
-        only the borrowed offset puts it over the budget (by at most ``EXPLORE``)."""
-        plan = self.plan
-        assert plan is not None
-        if family(plan.variant) != "plain-offload" or "checkpoint" in self.peak_offsets:
-            return
-        budget = self._budget_for(recs[0].device)
-        trial = make_plan(recs, self.machine_of(recs), 0, self.outside_bytes,
-                          peak_offset=dict(self.peak_offsets), kinds=("checkpoint",),
-                          loss_bytes=self.loss_bytes,
-                          tail_bytes=self.tail_bytes)  # budget 0: the least peak it has
-        if (trial.recompute_seconds + trial.transfer_seconds
-                < plan.recompute_seconds + plan.transfer_seconds
-                and trial.model_peak + (trial.peak_offset or 0) <= budget * (1 + self.EXPLORE)):
-            trial.budget, trial.note = budget, EXPLORING
-            self.plan = trial
-            self._apply(trial)
-        else:
-            self._apply(plan)
-
-    def _explore_kept(self, budget: int) -> bool:
-        """Note [everything kept] in search.py: when a plan under a device's context measured
-        over the budget and the kept family was never run, follow its least-peak plan for one
-        tuning step (its offset is not the shipping families': no copies in flight or staged).
-        True when it will."""
-        recs = self.planned_records
-        if "kept" in self.peak_offsets or not recs or recs[0].offload is None \
-                or host_is_device(recs[0]):
-            return False
-        trial = make_plan(recs, self.machine_of(recs), 0, self.outside_bytes,
-                          peak_offset=dict(self.peak_offsets), kinds=(KEPT,),
-                          loss_bytes=self.loss_bytes, tail_bytes=self.tail_bytes)
-        if not trial.keep_all:
-            self._apply(self.plan)  # type: ignore[arg-type]
-            return False
-        trial.budget, trial.note = budget, EXPLORING_KEPT
-        self.plan = trial
-        return True
-
-    def _try_tail(self, budget: int) -> bool:
-        """Note [a tail's trial]: follow the plan that keeps the tail for one tuning step when
-        it is modeled faster than the plan that fits and over the budget by at most
-        ``EXPLORE``. True when it will."""
-        plan = self.plan
-        assert plan is not None
-        recs = self.planned_records
-        if plan.keep_tail or not self.tail_bytes or not recs:
-            return False
-        twin = make_plan(recs, self.machine_of(recs), budget, self.outside_bytes,
-                         peak_offset=dict(self.peak_offsets), loss_bytes=self.loss_bytes,
-                         loss_min_bytes=self.loss_min_bytes, tail_bytes=self.tail_bytes,
-                         keep_tail=True)
-        if (twin.keep_tail and twin.recompute_seconds + twin.transfer_seconds
-                < plan.recompute_seconds + plan.transfer_seconds
-                and twin.model_peak + (twin.peak_offset or 0) <= budget * (1 + self.EXPLORE)):
-            twin.budget, twin.note = budget, EXPLORING_TAIL
-            self.plan = twin
-            return True
-        self._apply(plan)  # make_plan wrote the twin's decisions into the records
-        return False
 
     def _settle(self, budget: int) -> None:
         """Tuning over: keep the fastest measured plan within the budget, else the one whose
