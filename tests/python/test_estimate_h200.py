@@ -72,14 +72,15 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     assert "checkpoint" in au.planner.peak_offsets
     assert au.step_seconds < 0.5 * est["host"].step_seconds
     assert au.plan.keep_tail, au.note
-    # Issue 40 asks for no slower than the fastest fixed mode that fits (full here): missed by
-    # the context's own packing of the 16 layer inputs (107 us each) and what it stages. The
-    # plan that keeps everything on the device, as full does, is not tried: its offset,
-    # borrowed from the shipping families, puts it 36 % over. Before Note [a replay's host
-    # time is the region's] (planner/machine.py) auto offloaded the rotary outputs to skip
-    # ops whose dispatch the replay pays all the same.
-    assert au.step_seconds <= 1.03 * full.step_seconds, (au.step_seconds, au.note)
-    assert au.plan.variant == "checkpoint, tail kept", au.note  # nothing offloaded for speed
+    # Issue 40: never slower than the fastest fixed mode that fits its budget (full here).
+    # Note [a kept trial] (planner/trials.py): the plan that ships measured within the budget,
+    # so one tuning step tried shipping nothing, as full does, and its peak fit: before, auto
+    # settled on the shipping plan at 1.02x full's time (the context's 16 input packs and
+    # staging), and before Note [a replay's host time is the region's] (planner/machine.py)
+    # on one that offloaded the rotary outputs to skip ops whose dispatch the replay pays.
+    assert au.plan.variant == "checkpoint, all kept" and au.plan.keep_all, au.note
+    assert "kept" in au.planner.peak_offsets
+    assert au.step_seconds <= full.step_seconds, (au.step_seconds, au.note)
 
 
 def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
@@ -128,3 +129,21 @@ def test_h200_auto_without_a_budget_is_none(est):
     assert au.plan is not None and au.plan.variant == "plain" and au.plan.keep_tail, au.note
     assert au.device_peak_bytes <= none.device_peak_bytes
     assert au.step_seconds <= 1.01 * none.step_seconds, (au.step_seconds, none.step_seconds)
+
+
+def test_h200_no_kept_trial_past_the_devices_room(est, monkeypatch):
+    """Note [a kept trial] (planner/trials.py): a trial may pass the budget for one step, never
+    the device's memory: with no room for its worst case (the shipping plan's measured peak
+    plus what the kept plan holds that it shipped) the kept plan is not tried."""
+    from spillover.planner import trials
+
+    monkeypatch.setattr(trials, "device_room", lambda device: 0)
+    with torch.device("meta"):
+        model = Llama(**DIMS).to(torch.bfloat16)
+    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
+    full = est["full"]
+    budget = full.device_peak_bytes - full.trace.base
+    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
+                            host_pool_bytes="16GiB", budget=budget)["auto"]
+    assert "kept" not in au.planner.peak_offsets
+    assert not au.plan.keep_all and au.device_peak_bytes - au.trace.base <= budget, au.note

@@ -32,11 +32,31 @@ Note [a tail's trial]
     tuning step; its measured peak alone decides (it does not set the family's offset,
     which shipped plans keep using), and the settling keeps the fastest plan measured within
     the budget.
+
+Note [a kept trial]
+    A plan under a device's context ships the region inputs and what the model saves between
+    regions, and pays the host's time per offload for each. The kept family (Note [everything
+    kept] in search.py) ships nothing, as torch's checkpointing does, but until it has run it
+    borrows a shipping family's offset, and its model counts everything it keeps on top of the
+    backward's rebuilt region: on the estimate of the H200 probe's 1B Llama at full
+    checkpointing's peak the shipping plan measured 2,233 MiB (model 548 MiB, offset 1,719),
+    while the kept plan's model (1,332 MiB) plus that offset put it 36 % over a budget that
+    torch's full checkpointing meets (2,249 MiB). The shipped bytes are mostly back or freed
+    when the step peaks (late in backward, with the parameters' gradients): auto ran the
+    shipping plan at 1.02x full's time, its 16 input packs and staging. So when the plan
+    measured within the budget ships something and tuning steps are left, the kept family's
+    least-peak plan runs one tuning step where it is modeled faster and where its worst case
+    -- the measured peak plus everything it keeps that the plan shipped -- fits the device's
+    free memory (a trial may pass the budget for one step, never the device); its peak gives
+    the family its own offset, and the re-plan and the settling take it from there, as after
+    Note [a family's own offset].
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from .records import RegionRecord, host_is_device
 from .search import KEPT, Plan, family, make_plan
@@ -117,6 +137,32 @@ class Trials:
         self.plan = trial
         return True
 
+    def _try_kept(self, budget: int, peak: int) -> bool:
+        """Note [a kept trial]: after a plan that ships measured ``peak`` within the budget,
+        follow the kept family's least-peak plan for one tuning step when it is modeled faster
+        and its worst case fits the device. True when it will."""
+        plan = self.plan
+        assert plan is not None
+        recs = self.planned_records
+        if plan.keep_all or "kept" in self.peak_offsets or not recs \
+                or recs[0].offload is None or host_is_device(recs[0]):
+            return False
+        # the budget's kept plan where its model and the borrowed offset fit, else its
+        # least-peak one
+        trial = make_plan(recs, self.machine_of(recs), budget, self.outside_bytes,
+                          peak_offset=dict(self.peak_offsets), kinds=(KEPT,),
+                          loss_bytes=self.loss_bytes, tail_bytes=self.tail_bytes)
+        worst = peak + max(0, trial.model_peak - plan.model_peak)
+        room = device_room(recs[0].device)
+        if (trial.keep_all and trial.recompute_seconds + trial.transfer_seconds
+                < plan.recompute_seconds + plan.transfer_seconds
+                and (room is None or worst <= room)):
+            trial.budget, trial.note = budget, EXPLORING_KEPT
+            self.plan = trial
+            return True
+        self._apply(plan)  # make_plan wrote the trial's decisions into the records
+        return False
+
     def _try_tail(self, budget: int) -> bool:
         """Note [a tail's trial]: follow the plan that keeps the tail for one tuning step when
         it is modeled faster than the plan that fits and over the budget by at most
@@ -138,3 +184,14 @@ class Trials:
             return True
         self._apply(plan)  # make_plan wrote the twin's decisions into the records
         return False
+
+
+def device_room(device: str) -> Optional[int]:
+    """Bytes a step may still take on ``device`` (Note [a kept trial]): on CUDA its free memory
+    and what torch's allocator holds unused; None where that is not known (a fake or simulated
+    device in an estimate, whose trials cannot fail an allocation)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    return None

@@ -286,7 +286,8 @@ class Planner(Trials):
         close = (budget * (1 - self.SLACK) <= peak <= budget
                  and plan.note not in (EXPLORING, EXPLORING_KEPT))
         if close or self.tuning_left <= 0:
-            if peak <= budget and self.tuning_left > 0 and self._try_tail(budget):
+            if peak <= budget and self.tuning_left > 0 and (
+                    self._try_kept(budget, peak) or self._try_tail(budget)):
                 return
             self._settle(budget)
             return
