@@ -38,6 +38,14 @@ What is measured (all seconds are medians of a few repeats, after one warm-up):
 ``host_seconds_per_op``
     The host time one aten op costs inside a ``spillover.wrap`` region, in forward (the save
     mode's dispatch) and again when the region is recomputed (the replay's), against plain.
+``host_seconds_per_forward_op`` (CUDA only)
+    Note [two clocks in the plan] in planner/machine.py: the host's time per op of an eager
+    forward through module code, where the device runs apart from the host: the built-in GPT
+    (2 layers, d 64, seq 32), forward with grad, its host time over the aten ops it dispatches
+    (counted once). Its kernels are tiny, so the forward is host-bound and the figure is the
+    dispatch. The planner then costs a CUDA step on two clocks, as ``spillover.estimate``
+    costs its GPU devices. Not measured on a CPU (one clock: host and device are the same
+    cores).
 
 Note [a calibration made under load]
     A calibration is cached for good, and the one this machine's planner used on 2026-12-05 had
@@ -245,13 +253,56 @@ def host_cost_times(device: torch.device, n: int, rounds: int) -> Dict[str, floa
 
 def _host_costs(device: torch.device, quick: bool) -> Dict[str, float]:
     """Note [host cost in the plan]: host seconds per offloaded tensor and per op in a wrapped
-    region, medians of interleaved rounds against the same work without spillover."""
+    region, medians of interleaved rounds against the same work without spillover; on CUDA
+    also the forward's dispatch per op (``host_seconds_per_forward_op``)."""
     n = 50 if quick else 200
     t = host_cost_times(device, n, 3 if quick else 5)
     per_offload = max(0.0, (t["offloaded"] - t["plain"]) / n)
     # a full region runs each op twice under its dispatch modes (forward, recompute)
     per_op = max(0.0, (t["wrapped"] - 2 * t["plain"]) / (2 * n))
-    return {"host_seconds_per_offload": per_offload, "host_seconds_per_op": per_op}
+    out = {"host_seconds_per_offload": per_offload, "host_seconds_per_op": per_op}
+    if device.type == "cuda":
+        out["host_seconds_per_forward_op"] = forward_dispatch_seconds(device, 3 if quick else 7)
+    return out
+
+
+def forward_dispatch_seconds(device: torch.device, rounds: int) -> float:
+    """``host_seconds_per_forward_op``: the host seconds per aten op of a small model's eager
+    forward with grad (the built-in GPT, 2 layers, d 64, seq 32: module code and tiny kernels,
+    so the host is the bottleneck), the median of ``rounds`` timed forwards after one warm-up,
+    over the ops one forward dispatches. The host's clock only: nothing waits for the device
+    inside the timed forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=256, d_model=64, n_heads=4, n_layers=2, seq=32)
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab, (2, cfg.seq), device=device)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    sync = _sync_for(device)
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        with Count():
+            model(idx)
+        ops = max(1, Count.n)
+        times = []
+        for r in range(rounds + 1):
+            sync()
+            t0 = time.perf_counter()
+            out = model(idx)
+            dt = time.perf_counter() - t0
+            del out
+            if r:
+                times.append(dt)
+    sync()
+    return statistics.median(times) / ops
 
 
 def _nvme(cfg: Config, total: int, chunk: int) -> Dict[str, Any]:
@@ -452,7 +503,7 @@ def calibrate(
     cached = load(cfg)
     data = None if force else cached
     if data is not None and key in data.get("devices", {}) and "nvme_error" in data \
-            and not _measured_under_load(data, key):
+            and not _measured_under_load(data, key) and not _missing(data, key):
         return data
     data = data or {"version": FORMAT_VERSION, "fingerprint": fingerprint(cfg), "devices": {}}
     t0 = time.perf_counter()
@@ -479,6 +530,12 @@ def calibrate(
     return data
 
 
+def _missing(data: Dict[str, Any], key: str) -> bool:
+    """A cached device made before a figure it should have was measured (a CUDA device's
+    ``host_seconds_per_forward_op``): measured again."""
+    return key.startswith("cuda") and "host_seconds_per_forward_op" not in data["devices"][key]
+
+
 def _rate(v: Optional[float], unit: str) -> str:
     if v is None:
         return "-"
@@ -498,6 +555,11 @@ def describe(data: Dict[str, Any]) -> str:
         lines.append(f"  elementwise (read+write) {_rate(d['elementwise_bytes_per_s'], 'B')}")
         lines.append(f"  device -> host           {_rate(d['d2h_bytes_per_s'], 'B')}")
         lines.append(f"  host -> device           {_rate(d['h2d_bytes_per_s'], 'B')}")
+        for k, what in (("host_seconds_per_offload", "host per offloaded tensor"),
+                        ("host_seconds_per_op", "host per region op"),
+                        ("host_seconds_per_forward_op", "host per forward op")):
+            if d.get(k) is not None:
+                lines.append(f"  {what:<24} {d[k] * 1e6:.1f} us")
     if data.get("nvme_error"):
         lines.append(f"nvme ({data.get('nvme_dir')}): unavailable: {data['nvme_error']}")
     else:

@@ -385,3 +385,38 @@ def test_a_calibration_made_under_load_is_measured_again_when_quiet(tmp_path, mo
     assert again["load"] == {"cpu": 0.3}
     assert calibrate.calibrate(device="cpu") == again  # measured quiet: kept
     assert measured == [0.2, 1.0]
+
+
+def test_a_cuda_calibration_plans_on_two_clocks(tmp_path, monkeypatch):
+    """Note [two clocks in the plan] (planner/machine.py): a CUDA device's calibration carries
+    the forward's dispatch per op (calibrate.forward_dispatch_seconds) and the planner's
+    machine for it runs two clocks, as the estimate's GPU devices do; a CPU's runs one. A CUDA
+    device cached before that figure existed is measured again."""
+    base = {"matmul_flops": {"float32": 1e12}, "elementwise_bytes_per_s": 1e12,
+            "d2h_bytes_per_s": 5e10, "h2d_bytes_per_s": 5e10, "host_seconds_per_op": 12e-6,
+            "host_seconds_per_offload": 1e-4}
+    data = {"devices": {"cuda:0": dict(base, host_seconds_per_forward_op=30e-6),
+                        "cpu": dict(base, host_seconds_per_forward_op=30e-6)}}
+    gpu = Machine.from_calibration(data, "cuda:0")
+    assert gpu.host_seconds_per_forward_op == 30e-6
+    assert Machine.from_calibration(data, "cpu").host_seconds_per_forward_op == 0.0
+    op = _step()[0].ops[0]
+    assert gpu.rerun_seconds(op) == pytest.approx(max(gpu.op_seconds(op), 42e-6))
+    # the measurement itself: module code's dispatch per aten op, on whatever device is here
+    per = calibrate.forward_dispatch_seconds(torch.device("cpu"), 1)
+    assert 0 < per < 1e-2
+    # an old cache of a CUDA device lacks it: measured again, not returned as cached
+    assert calibrate._missing({"devices": {"cuda:0": base}}, "cuda:0")
+    assert not calibrate._missing(data, "cuda:0")
+    assert not calibrate._missing({"devices": {"cpu": base}}, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_calibration_measures_the_forwards_dispatch(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    data = calibrate.calibrate(quick=True, device="cuda")
+    key = next(k for k in data["devices"] if k.startswith("cuda"))
+    per = data["devices"][key]["host_seconds_per_forward_op"]
+    assert 1e-7 < per < 1e-3, per
+    assert Machine.from_calibration(data, key).host_seconds_per_forward_op == per

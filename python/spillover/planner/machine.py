@@ -80,6 +80,9 @@ class Machine:
             nvme_read_bytes_per_s=data.get("nvme_read_bytes_per_s"),
             host_seconds_per_offload=float(d.get("host_seconds_per_offload") or 0.0),
             host_seconds_per_op=float(d.get("host_seconds_per_op") or 0.0),
+            # Note [two clocks in the plan]: measured on CUDA only (a CPU runs one clock)
+            host_seconds_per_forward_op=float(d.get("host_seconds_per_forward_op") or 0.0)
+            if device.startswith("cuda") else 0.0,
         )
 
     def simulated(self, sim: Optional[Sequence[float]]) -> Machine:
