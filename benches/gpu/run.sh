@@ -21,8 +21,8 @@
 #             hidden: one ✓/✗ line each with its figures (benches/gpu/table.py answers)
 #   optimizer benches/gpu/bench.py --mode optim: torch's fused AdamW against OffloadAdamW on a
 #             GPT (device memory, time not hidden behind backward); full run only
-#   others    the gpu-marked tests of test_optim.py, test_optim_staged.py, then test_recompute.py;
-#             full run only
+#   others    the gpu-marked tests of test_optim.py, test_optim_staged.py, then test_recompute.py
+#             and test_planner.py; full run only
 # Everything lands under $OUT (default ./gpu-out): summary.md (each check ✓/✗ with its figure,
 # appended the moment it is known), run.log, and results.tgz (tests-*.xml, bench/*.json, gpu.csv:
 # one archive, made at the end or when the run stops). Exit status 0 when every
@@ -357,9 +357,10 @@ fi
 if [ "$B_OTHERS" -gt 0 ]; then
     # the optimizer's first: a timeout then loses the recompute tests (a first-use calibration
     # with ~2 GiB of swap I/O), not the optimizer's
-    pytest_step "tests: the gpu-marked tests of test_optim.py, test_optim_staged.py, test_recompute.py" \
+    # test_planner.py's: the calibration's forward dispatch per op (two clocks on CUDA)
+    pytest_step "tests: the gpu-marked tests of test_optim.py, test_optim_staged.py, test_recompute.py, test_planner.py" \
         $B_OTHERS others tests/python/test_optim.py tests/python/test_optim_staged.py \
-        tests/python/test_recompute.py -m gpu
+        tests/python/test_recompute.py tests/python/test_planner.py -m gpu
 fi
 
 say "" "## total: $([ $status = 0 ] && echo "✓ every step passed" || echo "✗ a step failed") in ${SECONDS} s (deadline ${DEADLINE} s)"
