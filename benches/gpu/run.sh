@@ -2,7 +2,7 @@
 # The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
 # the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
 #
-#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 6 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 6.5 minutes on an H200
 #     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, the three
 #                                                          # answers: under 3 minutes
 #     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
@@ -20,7 +20,8 @@
 #   answers   does the host tier lower the device peak, does backward keep it low, is the step
 #             hidden: one ✓/✗ line each with its figures (benches/gpu/table.py answers)
 #   optimizer benches/gpu/bench.py --mode optim: torch's fused AdamW against OffloadAdamW on a
-#             GPT (device memory, time not hidden behind backward); full run only
+#             GPT (device memory, time not hidden behind backward), then on the probe's 1B Llama
+#             (bf16 parameters, fp32 masters on the host: bench/llama/); full run only
 #   others    the gpu-marked tests of test_optim.py, test_optim_staged.py, then test_recompute.py
 #             and test_planner.py; full run only
 # Everything lands under $OUT (default ./gpu-out): summary.md (each check ✓/✗ with its figure,
@@ -37,7 +38,7 @@ for a in "$@"; do
     case $a in
         --quick) quick=1 ;;
         --dry-run) dry=1 ;;
-        -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "run.sh: unknown argument $a (expected --quick, --dry-run)" >&2; exit 2 ;;
     esac
 done
@@ -68,12 +69,13 @@ trap 'archive; rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 345 s, quick 170 s, so that with the
-# header's few seconds the full run ends within 6 minutes and the quick one within 3.
+# `timeout -k 10` adds at most 10 s to the last): full 375 s, quick 170 s, so that with the
+# header's few seconds the full run ends within 6.5 minutes and the quick one within 3.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
-    B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 B_PACK=0 DEADLINE=170 TEST_TIMEOUT=40
+    B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 B_OPTIM_LLAMA=0 B_PACK=0
+    DEADLINE=170 TEST_TIMEOUT=40
     BENCH_ARGS=(--steps 2)
     # host against none, with full checkpointing beside: the three answers need these three.
     BENCH_MODES=(none full host quickstart)
@@ -81,9 +83,10 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream-ordering tests run in the full run
 else
     run_kind="full"
-    # 345 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
+    # 375 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
     # fit a 15-minute lease with room to run a failed step again
-    B_INSTALL=20 B_TESTS=70 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_PACK=20 DEADLINE=345
+    B_INSTALL=20 B_TESTS=70 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_OPTIM_LLAMA=30 B_PACK=20
+    DEADLINE=375
     TEST_TIMEOUT=50
     BENCH_ARGS=(--steps 3)
     BENCH_MODES=(none full planned save_on_cpu host nvme auto quickstart)
@@ -96,10 +99,11 @@ fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
     run_kind="DRY RUN ($run_kind) on the CPU: tiny sizes, the figures are not GPU results"
-    B_INSTALL=60 B_TESTS=150 DEADLINE=$((DEADLINE < 300 ? 240 : 390)) TEST_TIMEOUT=60
+    B_INSTALL=60 B_TESTS=150 DEADLINE=$((DEADLINE < 300 ? 240 : 450)) TEST_TIMEOUT=60
     ((B_SANITIZER > 0)) && B_SANITIZER=60
     ((B_OTHERS > 0)) && B_OTHERS=90
     ((B_OPTIM > 0)) && B_OPTIM=60
+    ((B_OPTIM_LLAMA > 0)) && B_OPTIM_LLAMA=60
     ((B_PACK > 0)) && B_PACK=60
     BENCH_ARGS=(--tiny --device cpu --steps 2)
     for m in "${BENCH_MODES[@]}"; do B_BENCH[$m]=40; done
@@ -336,6 +340,16 @@ if [ "$B_OPTIM" -gt 0 ]; then
         t0=$SECONDS
         timeout -k 10 "$budget" "$PY" benches/gpu/bench.py --mode optim --out "$OUT/bench" \
             --summary "$SUMMARY" --optim-budget "$budget" "${BENCH_ARGS[@]}"
+        verdict $? $((SECONDS - t0)) "$budget"
+    fi
+fi
+# the 1B Llama of the probe: bf16 parameters, fp32 masters on the host (issue 41's second model)
+if [ "$B_OPTIM_LLAMA" -gt 0 ]; then
+    budget=$(budget_left $B_OPTIM_LLAMA)
+    if section "optimizer: the same on the 1B Llama (bf16 parameters), \`--optim-model llama ${BENCH_ARGS[*]}\`" "$budget"; then
+        t0=$SECONDS
+        timeout -k 10 "$budget" "$PY" benches/gpu/bench.py --mode optim --optim-model llama \
+            --out "$OUT/bench/llama" --summary "$SUMMARY" --optim-budget "$budget" "${BENCH_ARGS[@]}"
         verdict $? $((SECONDS - t0)) "$budget"
     fi
 fi
