@@ -422,7 +422,8 @@ class _Tiny(nn.Module):
 
 def test_torch_compile_of_a_wrapped_block(private_pool_bytes):
     """A wrapped block compiles (torch's SAC with our decisions); its saved tensors reach the
-    offload hooks. policy='auto' raises a clear error under compile."""
+    offload hooks. policy='auto' raises a clear error under compile, or (where Dynamo breaks the
+    graph before the region) runs eagerly as without compile."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(8, 16)
@@ -442,11 +443,26 @@ def test_torch_compile_of_a_wrapped_block(private_pool_bytes):
     assert_bitwise(grads(ref), grads(model))
     assert torch.Size([8, 64]) in seen  # the first linear's output, saved by the policy
 
+    # policy='auto' where Dynamo traces into the region (torch 2.15 here) raises its error.
+    # Where Dynamo breaks the graph before the region (torch 2.5.1 and 2.11 on 2026-12-06), the
+    # region runs eagerly: auto then learns and plans as it does without compile, with the same
+    # gradients as the eager model; that is checked instead.
     auto = spillover.wrap(copy.deepcopy(base), policy="auto")
     for b in auto.blocks:
         b.compile(backend="aot_eager")
-    with pytest.raises(Exception, match="policy='auto' cannot run under torch.compile"):
-        auto(x).sum().backward()
+    plain = copy.deepcopy(base)
+    try:
+        for _ in range(3):
+            auto.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
+            auto(x).square().sum().backward()
+            plain(x).square().sum().backward()
+    except Exception as e:  # noqa: BLE001 -- which one is asserted just below
+        assert "policy='auto' cannot run under torch.compile" in str(e), e
+    else:
+        assert_bitwise(grads(plain), grads(auto))
+        planner = spillover.explain(auto).summary
+        assert planner.get("phase", "").startswith(("settled", "tuning")), planner
     torch._dynamo.reset()
 
 
