@@ -45,7 +45,8 @@ Note [a kept trial]
     when the step peaks (late in backward, with the parameters' gradients): auto ran the
     shipping plan at 1.02x full's time, its 16 input packs and staging. So when the plan
     measured within the budget ships something and tuning steps are left, the kept family's
-    least-peak plan runs one tuning step where it is modeled faster and where its worst case
+    plan for the budget (its least-peak one where the borrowed offset puts every kept plan
+    over) runs one tuning step where it is modeled faster and where its worst case
     -- the measured peak plus everything it keeps that the plan shipped -- fits the device's
     free memory (a trial may pass the budget for one step, never the device); its peak gives
     the family its own offset, and the re-plan and the settling take it from there, as after
@@ -63,7 +64,8 @@ from .search import KEPT, Plan, family, make_plan
 
 #: the note of a plan tried for its family's offset (Note [a family's own offset])
 EXPLORING = "exploring the checkpoint family's offset"
-#: the note of the learning step's own plan (Note [the learning step is a candidate])
+#: the note of the learning step's own plan (Note [the learning step is a candidate] in
+#: tuner.py)
 LEARNED = "what the learning step ran: every region recomputed"
 #: the note of the kept family's first plan (Note [everything kept] in search.py)
 EXPLORING_KEPT = "exploring the kept family's offset"
