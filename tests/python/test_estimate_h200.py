@@ -28,13 +28,19 @@ MEASURED = {
 }
 
 
-@pytest.fixture(scope="module")
-def est():
+def _estimate(modes, budget=None, pool="16GiB"):
+    """``spillover.estimate(device="h200")`` of the probe's 1B Llama, built on ``meta``."""
     with torch.device("meta"):
         model = Llama(**DIMS).to(torch.bfloat16)
     idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
-    return spillover.estimate(model, idx, idx, device="h200", optimizer="none",
-                              modes=list(MEASURED), host_pool_bytes="16GiB")
+    kw = {} if pool is None else {"host_pool_bytes": pool}
+    return spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=modes,
+                              budget=budget, **kw)
+
+
+@pytest.fixture(scope="module")
+def est():
+    return _estimate(list(MEASURED))
 
 
 @pytest.mark.parametrize("mode", list(MEASURED))
@@ -60,13 +66,9 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     mode's), where it ran plain offload at 2.5x full's time before. Note [the tail stays]
     (planner/search.py): the plan keeps the loss's 0.5 GB on the device as full does, within
     1.05x full's time (1.10x when the context shipped it)."""
-    with torch.device("meta"):
-        model = Llama(**DIMS).to(torch.bfloat16)
-    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
     full = est["full"]
     budget = full.device_peak_bytes - full.trace.base
-    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
-                            host_pool_bytes="16GiB", budget=budget)["auto"]
+    au = _estimate(["auto"], budget=budget)["auto"]
     assert au.plan is not None and au.plan.variant.startswith("checkpoint"), au.note
     assert au.device_peak_bytes - au.trace.base <= budget, au.note
     assert "checkpoint" in au.planner.peak_offsets
@@ -93,19 +95,14 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     issue's goal, 1.01x, is not met: every checkpointed layer adds its hooks' dispatch to a
     host-bound forward and its replay's to backward), and faster than the fixed modes that
     fit (full and selective)."""
-    with torch.device("meta"):
-        model = Llama(**DIMS).to(torch.bfloat16)
-    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
     none = est["none"]
     peak = int(0.7 * none.device_peak_bytes)
     budget = peak - none.trace.base
-    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
-                            host_pool_bytes="16GiB", budget=budget)["auto"]
+    au = _estimate(["auto"], budget=budget)["auto"]
     assert au.device_peak_bytes <= peak, au.note
     assert au.step_seconds <= 1.28 * none.step_seconds, (au.step_seconds, au.note)
     # never slower than the fastest fixed mode that fits (issue 40): full and selective do
-    fixed = spillover.estimate(model, idx, idx, device="h200", optimizer="none",
-                               modes=["full", "selective"])
+    fixed = _estimate(["full", "selective"], pool=None)
     # Note [a replay's host time is the region's]: selective's replay dispatches every op
     # before each region's stop, as full's does, though it runs fewer of them on the device
     phases = {m: [o.phase for o in fixed[m].trace.ops] for m in ("full", "selective")}
@@ -120,12 +117,8 @@ def test_h200_auto_without_a_budget_is_none(est):
     """Without a budget everything fits: auto runs every layer plainly and keeps the tail (Note
     [the tail stays] in planner/search.py), so it peaks no higher than none and takes its time
     (1.12x none's when the context shipped the loss's 0.5 GB there and back)."""
-    with torch.device("meta"):
-        model = Llama(**DIMS).to(torch.bfloat16)
-    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
     none = est["none"]
-    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
-                            host_pool_bytes="16GiB")["auto"]
+    au = _estimate(["auto"])["auto"]
     assert au.plan is not None and au.plan.variant == "plain" and au.plan.keep_tail, au.note
     assert au.device_peak_bytes <= none.device_peak_bytes
     assert au.step_seconds <= 1.01 * none.step_seconds, (au.step_seconds, none.step_seconds)
@@ -138,12 +131,8 @@ def test_h200_no_kept_trial_past_the_devices_room(est, monkeypatch):
     from spillover.planner import trials
 
     monkeypatch.setattr(trials, "device_room", lambda device: 0)
-    with torch.device("meta"):
-        model = Llama(**DIMS).to(torch.bfloat16)
-    idx = torch.zeros(1, DIMS["seq"], dtype=torch.long, device="meta")
     full = est["full"]
     budget = full.device_peak_bytes - full.trace.base
-    au = spillover.estimate(model, idx, idx, device="h200", optimizer="none", modes=["auto"],
-                            host_pool_bytes="16GiB", budget=budget)["auto"]
+    au = _estimate(["auto"], budget=budget)["auto"]
     assert "kept" not in au.planner.peak_offsets
     assert not au.plan.keep_all and au.device_peak_bytes - au.trace.base <= budget, au.note

@@ -195,25 +195,27 @@ def test_cpu_host_tier_frees_nothing_but_nvme_does():
     assert plan.planned_bytes >= 64 * MiB  # the pool is this host's memory: it counts
 
 
+def _chain(ri, offload=None, saves_seen=True):
+    """A region whose softmax output, when saved, spares the scaling and masking before it."""
+    ops = [
+        _op(0, "scale", 128),
+        _op(1, "mask", 128),
+        _op(2, "softmax", 128, needed=True),
+        _op(3, "attn_v", 8, flops_per_byte=512, needed=True),
+        _op(4, "out", 8, flops_per_byte=1024, after_stop=True),
+    ]
+    for o, readers in zip(ops, [(1,), (2,), (3,), (4,), ()]):
+        o.readers = readers
+    return RegionRecord(key=ri, name=f"b{ri}", signature=ri, device="cpu", mode="checkpoint",
+                        input_bytes=8 * MiB, ops=ops, needed_bytes=136 * MiB, stop=4,
+                        offload=offload, saves_seen=saves_seen)
+
+
 def test_offloads_a_chain_end_when_that_spares_the_ops_before_it():
     # Note [outputs only saved ops read]: saving the softmax output spares rerunning the
     # scaling and masking before it; rerunning all three costs more than moving 128 MiB.
-    def chain(ri, offload):
-        ops = [
-            _op(0, "scale", 128),
-            _op(1, "mask", 128),
-            _op(2, "softmax", 128, needed=True),
-            _op(3, "attn_v", 8, flops_per_byte=512, needed=True),
-            _op(4, "out", 8, flops_per_byte=1024, after_stop=True),
-        ]
-        for o, readers in zip(ops, [(1,), (2,), (3,), (4,), ()]):
-            o.readers = readers
-        return RegionRecord(key=ri, name=f"b{ri}", signature=ri, device="cpu",
-                            mode="checkpoint", input_bytes=8 * MiB, ops=ops,
-                            needed_bytes=136 * MiB, stop=4, offload=offload)
-
     nvme = {"tier": "nvme", "pool_bytes": 64 * MiB, "nvme": True}
-    recs = [chain(i, nvme) for i in range(4)]
+    recs = [_chain(i, offload=nvme) for i in range(4)]
     plan = make_plan(recs, CPU, budget=100 * MiB, outside_bytes=0,
                      kinds=("checkpoint", "checkpoint+offload"))
     # The last region's transfers cannot hide behind compute, so the greedy pass recomputes its
@@ -234,25 +236,11 @@ def test_without_autograds_saves_seen_nothing_is_planned_as_skipped():
     """RegionRecord.saves_seen (torch < 2.8 cannot show a region what autograd saves): the
     runtime then reruns every op it does not keep, so the plan must not count the ops a kept
     chain end would spare; the same region with its saves seen counts them (the test above)."""
-    def chain(ri, seen):
-        ops = [
-            _op(0, "scale", 128),
-            _op(1, "mask", 128),
-            _op(2, "softmax", 128, needed=True),
-            _op(3, "attn_v", 8, flops_per_byte=512, needed=True),
-            _op(4, "out", 8, flops_per_byte=1024, after_stop=True),
-        ]
-        for o, readers in zip(ops, [(1,), (2,), (3,), (4,), ()]):
-            o.readers = readers
-        return RegionRecord(key=ri, name=f"b{ri}", signature=ri, device="cpu",
-                            mode="checkpoint", input_bytes=8 * MiB, ops=ops,
-                            needed_bytes=136 * MiB, stop=4, saves_seen=seen)
-
     from spillover.planner.variants import Greedy
 
     recompute = {}
     for seen in (True, False):
-        recs = [chain(i, seen) for i in range(2)]
+        recs = [_chain(i, saves_seen=seen) for i in range(2)]
         g = Greedy(recs, CPU, 0, 0, None, True, False)
         for ri in range(2):  # the softmax and attn_v kept, the rest recomputed
             g.ops[(ri, 2)] = g.ops[(ri, 3)] = ("keep", "", "")

@@ -55,7 +55,7 @@ Note [a kept trial]
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -89,14 +89,13 @@ class Trials:
     tail_bytes: int
     measured: List[Tuple[Plan, int]]
 
-    def machine_of(self, recs: Any) -> Any:  # the Planner's
-        raise NotImplementedError
+    if TYPE_CHECKING:  # what the trials use of the Planner they are mixed into
 
-    def _budget_for(self, device: str) -> int:  # the Planner's
-        raise NotImplementedError
+        def machine_of(self, recs: Any) -> Any: ...
 
-    def _apply(self, plan: Plan) -> None:  # the Planner's
-        raise NotImplementedError
+        def _budget_for(self, device: str) -> int: ...
+
+        def _apply(self, plan: Plan) -> None: ...
 
     def _explore_checkpoint(self, recs: List[RegionRecord]) -> None:
         """Note [a family's own offset]: after a plain-offload learning step, try the checkpoint
