@@ -100,6 +100,7 @@ impl Setup {
                 hyper: hyper(self.step),
                 tail: 0,
                 predict: false,
+                coef: Ptr::new(0, Dtype::F32),
                 key: 0,
             })
             .collect();

@@ -227,6 +227,7 @@ impl Model {
                     hyper: hyper(counts[u] as f64),
                     tail: p.len() % 8,
                     predict: false,
+                    coef: Ptr::new(0, Dtype::F32),
                     key: 0,
                 });
             }
@@ -411,6 +412,7 @@ fn master_state_starts_from_bf16_parameters_and_writes_them_back() {
             hyper: hyper(s as f64),
             tail: n % 8,
             predict: false,
+            coef: Ptr::new(0, Dtype::F32),
             key: 0,
         }];
         // SAFETY: live Vecs of the unit's length.
@@ -453,6 +455,7 @@ fn bad_work_lists_are_refused_before_anything_is_written() {
         hyper: hyper(1.0),
         tail: 0,
         predict: false,
+        coef: Ptr::new(0, Dtype::F32),
         key: 0,
     };
     let (ga, pa, pb) = (
@@ -507,6 +510,21 @@ fn bad_work_lists_are_refused_before_anything_is_written() {
     let mut w = unit(0, ga, pa);
     w.src = Ptr::NONE;
     assert!(msg(one_step(&mut st, &[w])).contains("source address"));
+    // A coefficient buffer (Note [next-gradient prediction]) goes only with a predicted
+    // output, in bf16, apart from it and from the gradient.
+    let mut c = vec![0u16; 64];
+    let mut w = unit(0, ga, pa);
+    w.coef = Ptr::new(c.as_mut_ptr() as usize, Dtype::Bf16);
+    assert!(msg(one_step(&mut st, &[w])).contains("goes with a predicted output"));
+    w.predict = true;
+    w.coef.dtype = Dtype::F32;
+    assert!(msg(one_step(&mut st, &[w])).contains("in bf16"));
+    w.coef = Ptr::new(pa + 4, Dtype::Bf16);
+    assert!(msg(one_step(&mut st, &[w])).contains("overlapping"));
+    w.coef = Ptr::new(ga, Dtype::Bf16);
+    assert!(msg(one_step(&mut st, &[w])).contains("gradient and coefficient"));
+    assert_eq!(a, vec![1f32; 64], "nothing was written");
+    assert_eq!(c, vec![0u16; 64], "nothing was written");
     assert!(AdamState::new(
         &p,
         &[1],
@@ -538,6 +556,7 @@ fn nvme_errors_surface_and_a_small_pool_is_named() {
                 hyper: hyper(step),
                 tail: 0,
                 predict: false,
+                coef: Ptr::new(0, Dtype::F32),
                 key: 0,
             })
             .collect()

@@ -22,12 +22,14 @@ so a later call with ``--report`` or with the remaining ``--only`` names complet
   parameters (the model computes in bf16), about 2 bytes of state per parameter;
 - ``delayed``: ``OffloadAdamW(overlap="delayed")`` (issue 41: fp32 state, the one-step delayed
   update, Note [delayed update] in spillover/optim/delayed.py, with its default weight
-  prediction, Note [weight prediction] in rust/optim/predict.rs). Its validations run on the
+  prediction, Note [next-gradient prediction] in rust/optim/predict.rs). Its validations run on the
   parameters the training's forward sees, the last one after ``opt.flush()`` (the model with
   every update). The exact default is bitwise equal to ``fp32`` (tests/python/test_optim.py),
   so ``fp32`` is the exact update's curve too;
 - ``delayed-after50``: the same with ``delay_after=50`` (the first 50 steps exact: the
   learning rate's warm-up here);
+- ``delayed-momentum``: ``overlap="delayed", predict_weights="momentum"``: the momentum taken
+  for the next gradient (Note [weight prediction]; the default until 2026-12-06);
 - ``delayed-plain``: ``overlap="delayed", predict_weights=False``: the plain delayed update
   (the device's parameters one update behind).
 
@@ -59,9 +61,9 @@ import spillover
 from spillover.models import GPT, GPTConfig
 
 RUNS = ("fp32", "bits16", "bits8", "bits8-nomaster", "delayed", "delayed-after50",
-        "delayed-plain")
+        "delayed-momentum", "delayed-plain")
 BARS = {"bits16": 0.01, "bits8": 0.02, "bits8-nomaster": 0.03, "delayed": 0.01,
-        "delayed-after50": 0.01, "delayed-plain": 0.01}
+        "delayed-after50": 0.01, "delayed-momentum": 0.01, "delayed-plain": 0.01}
 LABELS = {
     "fp32": "torch AdamW fused, fp32 state",
     "bits16": "OffloadAdamW state_bits=16",
@@ -69,6 +71,7 @@ LABELS = {
     "bits8-nomaster": "OffloadAdamW state_bits=8, master_weights=False (bf16 params)",
     "delayed": "OffloadAdamW overlap=\"delayed\" (fp32 state, weight prediction)",
     "delayed-after50": "OffloadAdamW overlap=\"delayed\", delay_after=50",
+    "delayed-momentum": "OffloadAdamW overlap=\"delayed\", predict_weights=\"momentum\"",
     "delayed-plain": "OffloadAdamW overlap=\"delayed\", predict_weights=False",
 }
 
@@ -134,7 +137,9 @@ def run(name: str, args: Any, train: torch.Tensor, val: torch.Tensor) -> Dict[st
     elif name.startswith("delayed"):
         after = 50 if name == "delayed-after50" else 0
         opt = spillover.OffloadAdamW(groups, overlap="delayed", delay_after=after,
-                                     predict_weights=name != "delayed-plain", **hyper)
+                                     predict_weights={"delayed-plain": False,
+                                                      "delayed-momentum": "momentum"}.get(name),
+                                     **hyper)
     else:
         bits = 16 if name == "bits16" else 8
         opt = spillover.OffloadAdamW(groups, state_bits=bits,

@@ -36,7 +36,11 @@ bucket pipeline, bucket k's gradients crossing while bucket k-1 updates and buck
 parameters return); ``inbwd`` (``update_in_backward=True``: each bucket's update on the worker
 thread during backward, kept at ``step()``); ``delayed`` (``overlap="delayed"``: the update
 of step t on the worker during step t+1's forward and backward; its math differs, Note
-[delayed update] in spillover/optim/delayed.py).
+[delayed update] in spillover/optim/delayed.py; with its default prediction, Note
+[next-gradient prediction] in rust/optim/predict.rs, whose coefficients cross with the
+parameters and whose gradient term runs at ``step()`` on the compute stream: on the simulated
+device, the host's cores); ``delayed-momentum`` (``predict_weights="momentum"``: no
+coefficients, no gradient term).
 
 Per mode, summed over the buckets and averaged over ``--steps`` measured steps (after two
 warm-up steps): the step (forward start to the next forward start, the copies' waits
@@ -216,7 +220,8 @@ def run_mode(mode: str, shapes: List[List[int]], fwd_s: float, bwd_s: float, arg
         opt = spillover.OffloadAdamW(
             model.parameters(), lr=1e-4, optim_pool_bytes=int(n * 22) + (256 << 20),
             _force_staging=True, _link=link, update_in_backward=mode == "inbwd",
-            overlap="delayed" if mode == "delayed" else None,
+            overlap="delayed" if mode.startswith("delayed") else None,
+            predict_weights="momentum" if mode == "delayed-momentum" else None,
             update_threads=args.update_threads)
     steps: List[Dict[str, float]] = []
     for _ in range(args.steps + 3):  # two warm-up steps, and one to end the last measured

@@ -187,11 +187,13 @@ pub enum Run<'a, G: Grad, P: Param> {
         out: &'a mut [P],
     },
     /// As `Master`, writing to `out` the parameter predicted for the next step (Note [weight
-    /// prediction] in predict.rs).
+    /// prediction] in predict.rs); with a non-empty `coef`, without the next gradient's term
+    /// and the next denominator's `v` part to `coef` (Note [next-gradient prediction]).
     Predict {
         master: &'a mut [f32],
         grad: &'a [G],
         out: &'a mut [P],
+        coef: &'a mut [Bf16],
         pred: super::predict::Pred,
     },
     /// Read the fp32 parameter from `src`, write the result to `out` (sharded fp32: the
@@ -281,9 +283,10 @@ fn apply_generic<G: Grad, P: Param, const FMA: bool, const TAIL: bool>(
             master,
             grad,
             out,
+            coef,
             pred,
         } => super::predict::with_master_predicting::<G, P, FMA, TAIL>(
-            master, grad, out, m, v, k, &pred,
+            master, grad, out, coef, m, v, k, &pred,
         ),
         Run::Copy { src, grad, out } => copy::<G, P, FMA, TAIL>(src, grad, out, m, v, k),
     }

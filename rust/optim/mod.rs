@@ -109,6 +109,10 @@ pub struct UnitStep {
     /// Write to `out` the parameter predicted for the next step, not the master (Note [weight
     /// prediction] in predict.rs): needs an fp32 master and fp32 moments.
     pub predict: bool,
+    /// With `predict`: where the next denominator's `v` part is written, in bf16, the
+    /// prediction then leaving the next gradient's term to the device (Note [next-gradient
+    /// prediction] in predict.rs). None: the plain prediction.
+    pub coef: Ptr,
     /// The key of the unit's first element for stochastic rounding (Note [stochastic
     /// rounding]): where it sits in its parameter, the same whatever the tier or layout.
     pub key: u64,

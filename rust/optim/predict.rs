@@ -25,6 +25,37 @@
 //! value updated) and fp32 moments (the low-bit paths do not compute it: refused). Before the
 //! parameters must be the master's again (`flush()`, a checkpoint), [`AdamState::write_params`]
 //! writes the master to the output buffers.
+//!
+//! # Note [next-gradient prediction]
+//! The momentum stands in for the next gradient only because that gradient is not known when
+//! the pass runs. It is known, on the device, when the prediction is applied: `step()` t+1
+//! copies the parameters back with step t+1's gradient `g'` in hand. The next update is
+//!
+//! ```text
+//! p' = p*decay - lr/bc1' * (beta1*m + (1-beta1)*g') / den',   den' = sqrt(v'/bc2') + eps,
+//! v' = beta2*v + (1-beta2)*g'^2
+//! ```
+//!
+//! So with a `coef` buffer the pass writes to `out` the part without `g'`, its momentum over
+//! this step's denominator, and to `coef` the `v` part of the next denominator:
+//!
+//! ```text
+//! out  = p * f32(1 - lr*wd) + (f32(-lr*beta1/bc1') * m) / (sqrt(v) / f32(sqrt(bc2')) + f32(eps))
+//! coef = v * f32(beta2 / bc2')
+//! ```
+//!
+//! (`coef` in bf16 whatever the parameters' dtype: it only scales the gradient's term, and
+//! its 2 bytes per parameter are all the prediction adds to what crosses the link), and the
+//! device sets, at the next `step()`, `p = out - (lr*(1-beta1)/bc1') * g' /
+//! (sqrt(coef + (1-beta2)/bc2' * g'^2) + eps)` with that step's hyper-parameters and
+//! gradient (spillover/optim/delayed.py, `Delayed._send_predicted`). That is the next
+//! update exactly but for the momentum's denominator, `den` for `den'`: what the device
+//! computes its gradients at is the exact update's but for `v`'s one-step change in one term.
+//! A form linear in `g'` (`v'` taken as `v`) needs no more bytes, but its steps are unbounded
+//! where `g'^2` is far above `v`: on tests/python/test_optim_delayed.py's model (lr 1e-2, no
+//! warm-up) its second step put the parameters 12.5 (in norm) from the exact update's, where
+//! the momentum's prediction was 0.28 away and this form is 0.15; this one's gradient term is
+//! bounded as Adam's is.
 
 use super::kernel::{update_sqrt, Bf16, Grad, Hyper, Param, LANES};
 use super::task::{part_mut, state};
@@ -35,9 +66,13 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pred {
     pub decay: f32,
+    /// The momentum's factor: `-lr/bc1'`, or `-lr*beta1/bc1'` without the next gradient's term.
     pub neg_step_size: f32,
     pub bc2_sqrt: f32,
     pub eps: f32,
+    /// `beta2/bc2'`, the factor of `v` in the next denominator's square (Note [next-gradient
+    /// prediction]); 0 in the plain prediction, which writes no coefficient.
+    pub vscale: f32,
 }
 
 impl Hyper {
@@ -51,6 +86,20 @@ impl Hyper {
             neg_step_size: (-(self.lr / bc1)) as f32,
             bc2_sqrt: bc2.sqrt() as f32,
             eps: self.eps as f32,
+            vscale: 0.0,
+        }
+    }
+
+    /// As [`Hyper::prediction`], without the next gradient's term (Note [next-gradient
+    /// prediction]).
+    pub fn gradient_prediction(&self) -> Pred {
+        let next = self.step + 1.0;
+        let bc1 = 1.0 - self.beta1.powf(next);
+        let bc2 = 1.0 - self.beta2.powf(next);
+        Pred {
+            neg_step_size: (-(self.lr * self.beta1 / bc1)) as f32,
+            vscale: (self.beta2 / bc2) as f32,
+            ..self.prediction()
         }
     }
 }
@@ -61,17 +110,31 @@ pub(crate) fn predicted(p: f32, m: f32, r: f32, q: &Pred) -> f32 {
     p * q.decay + (q.neg_step_size * m) / (r / q.bc2_sqrt + q.eps)
 }
 
-/// As the kernel's master run, writing the predicted parameter to `out`.
+/// One element's prediction without the next gradient's term, and its coefficient (Note
+/// [next-gradient prediction]).
+#[inline(always)]
+pub(crate) fn without_gradient(p: f32, m: f32, v: f32, r: f32, q: &Pred) -> (f32, f32) {
+    (predicted(p, m, r, q), v * q.vscale)
+}
+
+/// As the kernel's master run, writing the predicted parameter to `out`, and with a non-empty
+/// `coef` the one without the next gradient's term and its coefficient (Note [next-gradient
+/// prediction]).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) fn with_master_predicting<G: Grad, P: Param, const FMA: bool, const TAIL: bool>(
     master: &mut [f32],
     grad: &[G],
     out: &mut [P],
+    coef: &mut [Bf16],
     m: &mut [f32],
     v: &mut [f32],
     k: &super::kernel::Coeffs,
     q: &Pred,
 ) {
+    if !coef.is_empty() {
+        return with_master_coef::<G, P, FMA, TAIL>(master, grad, out, coef, m, v, k, q);
+    }
     let n = m.len();
     assert!(
         master.len() == n && grad.len() == n && out.len() == n,
@@ -100,6 +163,57 @@ pub(crate) fn with_master_predicting<G: Grad, P: Param, const FMA: bool, const T
         let (p1, r) = update_sqrt::<FMA, TAIL>(*p, g.widen(), m, v, k);
         *p = p1;
         *o = P::narrow(predicted(p1, *m, r, q));
+    }
+}
+
+/// [`with_master_predicting`] with a coefficient buffer.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn with_master_coef<G: Grad, P: Param, const FMA: bool, const TAIL: bool>(
+    master: &mut [f32],
+    grad: &[G],
+    out: &mut [P],
+    coef: &mut [Bf16],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &super::kernel::Coeffs,
+    q: &Pred,
+) {
+    let n = m.len();
+    assert!(
+        master.len() == n && grad.len() == n && out.len() == n && coef.len() == n,
+        "run lengths differ"
+    );
+    let mut pc = master.chunks_exact_mut(LANES);
+    let mut gc = grad.chunks_exact(LANES);
+    let mut mc = m.chunks_exact_mut(LANES);
+    let mut vc = v.chunks_exact_mut(LANES);
+    let mut oc = out.chunks_exact_mut(LANES);
+    let mut cc = coef.chunks_exact_mut(LANES);
+    for (((((p, g), m), v), o), c) in (&mut pc)
+        .zip(&mut gc)
+        .zip(&mut mc)
+        .zip(&mut vc)
+        .zip(&mut oc)
+        .zip(&mut cc)
+    {
+        for i in 0..LANES {
+            let (p1, r) = update_sqrt::<FMA, TAIL>(p[i], g[i].widen(), &mut m[i], &mut v[i], k);
+            p[i] = p1;
+            let (pred, cf) = without_gradient(p1, m[i], v[i], r, q);
+            o[i] = P::narrow(pred);
+            c[i] = Bf16::narrow(cf);
+        }
+    }
+    let rest = pc.into_remainder().iter_mut().zip(gc.remainder());
+    let rest = rest.zip(mc.into_remainder().iter_mut().zip(vc.into_remainder()));
+    let outs = oc.into_remainder().iter_mut().zip(cc.into_remainder());
+    for (((p, g), (m, v)), (o, c)) in rest.zip(outs) {
+        let (p1, r) = update_sqrt::<FMA, TAIL>(*p, g.widen(), m, v, k);
+        *p = p1;
+        let (pred, cf) = without_gradient(p1, *m, *v, r, q);
+        *o = P::narrow(pred);
+        *c = Bf16::narrow(cf);
     }
 }
 
@@ -183,6 +297,54 @@ mod tests {
         assert!(
             predicted(p, m, v.sqrt(), &q) > p * q.decay,
             "a negative momentum moves p up"
+        );
+    }
+
+    #[test]
+    fn with_its_gradient_the_prediction_is_the_next_step_but_for_the_momentums_denominator() {
+        let h = Hyper {
+            lr: 2e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 4.0,
+            grad_scale: 1.0,
+        };
+        let q = h.gradient_prediction();
+        let plain = h.prediction();
+        assert_eq!(
+            (q.decay, q.bc2_sqrt, q.eps),
+            (plain.decay, plain.bc2_sqrt, plain.eps)
+        );
+        let (bc1, bc2) = (1.0 - 0.9f64.powi(5), 1.0 - 0.95f64.powi(5));
+        // the device's part, in f64, with the next step's constants
+        let apply = |pred: f32, w: f32, g: f64| {
+            let den = (w as f64 + 0.05 / bc2 * g * g).sqrt() + 1e-8;
+            pred as f64 - 2e-3 * 0.1 / bc1 * g / den
+        };
+        let next = |p: f64, m: f64, v: f64, g: f64| {
+            let (m1, v1) = (0.9 * m + 0.1 * g, 0.95 * v + 0.05 * g * g);
+            p * (1.0 - 2e-3 * 0.1) - 2e-3 / bc1 * m1 / ((v1 / bc2).sqrt() + 1e-8)
+        };
+        let (p, v) = (0.5f64, 4e-4f64);
+        for g in [0.03f64, -0.5, 40.0] {
+            // no momentum: the exact next step, whatever the gradient's size against v
+            let (pred, w) = without_gradient(p as f32, 0.0, v as f32, (v as f32).sqrt(), &q);
+            let (got, want) = (apply(pred, w, g), next(p, 0.0, v, g));
+            assert!(
+                (got - want).abs() < 1e-6 * want.abs(),
+                "{got} against {want}"
+            );
+        }
+        // with momentum the gradient term is exact and bounded: a huge gradient moves p by at
+        // most the update's bound, lr/bc1' * (1-beta1) * sqrt(bc2'/(1-beta2))
+        let (pred, w) = without_gradient(p as f32, -0.01, v as f32, (v as f32).sqrt(), &q);
+        let far = apply(pred, w, 1e6) - pred as f64;
+        let bound = 2e-3 / bc1 * 0.1 * (bc2 / 0.05).sqrt();
+        assert!(
+            far < 0.0 && -far <= bound * (1.0 + 1e-6),
+            "{far} against {bound}"
         );
     }
 }

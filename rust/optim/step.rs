@@ -124,6 +124,21 @@ impl AdamState {
                      moments and an output address",
                 );
             }
+            if !w.coef.is_none() {
+                if !w.predict || w.coef.dtype != Dtype::Bf16 {
+                    return bad(
+                        "a coefficient buffer (Note [next-gradient prediction]) goes with a \
+                         predicted output, in bf16",
+                    );
+                }
+                let (a, b) = w.coef.range(len);
+                if overlaps((a, b), w.grad.range(len)) {
+                    return bad("gradient and coefficient overlap");
+                }
+                if len > 0 {
+                    outs.push((a, b, u));
+                }
+            }
             if !w.out.is_none() {
                 let (a, b) = w.out.range(len);
                 if overlaps((a, b), w.grad.range(len)) {
@@ -242,6 +257,23 @@ unsafe fn run_lowbit<G: Grad>(t: &Task, w: &UnitStep, u: &UnitCtx, st: StateCtx)
     }
 }
 
+/// A predicting run's coefficient slice (empty: the plain prediction) and constants (Note
+/// [next-gradient prediction] in predict.rs).
+///
+/// # Safety
+/// As `run_task`: `w.coef`, when set, is valid and exclusive for the unit.
+unsafe fn predicting<'a>(t: &Task, w: &UnitStep) -> (&'a mut [Bf16], super::predict::Pred) {
+    if w.coef.is_none() {
+        (&mut [], w.hyper.prediction())
+    } else {
+        // SAFETY: forwarded contract.
+        (
+            unsafe { part_mut::<Bf16>(w.coef, t) },
+            w.hyper.gradient_prediction(),
+        )
+    }
+}
+
 /// fp32 state over fp32 values, through [`kernel::apply`].
 ///
 /// # Safety
@@ -269,13 +301,14 @@ unsafe fn run_typed<G: Grad>(t: &Task, w: &UnitStep, k: &Coeffs, init: bool, tai
             }
             (Some(master), false, Dtype::F32) if w.predict => {
                 let out = part_mut::<f32>(w.out, t);
-                let pred = w.hyper.prediction();
+                let (coef, pred) = predicting(t, w);
                 go(
                     tail,
                     Run::Predict {
                         master,
                         grad,
                         out,
+                        coef,
                         pred,
                     },
                     m,
@@ -285,13 +318,14 @@ unsafe fn run_typed<G: Grad>(t: &Task, w: &UnitStep, k: &Coeffs, init: bool, tai
             }
             (Some(master), false, Dtype::Bf16) if w.predict => {
                 let out = part_mut::<Bf16>(w.out, t);
-                let pred = w.hyper.prediction();
+                let (coef, pred) = predicting(t, w);
                 go(
                     tail,
                     Run::Predict {
                         master,
                         grad,
                         out,
+                        coef,
                         pred,
                     },
                     m,

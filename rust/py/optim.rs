@@ -22,7 +22,7 @@ use crate::optim::{
 /// The step record, field by field (name, little-endian `u8` or `f8`), in order: the one
 /// definition of its layout. Python builds its numpy dtype from `_native.STEP_RECORD_FIELDS`
 /// (spillover/optim/layout.py); `parse_steps` finds each field by its name, at compile time.
-pub(crate) const STEP_FIELDS: [(&str, &str); 14] = [
+pub(crate) const STEP_FIELDS: [(&str, &str); 15] = [
     ("unit", "u8"),
     ("grad", "u8"),
     ("src", "u8"),
@@ -37,6 +37,7 @@ pub(crate) const STEP_FIELDS: [(&str, &str); 14] = [
     ("grad_scale", "f8"),
     ("tail", "u8"),
     ("key", "u8"),
+    ("coef", "u8"),
 ];
 /// The export/import record, as [`STEP_FIELDS`] (`_native.BUFFER_RECORD_FIELDS`).
 pub(crate) const BUFFER_FIELDS: [(&str, &str); 6] = [
@@ -162,6 +163,7 @@ fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
             const SCALE: usize = at(&STEP_FIELDS, "grad_scale");
             const TAIL: usize = at(&STEP_FIELDS, "tail");
             const KEY: usize = at(&STEP_FIELDS, "key");
+            const COEF: usize = at(&STEP_FIELDS, "coef");
             let flags = u64_at(r, FLAGS);
             UnitStep {
                 unit: u64_at(r, UNIT) as usize,
@@ -179,6 +181,7 @@ fn parse_steps(data: &[u8]) -> PyResult<Vec<UnitStep>> {
                 },
                 tail: u64_at(r, TAIL) as usize,
                 predict: flags & FLAG_PREDICT != 0,
+                coef: Ptr::new(u64_at(r, COEF) as usize, Dtype::Bf16),
                 key: u64_at(r, KEY),
             }
         })

@@ -100,6 +100,7 @@ pub fn unit_step(
         hyper: h,
         tail,
         predict: false,
+        coef: Ptr::new(0, Dtype::F32),
         key: (u as u64) << 40,
     }
 }

@@ -36,10 +36,10 @@ class DelayedSim:
     """The delayed update with prediction, synchronously: ``step()`` t sets the parameters the
     previous step's update predicted (the copy back), then computes step t's update."""
 
-    def __init__(self, groups, lr, betas, eps=1e-8, lam=0.0, lin=False):
+    def __init__(self, groups, lr, betas, eps=1e-8, lam=0.0, lin=False, nextv=False):
         self.param_groups = [dict(g, lr=lr) for g in groups]
         self.b1, self.b2 = betas
-        self.eps, self.lam, self.lin = eps, lam, lin
+        self.eps, self.lam, self.lin, self.nextv = eps, lam, lin or nextv, nextv
         self.st = {}
         self.t = 0
         self.pending = None
@@ -76,7 +76,11 @@ class DelayedSim:
                 nb1, nb2 = 1 - b1 ** (t + 1), 1 - b2 ** (t + 1)  # the next step's constants
                 pred = big * (1 - lr * wd)
                 den = (v / nb2).sqrt().add_(eps)
-                if self.lin:  # the next gradient's term left to the next step()
+                if self.nextv:  # the next gradient's term, and v's, left to the next step()
+                    pred.addcdiv_(m, den, value=-lr * b1 / nb1)
+                    w = (v * (b2 / nb2)).sqrt_()
+                    pend[p] = (pred, (w, lr * (1 - b1) / nb1, (1 - b2) / nb2))
+                elif self.lin:  # the next gradient's term left to the next step()
                     pred.addcdiv_(m, den, value=-lr * b1 / nb1)
                     pend[p] = (pred, (lr * (1 - b1) / nb1) / den)
                 else:
@@ -84,7 +88,13 @@ class DelayedSim:
                     pend[p] = (pred, None)
         if self.pending is not None:
             for p, (pred, c) in self.pending.items():
-                p.copy_(pred if c is None else pred - c * grads[p])
+                if isinstance(c, tuple):  # den' = sqrt(b2*v/bc2' + (1-b2)/bc2' * g'^2) + eps
+                    w, cn, k = c
+                    g2 = grads[p]
+                    den2 = (w * w + k * g2 * g2).sqrt_().add_(eps)
+                    p.copy_(pred - cn * g2 / den2)
+                else:
+                    p.copy_(pred if c is None else pred - c * grads[p])
         self.pending = pend
 
     @torch.no_grad()
@@ -99,6 +109,7 @@ def main():
     ap.add_argument("--lam", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lin", action="store_true")
+    ap.add_argument("--nextv", action="store_true")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     args = argparse.Namespace(steps=500, batch=4, seq=128, d_model=320, layers=8, lr=2e-3,
@@ -111,11 +122,11 @@ def main():
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    opt = DelayedSim(groups, args.lr, (0.9, 0.95), lam=a.lam, lin=a.lin)
+    opt = DelayedSim(groups, args.lr, (0.9, 0.95), lam=a.lam, lin=a.lin, nextv=a.nextv)
     g = torch.Generator().manual_seed(42 + args.seed)
     vals = []
     t0 = time.perf_counter()
-    name = ("lin" if a.lin else "pred") + (f"-lam{a.lam:g}" if a.lam else "")
+    name = ("nextv" if a.nextv else "lin" if a.lin else "pred") + (f"-lam{a.lam:g}" if a.lam else "")
     for step in range(args.steps):
         for pg in opt.param_groups:
             pg["lr"] = LQ.lr_at(step, args.steps, args.lr)

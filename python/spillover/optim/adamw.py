@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -126,13 +126,18 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             (ZeRO-Offload starts its delayed update after a few dozen iterations: the early
             steps, large and fast-changing, suffer most from the lag).
         predict_weights: with ``overlap="delayed"``, give the device the parameters moved by
-            the next update as predicted from the state (the momentum for its gradient: Note
-            [weight prediction] in rust/optim/predict.rs), so that the gradients are computed
-            close to where the exact update would compute them. The host's master is the
-            plain delayed update's; ``flush()`` and ``state_dict()`` give the model the
-            master. Default (``None``): on where it can run, fp32 state with an fp32 master
-            (``state_bits=32``, ``master_weights=True``); ``False``: the plain delayed
-            update. Measured on ``benches/python/lowbit_quality.py``: README, "The delayed
+            the next update as predicted from the state, so that the gradients are computed
+            close to where the exact update would compute them. ``"gradient"`` (or ``True``):
+            the next update's gradient term is left to ``step()``, which computes it on the
+            device with that gradient, so only ``v``'s one-step change in the momentum's
+            term is predicted (Note [next-gradient prediction] in rust/optim/predict.rs;
+            ``v``'s part of the next denominator crosses the link beside the
+            parameters, in bf16: 2 bytes per parameter); ``"momentum"``: the momentum
+            taken for the next gradient (Note [weight prediction]; no more bytes). The
+            host's master is the plain delayed update's; ``flush()`` and ``state_dict()``
+            give the model the master. Default (``None``): ``"gradient"`` where it can run,
+            fp32 state with an fp32 master (``state_bits=32``, ``master_weights=True``);
+            ``False``: the plain delayed update. Measured on ``benches/python/lowbit_quality.py``: README, "The delayed
             update".
         state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored (Note [state formats] in
             formats.py): 32 (fp32, torch's AdamW state: 8 bytes per parameter, 12 with a master
@@ -181,7 +186,7 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         update_in_backward: bool = False,
         overlap: Optional[str] = None,
         delay_after: int = 0,
-        predict_weights: Optional[bool] = None,
+        predict_weights: Optional[Union[bool, str]] = None,
         update_threads: Optional[int] = None,
         max_grad_norm: Optional[float] = None,
         state_bits: int = 32,
@@ -318,28 +323,32 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
                 "not fire; use the default mode (update_in_backward=False)"
             )
 
-    def _check_predict(self, predict: Optional[bool]) -> bool:
-        """Note [weight prediction] (rust/optim/predict.rs): on by default with
-        overlap="delayed" where the kernel computes it (an fp32 master, fp32 moments)."""
-        if predict is not None and not isinstance(predict, bool):
-            raise ValueError(f"OffloadAdamW: predict_weights must be None, True or False, got "
-                             f"{predict!r}")
+    def _check_predict(self, predict: Optional[Union[bool, str]]) -> str:
+        """Note [weight prediction], Note [next-gradient prediction] (rust/optim/predict.rs):
+        the prediction's kind, "" for none; "gradient" by default with overlap="delayed" where the
+        kernel computes it (an fp32 master, fp32 moments)."""
+        kinds = (None, True, False, "gradient", "momentum")
+        if not any(predict is k for k in kinds[:3]) and predict not in kinds[3:]:
+            raise ValueError(f"OffloadAdamW: predict_weights must be None, True, False, "
+                             f"'gradient' or 'momentum', got {predict!r}")
         if not self._delayed:
             if predict:
                 raise ValueError(
-                    "OffloadAdamW: predict_weights=True applies to overlap='delayed' (the "
-                    "exact update has no lag to predict across)"
+                    f"OffloadAdamW: predict_weights={predict!r} applies to overlap='delayed' "
+                    "(the exact update has no lag to predict across)"
                 )
-            return False
+            return ""
         can = self._state_bits == 32 and self._master_weights
         if predict and not can:
             raise ValueError(
-                "OffloadAdamW: predict_weights=True needs fp32 state (state_bits=32) and an "
-                f"fp32 master (master_weights=True); got state_bits={self._state_bits}, "
+                f"OffloadAdamW: predict_weights={predict!r} needs fp32 state (state_bits=32) "
+                f"and an fp32 master (master_weights=True); got state_bits={self._state_bits}, "
                 f"master_weights={self._master_weights}. Use predict_weights=False (the plain "
                 "delayed update) or the default state"
             )
-        return can if predict is None else predict
+        if predict is False or (predict is None and not can):
+            return ""
+        return "momentum" if predict == "momentum" else "gradient"
 
     def _check_delayed(self) -> None:
         """Note [delayed update]: where it is offered."""
@@ -586,7 +595,10 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
         heap_chunks; on the staged path (parameters on a GPU, one rank), grad_copies and
         grad_bytes_copied (device-to-host gradient copies, one per unit of at most
         ``_UNIT_MAX`` elements) and grad_stale_copies (those made again because the staged
-        copy's fingerprint no longer matched: Note [staged gradients]); steps_skipped
+        copy's fingerprint no longer matched: Note [staged gradients]); coef_bytes_copied
+        (``overlap="delayed"`` with the next-gradient prediction: ``v``'s part of the
+        next denominator, copied back beside the parameters, Note [next-gradient
+        prediction]); steps_skipped
         (GradScaler's inf/NaN steps); with ``update_in_backward``, steps_in_backward,
         steps_redone, inbwd_redo_rate (steps_redone over the steps that had updates made during
         backward), inbwd_buckets, inbwd_buckets_redone, inbwd_buckets_undone, undo_bytes and

@@ -27,11 +27,15 @@ Note [delayed update]
     the exact one's, on those gradients; only the parameters the gradients are computed on
     differ. With ``predict_weights`` (the default where it runs: fp32 state, an fp32 master)
     the parameters copied back are not step t-1's master but that master moved by step t's
-    update as predicted from the state step t-1's update left, its momentum for step t's
-    gradient (Note [weight prediction] in rust/optim/predict.rs): the kernel's pass writes
-    them to the output buffers, the masters stay the plain delayed update's, and ``flush()``
-    writes the masters to the output buffers (``AdamState.write_params``) before copying them
-    back. ``delay_after=N`` makes the first N steps exact (the update waits), as
+    update as predicted from the state step t-1's update left: by default (``"gradient"``)
+    that update without its gradient term, which ``step()`` t computes on the device with
+    step t's gradient from the coefficients the pass wrote beside (Note [next-gradient
+    prediction] in rust/optim/predict.rs; ``_send_predicted``), or (``"momentum"``) with the
+    momentum for step t's gradient (Note [weight prediction]). The kernel's pass writes
+    them to the output buffers, the masters stay the plain delayed update's, a parameter
+    without a gradient at ``step()`` t gets its master (step t's update does not move it),
+    and ``flush()`` writes the masters to the output buffers (``AdamState.write_params``)
+    before copying them back. ``delay_after=N`` makes the first N steps exact (the update waits), as
     ZeRO-Offload starts its delayed update after some iterations. What this costs in quality
     is measured, not assumed: ``benches/python/lowbit_quality.py --only
     fp32,delayed,delayed-after50`` compares the validation loss with the exact update's.
@@ -63,6 +67,30 @@ import numpy as np
 import torch
 
 from .layout import _local
+
+
+def _gradient_term(dst: List[torch.Tensor], coef: List[torch.Tensor], grad: List[torch.Tensor],
+                   hyper: np.ndarray, step: np.ndarray) -> None:
+    """Note [next-gradient prediction] (rust/optim/predict.rs), the device's part: ``dst -=
+    lr/bc1 * (1-beta1) * g / (sqrt(coef + (1-beta2)/bc2 * g^2) + eps)`` with ``g`` the
+    gradient times ``hyper``'s ``grad_scale`` and ``bc1``, ``bc2`` at ``step``, per tensor
+    (``coef`` in bf16); in fp32, one rounding per operation (foreach ops of one kernel each:
+    bitwise reproducible), ``dst`` rounded once at the end."""
+    h = hyper
+    b1, b2, s = h["beta1"], h["beta2"], h["grad_scale"]
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    k = [float(x) for x in (1 - b2) / bc2 * s * s]  # the gradient's square, scaled
+    cn = [float(x) for x in h["lr"] * (1 - b1) / bc1 * s]
+    eps = [float(x) for x in h["eps"]]
+    g32 = [x.float() for x in grad]
+    u = torch._foreach_mul(g32, g32)
+    torch._foreach_mul_(u, k)
+    t = torch._foreach_add(u, coef)  # fp32
+    torch._foreach_sqrt_(t)
+    torch._foreach_add_(t, eps)
+    u = torch._foreach_mul(g32, cn)
+    torch._foreach_div_(u, t)
+    torch._foreach_sub_(dst, u)
 
 
 class Delayed:
@@ -122,7 +150,7 @@ class Delayed:
                 rows, fut = pending.pop(b)
                 e = fut.exception()
                 if e is None:
-                    self._send_back(b, rows)
+                    self._send_predicted(b, rows, grads, hyper)
                 elif err is None:
                     err = e
             if err is not None:
@@ -162,6 +190,53 @@ class Delayed:
             raise err
         self.order = order
         return np.unique(self.unit_global[np.asarray(updated, dtype=np.int64)])
+
+    def _send_predicted(self, b: int, rows: List[int], grads: Dict[int, torch.Tensor],
+                        hyper: np.ndarray) -> None:
+        """Copy back the parameters of bucket b's units `rows`, which the update handed over at
+        the last ``step()`` has computed, at this ``step()`` with gradients `grads`.
+
+        With a prediction, a unit whose parameter has no gradient now gets its master: the
+        update the prediction stands for does not move it (AdamW skips a parameter without a
+        gradient). With the next-gradient one (Note [next-gradient prediction] in
+        rust/optim/predict.rs) the others then take the next update's gradient term on the
+        device, ``g`` this step's gradient (clipped, when ``max_grad_norm`` clipped it) times
+        the kernel's scale for it (a GradScaler's inverse scale, -1 to maximize), with this
+        step's hyper-parameters: the coefficient is copied to device memory of the unit's size
+        after the prediction's copy, and the compute stream waits for both (Note [parameter
+        writes are ordered] in copies.py)."""
+        kind = self.opt._predict
+        if kind:
+            idle = np.asarray([ui for ui in rows if self.units[ui][0] not in grads],
+                              dtype=np.int64)
+            if len(idle):
+                self.state.write_params(self._flat_records(idle))
+        self._send_back(b, rows)
+        if kind != "gradient":
+            return
+        back = self.h2d_events[b]  # the worker's update of b waits for these copies too
+        dst, coef, g, consts = [], [], [], []
+        with torch.no_grad():
+            for ui in rows:
+                k, start, n, _ = self.units[ui]
+                if k not in grads:
+                    continue
+                p = _local(self.params[k]).detach()
+                if n == p.numel():
+                    d, src, gk = p, self.coef_view[ui].view(p.shape), _local(grads[k])
+                else:  # a piece of a large parameter (contiguous: checked at build)
+                    d, src = p.view(-1)[start : start + n], self.coef_view[ui]
+                    gk = _local(grads[k]).reshape(-1)[start : start + n]
+                c = torch.empty(d.shape, dtype=torch.bfloat16, device=d.device)
+                back.append(self.copies.to_device(c, src))
+                self.counters["coef_bytes_copied"] += n * 2  # bf16
+                dst.append(d)
+                coef.append(c)
+                g.append(gk)
+                consts.append(self.unit_global[ui])
+            if dst:
+                _gradient_term(dst, coef, g, hyper[np.asarray(consts)],
+                               self.opt._steps[np.asarray(consts)] + 1)
 
     def _update_later(self, b: int, recs: bytes, waits: List[Any]) -> None:
         """The worker: bucket b's update, once its copies have landed."""

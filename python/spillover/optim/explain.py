@@ -79,8 +79,9 @@ def explain_state(opt: OffloadAdamW) -> StateExplanation:
         why = ("" if opt._predict else
                " (predict_weights=False)" if opt._state_bits == 32 and opt._master_weights else
                " (it needs state_bits=32 and master_weights=True)")
+        on = f"on ({opt._predict})" if opt._predict else "off"
         summary["update"] = ("one-step delayed (overlap='delayed'), weight prediction "
-                             f"{'on' if opt._predict else 'off'}{why}"
+                             f"{on}{why}"
                              + (f", exact for the first {opt._delay_after} steps"
                                 if opt._delay_after else ""))
     if total_elems:

@@ -48,8 +48,9 @@ _HYPER = np.dtype(
 )
 # The staged path's gradient counters (Python-side, per space): device-to-host gradient copies
 # (one per unit), their bytes, and those made because a staged copy's fingerprint no longer
-# matched the gradient (Note [staged gradients]).
-_GRAD_STATS = ("grad_copies", "grad_bytes_copied", "grad_stale_copies")
+# matched the gradient (Note [staged gradients]); the next-gradient prediction's coefficients
+# copied back (Note [next-gradient prediction] in rust/optim/predict.rs).
+_GRAD_STATS = ("grad_copies", "grad_bytes_copied", "grad_stale_copies", "coef_bytes_copied")
 
 def _bf16_flag(dtype: torch.dtype, bit: int) -> int:
     return bit if dtype == torch.bfloat16 else 0

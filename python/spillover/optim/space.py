@@ -160,6 +160,7 @@ class _Space(abc.ABC):
         n_units = len(self.units)
         self.grad_addr = np.zeros(n_units, dtype=np.uint64)
         self.out_addr = np.zeros(n_units, dtype=np.uint64)
+        self.coef_addr = np.zeros(n_units, dtype=np.uint64)
         if not self.staged:
             return
         if dev.type == "cuda":
@@ -169,10 +170,15 @@ class _Space(abc.ABC):
         self.buckets: List[Tuple[List[int], int, int, torch.Tensor, torch.Tensor]] = []
         self.grad_view: List[torch.Tensor] = []
         self.out_view: List[torch.Tensor] = []
+        #: Note [next-gradient prediction] (rust/optim/predict.rs): the next denominator's
+        #: v part in bf16, beside the outputs; only with that prediction
+        self.coef_view: List[torch.Tensor] = []
+        coefs = opt._predict == "gradient"
         for rows in _buckets(list(range(n_units)), self.units, _layout._BUCKET_ELEMS):
             f_lo = self.units[rows[0]][3]
             f_hi = self.units[rows[-1]][3] + self.units[rows[-1]][2]
             g, o = self._pinned(f_hi - f_lo), self._pinned(f_hi - f_lo)
+            c = self._pinned(f_hi - f_lo, torch.bfloat16) if coefs else None
             self.buckets.append((rows, f_lo, f_hi, g, o))
             for ui in rows:
                 _, _, n, at = self.units[ui]
@@ -180,21 +186,27 @@ class _Space(abc.ABC):
                 self.out_view.append(o[at - f_lo : at - f_lo + n])
                 self.grad_addr[ui] = self.grad_view[ui].data_ptr()
                 self.out_addr[ui] = self.out_view[ui].data_ptr()
+                if c is not None:
+                    self.coef_view.append(c[at - f_lo : at - f_lo + n])
+                    self.coef_addr[ui] = self.coef_view[ui].data_ptr()
         # Members with units in each bucket (a large parameter spans several buckets).
         self.bucket_members = [sorted({self.units[ui][0] for ui in b[0]}) for b in self.buckets]
 
-    def _pinned(self, n: int) -> torch.Tensor:
+    def _pinned(self, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A pinned buffer of `n` elements of `dtype` (default: the parameters'), a block of
+        the pool where it fits."""
         opt = self.opt
-        nbytes = max(n, 1) * self.esize
+        dtype = dtype or self.dtype
+        nbytes = max(n, 1) * torch.empty((), dtype=dtype).element_size()
         try:
-            return block_tensor(opt._pool.lease(nbytes))[:nbytes].view(self.dtype)
+            return block_tensor(opt._pool.lease(nbytes))[:nbytes].view(dtype)
         except PoolExhaustedError:
             _runtime.warn_once(
                 "optim-staging",
                 "spillover: OffloadAdamW's staging buffers did not fit the host pool; using "
                 "separately pinned memory. Raise SPILLOVER_HOST_POOL_BYTES to avoid it.",
             )
-            return torch.empty(max(n, 1), dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            return torch.empty(max(n, 1), dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _make_state(self, lens: List[int]) -> Any:
         opt = self.opt
@@ -260,14 +272,16 @@ class _Space(abc.ABC):
         rec["step"][rows] = self.opt._steps[g] + 1
         rec["grad_scale"][rows] = h["grad_scale"] * scale
 
-    def _flat_records(self, rows: np.ndarray, predict: bool = False) -> bytes:
+    def _flat_records(self, rows: np.ndarray, predict: str = "") -> bytes:
         """Records for units whose gradient and output are in the flat or staging buffers;
-        `predict`: their outputs get the predicted parameters (Note [weight prediction] in
-        rust/optim/predict.rs)."""
+        `predict` ("momentum", "gradient"): their outputs get the predicted parameters (Note
+        [weight prediction] in rust/optim/predict.rs), "gradient" without the next gradient's
+        term, its coefficient in the coefficient buffers (Note [next-gradient prediction])."""
         rec = self.rec
         rec["grad"][rows] = self.grad_addr[rows]
         rec["out"][rows] = self.out_addr[rows]
         rec["src"][rows] = self.out_addr[rows]  # holds the parameter when a unit starts
+        rec["coef"][rows] = self.coef_addr[rows] if predict == "gradient" else 0
         rec["flags"][rows] = (_bf16_flag(self.dtype, _GRAD_BF16 | _SRC_BF16 | _OUT_BF16)
                               | (_PREDICT if predict else 0))
         return rec[rows].tobytes()
