@@ -52,7 +52,9 @@ backward). ``--per-bucket`` adds one table per mode: each bucket's parts and the
 ``--update-threads N`` gives every OffloadAdamW mode ``update_threads=N`` (default: the
 library's, Note [update threads] in spillover/optim/adamw.py: all cores for ``exact``, one
 fewer for ``inbwd`` and ``delayed``). ``--copies model`` and ``--fingerprints host``: see
-``Link.copy`` and ``device_fingerprints``.
+``Link.copy`` and ``device_fingerprints``. The parameter H2D column counts the next-gradient
+prediction's coefficients (bf16) with the parameters; its term's host seconds here, and a
+GPU's at HBM speed, have a column of their own.
 """
 
 from __future__ import annotations
@@ -70,10 +72,27 @@ import torch
 
 import spillover
 from spillover.activations.link import sim
+from spillover.optim import delayed as _delayed
 
 H200_STEP_S = 0.144  # forward + backward of the probe's GPT on the H200 (see the docstring)
 H200_PARAMS = 369e6
 FUSED_BYTES_PER_S = 2.9e12  # torch's fused AdamW on the device: 28 B/param at 60 % of HBM
+# The next-gradient prediction's term (Note [next-gradient prediction]) runs at step() on the
+# compute stream: on the simulated device, on this host's cores. Its host seconds are logged
+# and shown apart (a GPU runs its 8 elementwise passes, ~74 bytes per fp32 parameter, at HBM
+# speed: ``TERM_BYTES`` over ``FUSED_BYTES_PER_S``, also shown).
+TERM_BYTES = 74
+_TERM: List[Tuple[float, float]] = []
+_run_term = _delayed._gradient_term
+
+
+def _timed_term(*a: Any, **kw: Any) -> None:
+    t0 = time.perf_counter()
+    _run_term(*a, **kw)
+    _TERM.append((t0, time.perf_counter()))
+
+
+_delayed._gradient_term = _timed_term
 
 
 class Link(sim.SimDevice):
@@ -270,6 +289,10 @@ def run_mode(mode: str, shapes: List[List[int]], fwd_s: float, bwd_s: float, arg
                 if t0 <= a < t1:
                     parts["update"].append((b, a, e))
         out["buckets"] = len(spaces[0].buckets) if spaces else 0
+        term = [(a, b) for a, b in _TERM if t0 <= a < t1]
+        out["term_s"] = sum(b - a for a, b in term) / k
+        out["term_device_s"] = n * TERM_BYTES / FUSED_BYTES_PER_S if term else 0.0
+        _TERM.clear()
     for kind, ivs in parts.items():
         total = sum(e - a for _, a, e in ivs)
         hidden = sum(overlap((a, e), busy) for _, a, e in ivs)
@@ -332,10 +355,16 @@ def main() -> None:
         print(f"\n### pace {pace}: forward + backward {device_s * 1e3:.1f} ms per step "
               f"({n / 1e6:.1f}M parameters, link {args.link_gbs:g} GB/s, {cores} cores)\n")
         print("| mode | step ms | vs torch fused | not hidden ms | gradient D2H ms (hidden) "
-              "| host update ms (hidden) | parameter H2D ms (hidden) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "| host update ms (hidden) | parameter H2D ms (hidden) | gradient term ms here "
+              "(on a GPU) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for mode, r in rows.items():
             ratio = f"{r['step_s'] / base:.2f}x" if base else ""
+
+            def term(r: Dict[str, Any]) -> str:
+                if not r.get("term_s"):
+                    return "–"
+                return f"{r['term_s'] * 1e3:.1f} ({r['term_device_s'] * 1e3:.1f})"
 
             def cell(kind: str, r: Dict[str, Any] = r) -> str:
                 x = r[kind]
@@ -345,7 +374,7 @@ def main() -> None:
 
             print(f"| {mode} | {r['step_s'] * 1e3:.1f} | {ratio} | "
                   f"{(r['step_s'] - r['compute_s']) * 1e3:.1f} | {cell('d2h')} | "
-                  f"{cell('update')} | {cell('h2d')} |")
+                  f"{cell('update')} | {cell('h2d')} | {term(r)} |")
         if args.per_bucket:
             for mode, r in rows.items():
                 if mode == "torch":
