@@ -69,7 +69,7 @@ LABELS = {
     "bits16": "OffloadAdamW state_bits=16",
     "bits8": "OffloadAdamW state_bits=8",
     "bits8-nomaster": "OffloadAdamW state_bits=8, master_weights=False (bf16 params)",
-    "delayed": "OffloadAdamW overlap=\"delayed\" (fp32 state, weight prediction)",
+    "delayed": "OffloadAdamW overlap=\"delayed\" (fp32 state, next-gradient prediction)",
     "delayed-after50": "OffloadAdamW overlap=\"delayed\", delay_after=50",
     "delayed-momentum": "OffloadAdamW overlap=\"delayed\", predict_weights=\"momentum\"",
     "delayed-plain": "OffloadAdamW overlap=\"delayed\", predict_weights=False",

@@ -53,8 +53,8 @@ backward). ``--per-bucket`` adds one table per mode: each bucket's parts and the
 library's, Note [update threads] in spillover/optim/adamw.py: all cores for ``exact``, one
 fewer for ``inbwd`` and ``delayed``). ``--copies model`` and ``--fingerprints host``: see
 ``Link.copy`` and ``device_fingerprints``. The parameter H2D column counts the next-gradient
-prediction's coefficients (bf16) with the parameters; its term's host seconds here, and a
-GPU's at HBM speed, have a column of their own.
+prediction's coefficients (bf16) with the parameters; its term on the device has a column of
+its own (``--term``: slept at HBM speed, the default, or run on this host).
 """
 
 from __future__ import annotations
@@ -78,17 +78,23 @@ H200_STEP_S = 0.144  # forward + backward of the probe's GPT on the H200 (see th
 H200_PARAMS = 369e6
 FUSED_BYTES_PER_S = 2.9e12  # torch's fused AdamW on the device: 28 B/param at 60 % of HBM
 # The next-gradient prediction's term (Note [next-gradient prediction]) runs at step() on the
-# compute stream: on the simulated device, on this host's cores. Its host seconds are logged
-# and shown apart (a GPU runs its 8 elementwise passes, ~74 bytes per fp32 parameter, at HBM
-# speed: ``TERM_BYTES`` over ``FUSED_BYTES_PER_S``, also shown).
-TERM_BYTES = 74
+# compute stream. A GPU runs its 4 elementwise passes, ~46 bytes per fp32 parameter, at HBM
+# speed; the simulated device's compute stream is the calling thread, so with ``--term model``
+# (the default) the term is that thread sleeping ``TERM_BYTES`` per element over
+# ``FUSED_BYTES_PER_S``, as forward and backward sleep theirs (the values it would compute are
+# not needed here); ``--term run`` computes it on this host's cores instead.
+TERM_BYTES = 46
+TERM = {"run": False}
 _TERM: List[Tuple[float, float]] = []
 _run_term = _delayed._gradient_term
 
 
-def _timed_term(*a: Any, **kw: Any) -> None:
+def _timed_term(dst: List[torch.Tensor], *a: Any) -> None:
     t0 = time.perf_counter()
-    _run_term(*a, **kw)
+    if TERM["run"]:
+        _run_term(dst, *a)
+    else:
+        time.sleep(sum(d.numel() for d in dst) * TERM_BYTES / FUSED_BYTES_PER_S)
     _TERM.append((t0, time.perf_counter()))
 
 
@@ -323,7 +329,11 @@ def main() -> None:
                     help="OffloadAdamW(update_threads=): default, the library's (Note [update "
                          "threads] in spillover/optim/adamw.py)")
     ap.add_argument("--fingerprints", choices=("device", "host"), default="device")
+    ap.add_argument("--term", choices=("model", "run"), default="model",
+                    help="the next-gradient prediction's device term: slept at HBM speed, or "
+                         "computed on this host (see TERM_BYTES)")
     args = ap.parse_args()
+    TERM["run"] = args.term == "run"
     if args.fingerprints == "device":
         device_fingerprints()
     torch.set_num_threads(1)  # the sim's copies: optim_threads.py's docstring says why
@@ -355,8 +365,8 @@ def main() -> None:
         print(f"\n### pace {pace}: forward + backward {device_s * 1e3:.1f} ms per step "
               f"({n / 1e6:.1f}M parameters, link {args.link_gbs:g} GB/s, {cores} cores)\n")
         print("| mode | step ms | vs torch fused | not hidden ms | gradient D2H ms (hidden) "
-              "| host update ms (hidden) | parameter H2D ms (hidden) | gradient term ms here "
-              "(on a GPU) |")
+              "| host update ms (hidden) | parameter H2D ms (hidden) | gradient term ms "
+              "(at HBM speed) |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for mode, r in rows.items():
             ratio = f"{r['step_s'] / base:.2f}x" if base else ""

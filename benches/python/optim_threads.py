@@ -51,17 +51,25 @@ from typing import Any, Dict, List, Tuple
 
 def _predict_cost(opt: Any, rounds: int) -> Dict[str, float]:
     """The staged fp32 kernel's pass over every unit as the exact update runs it and as the
-    delayed update with weight prediction runs it (Note [weight prediction] in
-    rust/optim/predict.rs: the same bytes, a division more per element), interleaved; the
-    fastest of `rounds` each, in seconds."""
+    delayed update runs it with each weight prediction (rust/optim/predict.rs: Note [weight
+    prediction], "momentum", the same bytes and a division more per element; Note
+    [next-gradient prediction], "gradient", the default, a bf16 coefficient more written per
+    element), interleaved; the fastest of `rounds` each, in seconds."""
     import numpy as np
+    import torch
 
-    best = {"plain": float("inf"), "predicted": float("inf")}
+    best = {"plain": float("inf"), "momentum": float("inf"), "gradient": float("inf")}
+    keep = []
+    for sp in opt._spaces:  # the coefficient buffers the exact update has none of
+        c = torch.empty(sum(u[2] for u in sp.units), dtype=torch.bfloat16)
+        at = np.cumsum([0] + [u[2] for u in sp.units])[:-1]
+        sp.coef_addr = (c.data_ptr() + 2 * at).astype(np.uint64)
+        keep.append(c)
     for _ in range(rounds):
         for way in best:
             for sp in opt._spaces:
                 rows = np.arange(len(sp.units), dtype=np.int64)
-                recs = sp._flat_records(rows, predict=way == "predicted")
+                recs = sp._flat_records(rows, predict="" if way == "plain" else way)
                 t0 = time.perf_counter()
                 sp.state.step(recs)
                 best[way] = min(best[way], time.perf_counter() - t0)
@@ -172,11 +180,12 @@ def main() -> None:
     if rows:
         cost = []
         for r in rows:
-            a, b = r["predict"]["plain"], r["predict"]["predicted"]
-            cost.append(f"{r['threads']} thread(s) {a * 1e3:.1f} ms -> {b * 1e3:.1f} ms "
-                        f"({(b / a - 1) * 100:+.0f} %)")
-        print("\nweight prediction (overlap=\"delayed\"'s default), the staged fp32 pass: "
-              + "; ".join(cost))
+            a, b, c = (r["predict"][k] for k in ("plain", "momentum", "gradient"))
+            cost.append(f"{r['threads']} thread(s) {a * 1e3:.1f} ms -> momentum "
+                        f"{b * 1e3:.1f} ms ({(b / a - 1) * 100:+.0f} %), gradient "
+                        f"{c * 1e3:.1f} ms ({(c / a - 1) * 100:+.0f} %)")
+        print("\nweight prediction (overlap=\"delayed\"), the staged fp32 pass, exact -> "
+              "predict_weights=\"momentum\" and \"gradient\" (the default): " + "; ".join(cost))
         last = rows[-1]
         shares = {k: last[k]["kernel_gbs"] / last["copy_gbs"] for k in kinds}
         low = min(shares.values())

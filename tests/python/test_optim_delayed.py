@@ -60,17 +60,15 @@ def predicted(master, st, group, kind="momentum"):
 
 
 def gradient_term(p, coef, grad, group, step):
-    """Note [next-gradient prediction], the device's part, as delayed._gradient_term does it:
-    one torch operation at a time, in fp32."""
+    """Note [next-gradient prediction], the device's part, as delayed._gradient_term does it,
+    in fp32, with torch's ops one tensor at a time."""
     lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
     g = grad.float()
-    u = g * g
-    u.mul_((1 - b2) / bc2 * 1.0 * 1.0)
-    t = u + coef
+    t = torch.addcmul(coef, g, g, value=(1 - b2) / bc2 * 1.0 * 1.0)
+    assert t.dtype == torch.float32
     t.sqrt_().add_(eps)
-    u = g * (lr * (1 - b1) / bc1 * 1.0)
-    p.sub_(u.div_(t))
+    p.addcdiv_(g, t, value=-(lr * (1 - b1) / bc1 * 1.0))
 
 
 class Reference:
