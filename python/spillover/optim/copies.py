@@ -35,7 +35,9 @@ Note [optimizer copies]
 Note [parameter writes are ordered]
     Every write of a parameter the optimizer issues is an H2D copy from ``to_device``, and the
     compute stream current at that call waits on the copy's event right after it is queued
-    (a ``wait_event``, not a host synchronize). Those calls are made only by ``step()`` on the
+    (a ``wait_event``, not a host synchronize), or a kernel queued on that stream after such a
+    wait (the delayed update's gradient term: Note [next-gradient prediction] in
+    rust/optim/predict.rs). Those calls are made only by ``step()`` on the
     caller's thread: the update-in-backward worker and the hooks write state and staging
     buffers, never a parameter (Note [update in backward] in inbwd.py). So when backward
     returns nothing of the optimizer's writes a parameter, and when ``step()`` returns the
