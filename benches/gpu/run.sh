@@ -2,7 +2,7 @@
 # The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
 # the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
 #
-#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 6.5 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7 minutes on an H200
 #     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, the three
 #                                                          # answers: under 3 minutes
 #     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
@@ -22,8 +22,11 @@
 #   optimizer benches/gpu/bench.py --mode optim: torch's fused AdamW against OffloadAdamW on a
 #             GPT (device memory, time not hidden behind backward), then on the probe's 1B Llama
 #             (bf16 parameters, fp32 masters on the host: bench/llama/); full run only
-#   others    the gpu-marked tests of test_optim.py, test_optim_staged.py, then test_recompute.py
-#             and test_planner.py; full run only
+#   threads   benches/python/optim_threads.py: the Rust AdamW's GB/s at 1-16 threads against a
+#             copy's on the device's host (issue 41: is the host update bandwidth-bound there?);
+#             full run only
+#   others    the gpu-marked tests of test_optim.py, test_optim_staged.py, test_optim_delayed.py,
+#             then test_recompute.py and test_planner.py; full run only
 # Everything lands under $OUT (default ./gpu-out): summary.md (each check ✓/✗ with its figure,
 # appended the moment it is known), run.log, and results.tgz (tests-*.xml, bench/*.json, gpu.csv:
 # one archive, made at the end or when the run stops). Exit status 0 when every
@@ -38,7 +41,7 @@ for a in "$@"; do
     case $a in
         --quick) quick=1 ;;
         --dry-run) dry=1 ;;
-        -h | --help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
         *) echo "run.sh: unknown argument $a (expected --quick, --dry-run)" >&2; exit 2 ;;
     esac
 done
@@ -69,12 +72,12 @@ trap 'archive; rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 375 s, quick 170 s, so that with the
-# header's few seconds the full run ends within 6.5 minutes and the quick one within 3.
+# `timeout -k 10` adds at most 10 s to the last): full 405 s, quick 170 s, so that with the
+# header's few seconds the full run ends within 7 minutes and the quick one within 3.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
-    B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 B_OPTIM_LLAMA=0 B_PACK=0
+    B_INSTALL=20 B_TESTS=60 B_SANITIZER=0 B_OTHERS=0 B_OPTIM=0 B_OPTIM_LLAMA=0 B_PACK=0 B_THREADS=0
     DEADLINE=170 TEST_TIMEOUT=40
     BENCH_ARGS=(--steps 2)
     # host against none, with full checkpointing beside: the three answers need these three.
@@ -83,10 +86,11 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream-ordering tests run in the full run
 else
     run_kind="full"
-    # 375 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
+    # 405 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
     # fit a 15-minute lease with room to run a failed step again
     B_INSTALL=20 B_TESTS=70 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_OPTIM_LLAMA=30 B_PACK=20
-    DEADLINE=375
+    B_THREADS=30
+    DEADLINE=405
     TEST_TIMEOUT=50
     BENCH_ARGS=(--steps 3)
     BENCH_MODES=(none full planned save_on_cpu host nvme auto quickstart)
@@ -105,6 +109,7 @@ if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds
     ((B_OPTIM > 0)) && B_OPTIM=60
     ((B_OPTIM_LLAMA > 0)) && B_OPTIM_LLAMA=60
     ((B_PACK > 0)) && B_PACK=60
+    ((B_THREADS > 0)) && B_THREADS=60
     BENCH_ARGS=(--tiny --device cpu --steps 2)
     for m in "${BENCH_MODES[@]}"; do B_BENCH[$m]=40; done
 fi
@@ -367,14 +372,28 @@ if [ "$B_PACK" -gt 0 ]; then
     fi
 fi
 
+# ---- the host update's thread scaling on the device's host ---------------------------------------
+if [ "$B_THREADS" -gt 0 ]; then
+    budget=$(budget_left $B_THREADS)
+    threads_args=(--params 32e6 --threads 1,2,4,8,16 --rounds 3 --copy-mib 512)
+    [ "$dry" = 1 ] && threads_args=(--params 2e6 --threads 1,2 --rounds 2 --copy-mib 16)
+    if section "optim_threads: the Rust AdamW against a copy, \`${threads_args[*]}\`" "$budget"; then
+        t0=$SECONDS
+        timeout -k 10 "$budget" "$PY" benches/python/optim_threads.py "${threads_args[@]}" \
+            | tee -a "$SUMMARY"
+        verdict "${PIPESTATUS[0]}" $((SECONDS - t0)) "$budget"
+    fi
+fi
+
 # ---- the other gpu-marked tests ----------------------------------------------------------------
 if [ "$B_OTHERS" -gt 0 ]; then
     # the optimizer's first: a timeout then loses the recompute tests (a first-use calibration
     # with ~2 GiB of swap I/O), not the optimizer's
     # test_planner.py's: the calibration's forward dispatch per op (two clocks on CUDA)
-    pytest_step "tests: the gpu-marked tests of test_optim.py, test_optim_staged.py, test_recompute.py, test_planner.py" \
+    pytest_step "tests: the gpu-marked tests of test_optim.py, test_optim_staged.py, test_optim_delayed.py, test_recompute.py, test_planner.py" \
         $B_OTHERS others tests/python/test_optim.py tests/python/test_optim_staged.py \
-        tests/python/test_recompute.py tests/python/test_planner.py -m gpu
+        tests/python/test_optim_delayed.py tests/python/test_recompute.py \
+        tests/python/test_planner.py -m gpu
 fi
 
 say "" "## total: $([ $status = 0 ] && echo "✓ every step passed" || echo "✗ a step failed") in ${SECONDS} s (deadline ${DEADLINE} s)"

@@ -35,8 +35,8 @@ Note [delayed update]
     them to the output buffers, the masters stay the plain delayed update's, a parameter
     without a gradient at ``step()`` t gets its master (step t's update does not move it),
     and ``flush()`` writes the masters to the output buffers (``AdamState.write_params``)
-    before copying them back. ``delay_after=N`` makes the first N steps exact (the update waits), as
-    ZeRO-Offload starts its delayed update after some iterations. What this costs in quality
+    before copying them back. ``delay_after=N`` makes the first N steps exact (the update
+    waits), as ZeRO-Offload starts its delayed update after some iterations. What this costs in quality
     is measured, not assumed: ``benches/python/lowbit_quality.py --only
     fp32,delayed,delayed-after50`` compares the validation loss with the exact update's.
 
