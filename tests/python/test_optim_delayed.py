@@ -315,6 +315,16 @@ def test_grad_zeroed_in_place_after_step_is_read_first():
     assert_same(list(ours.parameters()), list(ref.parameters()))
 
 
+def test_the_pool_is_sized_for_the_coefficients():
+    """The default pool's size counts the next-gradient prediction's bf16 coefficients (2
+    bytes per parameter) beside the staging buffers, so they are leased from it like the
+    rest, not pinned apart."""
+    p = [torch.nn.Parameter(torch.zeros(1 << 20))]
+    need = {k: spillover.OffloadAdamW(p, overlap="delayed", predict_weights=k)._pool_need()
+            for k in ("gradient", "momentum")}
+    assert need["gradient"] - need["momentum"] == 2 << 20, need
+
+
 def test_refused_where_not_offered():
     p = [torch.nn.Parameter(torch.zeros(4))]
     with pytest.raises(ValueError, match="overlap must be"):

@@ -79,6 +79,7 @@ class StateStore:
     _hook_copies: bool
     _inbwd: bool
     _delayed: bool
+    _predict: str
     _threads: Callable[[], int]
     _state_bits: int
     _master_weights: bool
@@ -122,7 +123,8 @@ class StateStore:
         _runtime.py): per kind of parameter, this rank's part of the state (host tier:
         exp_avg, exp_avg_sq as stored and a master copy where one is kept, Note [state
         formats]; NVMe tier: the pipeline's buffers) and, on the staged path, the gradient and
-        output staging buffers."""
+        output staging buffers (and the delayed update's bf16 coefficients: Note [next-gradient
+        prediction] in rust/optim/predict.rs)."""
         kinds: Dict[Tuple[torch.dtype, torch.device], int] = {}
         align = formats.BLOCK if self._state_bits == 8 else _ALIGN  # Note [block alignment]
         for g in self.param_groups:
@@ -144,6 +146,8 @@ class StateStore:
                 need += self._nvme_buffers * (self._chunk_bytes or _NVME_CHUNK_BYTES)
             if staged:
                 need += 2 * n * torch.empty((), dtype=dtype).element_size()
+                if self._predict == "gradient":  # Note [next-gradient prediction]: bf16
+                    need += 2 * n
         return need
 
     def _keeps_master(self, dtype: torch.dtype, device: torch.device) -> bool:
