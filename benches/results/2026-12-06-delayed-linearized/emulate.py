@@ -126,7 +126,8 @@ def main():
     g = torch.Generator().manual_seed(42 + args.seed)
     vals = []
     t0 = time.perf_counter()
-    name = ("nextv" if a.nextv else "lin" if a.lin else "pred") + (f"-lam{a.lam:g}" if a.lam else "")
+    name = ("nextv" if a.nextv else "lin" if a.lin else "pred")
+    name += f"-lam{a.lam:g}" if a.lam else ""
     for step in range(args.steps):
         for pg in opt.param_groups:
             pg["lr"] = LQ.lr_at(step, args.steps, args.lr)

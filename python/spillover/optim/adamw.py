@@ -137,8 +137,8 @@ class OffloadAdamW(StateStore, torch.optim.Optimizer):
             host's master is the plain delayed update's; ``flush()`` and ``state_dict()``
             give the model the master. Default (``None``): ``"gradient"`` where it can run,
             fp32 state with an fp32 master (``state_bits=32``, ``master_weights=True``);
-            ``False``: the plain delayed update. Measured on ``benches/python/lowbit_quality.py``: README, "The delayed
-            update".
+            ``False``: the plain delayed update. Measured on
+            ``benches/python/lowbit_quality.py``: README, "The delayed update".
         state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored (Note [state formats] in
             formats.py): 32 (fp32, torch's AdamW state: 8 bytes per parameter, 12 with a master
             copy), 16 (bf16, rounded stochastically: 4 / 8 bytes) or 8 (one byte each plus an

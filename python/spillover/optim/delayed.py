@@ -36,9 +36,10 @@ Note [delayed update]
     without a gradient at ``step()`` t gets its master (step t's update does not move it),
     and ``flush()`` writes the masters to the output buffers (``AdamState.write_params``)
     before copying them back. ``delay_after=N`` makes the first N steps exact (the update
-    waits), as ZeRO-Offload starts its delayed update after some iterations. What this costs in quality
-    is measured, not assumed: ``benches/python/lowbit_quality.py --only
-    fp32,delayed,delayed-after50`` compares the validation loss with the exact update's.
+    waits), as ZeRO-Offload starts its delayed update after some iterations. What this costs
+    in quality is measured, not assumed: ``benches/python/lowbit_quality.py --only
+    fp32,delayed,delayed-momentum,delayed-plain`` compares the validation loss with the exact
+    update's.
 
     What the device still waits for: the copies of step 1 and 2 (both directions at once, on
     two streams), and, when the host update takes longer than a forward and backward, the rest
