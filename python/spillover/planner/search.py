@@ -69,6 +69,7 @@ Note [everything kept]
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config import format_size
@@ -85,6 +86,13 @@ class RegionPlan:
     signature: Any
     mode: str  # checkpoint | plain-keep | plain-offload
     actions: Dict[int, Tuple[str, str, str]]  # index -> (op name, action, tier)
+
+    @functools.cached_property
+    def recomputes_all(self) -> bool:
+        """A checkpointed region that saves none of its op outputs: torch's full checkpointing
+        (Note [a replay with nothing to answer] in recompute/modes.py)."""
+        return self.mode == "checkpoint" and all(
+            a[1] == "recompute" for a in self.actions.values())
 
 
 @dataclasses.dataclass

@@ -395,6 +395,12 @@ class _Auto(RegionPolicy):
                 out = fn(*args, **kwargs)
         elif rplan is not None and rplan.mode == "plain-offload":
             out = fn(*args, **kwargs)  # the context takes what autograd saves, reloads on use
+        elif rplan is not None and rplan.recomputes_all:
+            # Note [a replay with nothing to answer] in modes.py: torch's full checkpointing,
+            # without a dispatch mode in the forward or the replay. A planned region leaves no
+            # record (the plan's records stand for it), as the plain ones do; its input
+            # signature was matched above, and a change of its ops cannot make it save wrong.
+            out = _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
         elif rplan is None and pol.learns_plainly(ctx) and _context_hooks(state) is not None:
             # Note [learning frugally] in planner/tuner.py: run plainly, the context's hooks
             # taking what autograd saves, while the save mode records every op.
