@@ -86,6 +86,9 @@ class RegionPlan:
     signature: Any
     mode: str  # checkpoint | plain-keep | plain-offload
     actions: Dict[int, Tuple[str, str, str]]  # index -> (op name, action, tier)
+    #: the recorded run it was planned from (its ops' names, readers and forced reasons):
+    #: Note [a planned forward records nothing] in recompute/planned.py
+    record: Optional[RegionRecord] = dataclasses.field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def recomputes_all(self) -> bool:
@@ -313,7 +316,8 @@ def make_plan(
             note += (f"; the offload context's {format_size(ctx['pool_bytes'])} pool is this "
                      "host's memory and counts in full: a smaller pool leaves the step more")
     plans = [
-        RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops})
+        RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops},
+                   record=r)
         for r in regions
     ]
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,

@@ -85,6 +85,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 #: A cache entry: the op runs again in recomputation.
 RECOMPUTE = object()
 
+#: Why a saved output is recomputed after all: an op of its region wrote it in place.
+MODIFIED_REASON = "modified in place later in the region"
+
 _MISMATCH = (
     "The region ran different ops during recomputation than in its forward (Note [replay "
     "matching] in spillover/recompute/modes.py): it must not depend on state that changes "
@@ -364,8 +367,9 @@ class _SaveMode(TorchDispatchMode):
                 if entry is not None and entry is not RECOMPUTE:
                     _written_after_pack(entry)
                     self.storage[key][idx] = RECOMPUTE
-                    rec.action = "recompute"
-                    rec.reason = "modified in place later in the region"
+                    if rec is not None:  # None: a planned run's (recompute/planned.py)
+                        rec.action = "recompute"
+                        rec.reason = MODIFIED_REASON
 
     def _skip_dead(self, stop: int) -> None:
         """Note [outputs only saved ops read]: a recomputed op whose output autograd does not

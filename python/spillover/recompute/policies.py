@@ -38,6 +38,7 @@ from ..planner import (
     storage_bytes,
 )
 from ..planner.records import sim_of
+from .follow import Template, following_contexts
 from .modes import Decider, _Run, top_hooks
 from .ops import device_of, forced, input_bytes, key_of
 
@@ -253,6 +254,8 @@ class SelectivePolicy(_StaticPolicy):
         # (wrapped model's state or 0, region key) -> {op index: (op name, why it is saved)},
         # learned from the region's first call
         self._saved: Dict[Any, Dict[int, Tuple[str, str]]] = {}
+        # ... -> the record its runs follow (Note [a forward that follows its record])
+        self._templates: Dict[Any, Template] = {}
 
     def __call__(self, op: Any, inputs: Any, output: Any) -> str:
         return self.decide(op, inputs, {}, output)
@@ -261,7 +264,7 @@ class SelectivePolicy(_StaticPolicy):
         # Pickled with a wrapped model (Note [pickling a wrapped model] in blocks.py): what it
         # learned is keyed by ids of this process and priced with this machine's rates; the
         # loaded model's blocks learn again on their first call.
-        return {**super().__getstate__(), "_saved": {}}
+        return {**super().__getstate__(), "_saved": {}, "_templates": {}}
 
     def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
         if not is_compute_bound(op):
@@ -295,14 +298,32 @@ class SelectivePolicy(_StaticPolicy):
                 self._learn(slot, rec)
                 if add is not None:
                     add(rec)
-        else:
-            decider = self._refined(ctx, learned)
-            sink = add  # type: ignore[assignment]
-        return _sac(fn, args, kwargs, _Run(decider, ctx, record, sink).contexts)
+            return _sac(fn, args, kwargs, _Run(decider, ctx, record, sink).contexts)
+        decider = self._refined(ctx, learned)
+        templates = self.__dict__.setdefault("_templates", {})  # (unpickled from before it)
+        tpl = templates.get(slot)
+        if tpl is None:  # the first refined run: recorded, the runs after it follow it
+
+            def keep(rec: RegionRecord) -> None:
+                templates[slot] = Template(rec)
+                if add is not None:
+                    add(rec)
+            return _sac(fn, args, kwargs, _Run(decider, ctx, record, keep).contexts)
+
+        def end(followed: bool) -> None:  # Note [a forward that follows its record]
+            if not followed:
+                templates.pop(slot, None)  # the next run records
+            if add is not None:
+                add(tpl.record)  # type: ignore[union-attr]
+        return _sac(fn, args, kwargs,
+                    following_contexts(_Run(decider, ctx, record, None), tpl, None, end))
 
     def _forget(self, owner: int) -> None:
         for slot in [k for k in self._saved if k[0] == owner]:
             del self._saved[slot]
+        templates = self.__dict__.get("_templates", {})
+        for slot in [k for k in templates if k[0] == owner]:
+            del templates[slot]
 
     def _learn(self, key: Any, rec: RegionRecord) -> None:
         machine = self.machine or _planner.machine_for(rec.device)
@@ -415,8 +436,18 @@ class _Auto(RegionPolicy):
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
                                   input_bytes=input_bytes(args),
                                   offload=_planner.ctx_offload_info(ctx))
-            decide = _planned(pol, rplan) if rplan is not None else _learning
-            out = _sac(fn, args, kwargs, _Run(decide, ctx, record, pol.add_record).contexts)
+            if rplan is None:
+                out = _sac(fn, args, kwargs, _Run(_learning, ctx, record, pol.add_record).contexts)
+            elif rplan.record is None or not rplan.record.ops:  # a plan made elsewhere
+                out = _sac(fn, args, kwargs,
+                           _Run(_planned(pol, rplan), ctx, record, pol.add_record).contexts)
+            else:  # Note [a forward that follows its record] in follow.py
+                tpl = rplan.__dict__.get("_template")
+                if tpl is None:
+                    tpl = rplan.__dict__["_template"] = Template(rplan.record)
+                run = _Run(_planned(pol, rplan), ctx, record, None)
+                out = _sac(fn, args, kwargs, following_contexts(
+                    run, tpl, rplan.actions, lambda ok: ok or pol.mark_stale()))
         if state is not None and state.counting is not None:
             state.counting.tail = 0  # what is saved from here on is the tail, so far
         if (ctx is not None and rplan is not None and plan is not None and plan.keep_tail
