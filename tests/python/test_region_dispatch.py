@@ -223,3 +223,22 @@ def test_selective_whose_ops_change_records_again(llama, records):
         records.update(recorded=0)
         assert_bitwise(ref, _step(model, ids))
         assert (records["recorded"] > 0) is expect_recorded
+
+
+def test_a_callable_policy_follows_its_first_run_while_it_decides_the_same(llama, records):
+    """A user's policy is asked for every op of every run; the record only spares the
+    bookkeeping. One that changes its mind (here: every op saved from the fourth step on) makes
+    the run after it record again."""
+    base, ids = llama
+    ref = _step(base, ids)
+    state = {"all": False}
+
+    def policy(op, inputs, out):
+        return "save" if state["all"] or op is torch.ops.aten.mm.default else "recompute"
+
+    model = _wrap(copy.deepcopy(base), policy)
+    for step, expect_recorded in enumerate((True, False, False, False, True, False)):
+        state["all"] = step >= 3
+        records.update(recorded=0)
+        assert_bitwise(ref, _step(model, ids))
+        assert (records["recorded"] > 0) is expect_recorded, step

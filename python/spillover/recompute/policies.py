@@ -180,9 +180,46 @@ class _StaticPolicy(RegionPolicy):
         ctx = current_context()
         record = RegionRecord(key, name, None, device_of(args, kwargs), "checkpoint",
                               input_bytes=input_bytes(args))
-        run = _Run(self._decider(ctx), ctx, record,
-                   state.add_record if state is not None else None)
-        return _sac(fn, args, kwargs, run.contexts)
+        return self._follow(fn, args, kwargs, self._slot(state, key, fn), self._decider(ctx),
+                            ctx, record, state.add_record if state is not None else None)
+
+    def _slot(self, state: Optional[_WrapState], key: Any, fn: Callable[..., Any]) -> Any:
+        """(the wrapped model's state or 0, the region's key): one policy object may serve
+        several models, whose blocks share names."""
+        key = key if key is not None else key_of(fn)
+        if state is not None and not hasattr(state, "_selective_key"):
+            state._selective_key = id(state)  # type: ignore[union-attr]
+            weakref.finalize(state, self._forget, id(state))
+        return (state._selective_key if state is not None else 0, key)  # type: ignore[union-attr]
+
+    def _forget(self, owner: int) -> None:
+        templates = self.__dict__.get("_templates", {})
+        for slot in [k for k in templates if k[0] == owner]:
+            del templates[slot]
+
+    def _follow(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                slot: Any, decider: Decider, ctx: Any, record: RegionRecord,
+                add: Optional[Callable[[RegionRecord], None]]) -> Any:
+        """Run the region recorded, its record kept for the runs after it, or following the
+        record of its last recorded run (Note [a forward that follows its record] in
+        follow.py); ``add`` receives the record either way (``explain`` shows it)."""
+        templates = self.__dict__.setdefault("_templates", {})  # (unpickled from before it)
+        tpl = templates.get(slot)
+        if tpl is None:
+
+            def keep(rec: RegionRecord) -> None:
+                templates[slot] = Template(rec)
+                if add is not None:
+                    add(rec)
+            return _sac(fn, args, kwargs, _Run(decider, ctx, record, keep).contexts)
+
+        def end(followed: bool) -> None:
+            if not followed:
+                templates.pop(slot, None)  # the next run records
+            if add is not None:
+                add(tpl.record)  # type: ignore[union-attr]
+        return _sac(fn, args, kwargs,
+                    following_contexts(_Run(decider, ctx, record, None), tpl, None, end))
 
     def _decider(self, ctx: Any) -> Decider:
         saved = "offload" if ctx is not None else "keep"
@@ -212,7 +249,9 @@ class _StaticPolicy(RegionPolicy):
         return self
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "torch_contexts"}
+        # Note [pickling a wrapped model] in blocks.py: the records its regions follow are
+        # keyed by ids of this process; the loaded model's record again
+        return {k: v for k, v in self.__dict__.items() if k not in ("torch_contexts", "_templates")}
 
     def torch_policy(self, sac_ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         if forced(func) in ("view", "mutates an input", "random", "allocates only"):
@@ -254,8 +293,6 @@ class SelectivePolicy(_StaticPolicy):
         # (wrapped model's state or 0, region key) -> {op index: (op name, why it is saved)},
         # learned from the region's first call
         self._saved: Dict[Any, Dict[int, Tuple[str, str]]] = {}
-        # ... -> the record its runs follow (Note [a forward that follows its record])
-        self._templates: Dict[Any, Template] = {}
 
     def __call__(self, op: Any, inputs: Any, output: Any) -> str:
         return self.decide(op, inputs, {}, output)
@@ -264,7 +301,7 @@ class SelectivePolicy(_StaticPolicy):
         # Pickled with a wrapped model (Note [pickling a wrapped model] in blocks.py): what it
         # learned is keyed by ids of this process and priced with this machine's rates; the
         # loaded model's blocks learn again on their first call.
-        return {**super().__getstate__(), "_saved": {}, "_templates": {}}
+        return {**super().__getstate__(), "_saved": {}}
 
     def decide(self, op: Any, args: Any, kwargs: Dict[str, Any], out: Any) -> str:
         if not is_compute_bound(op):
@@ -281,14 +318,9 @@ class SelectivePolicy(_StaticPolicy):
             return super().run(fn, args, kwargs, key, name, state)
         ctx = current_context()
         key = key if key is not None else key_of(fn)
-        device = device_of(args, kwargs)
-        record = RegionRecord(key, name, None, device, "checkpoint",
+        record = RegionRecord(key, name, None, device_of(args, kwargs), "checkpoint",
                               input_bytes=input_bytes(args))
-        if state is not None and not hasattr(state, "_selective_key"):
-            # one policy object may serve several models: their blocks share names
-            state._selective_key = id(state)  # type: ignore[union-attr]
-            weakref.finalize(state, self._forget, id(state))
-        slot = (state._selective_key if state is not None else 0, key)  # type: ignore[union-attr]
+        slot = self._slot(state, key, fn)
         learned = self._saved.get(slot)
         add = state.add_record if state is not None else None
         if learned is None:
@@ -299,31 +331,14 @@ class SelectivePolicy(_StaticPolicy):
                 if add is not None:
                     add(rec)
             return _sac(fn, args, kwargs, _Run(decider, ctx, record, sink).contexts)
-        decider = self._refined(ctx, learned)
-        templates = self.__dict__.setdefault("_templates", {})  # (unpickled from before it)
-        tpl = templates.get(slot)
-        if tpl is None:  # the first refined run: recorded, the runs after it follow it
-
-            def keep(rec: RegionRecord) -> None:
-                templates[slot] = Template(rec)
-                if add is not None:
-                    add(rec)
-            return _sac(fn, args, kwargs, _Run(decider, ctx, record, keep).contexts)
-
-        def end(followed: bool) -> None:  # Note [a forward that follows its record]
-            if not followed:
-                templates.pop(slot, None)  # the next run records
-            if add is not None:
-                add(tpl.record)  # type: ignore[union-attr]
-        return _sac(fn, args, kwargs,
-                    following_contexts(_Run(decider, ctx, record, None), tpl, None, end))
+        # the first refined run is recorded, the runs after it follow it
+        return self._follow(fn, args, kwargs, slot, self._refined(ctx, learned), ctx, record,
+                            add)
 
     def _forget(self, owner: int) -> None:
+        super()._forget(owner)
         for slot in [k for k in self._saved if k[0] == owner]:
             del self._saved[slot]
-        templates = self.__dict__.get("_templates", {})
-        for slot in [k for k in templates if k[0] == owner]:
-            del templates[slot]
 
     def _learn(self, key: Any, rec: RegionRecord) -> None:
         machine = self.machine or _planner.machine_for(rec.device)
