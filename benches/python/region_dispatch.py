@@ -28,7 +28,7 @@ import torch.utils.checkpoint as tc
 
 import spillover
 from spillover.planner import Machine, Planner
-from spillover.recompute import policies
+from spillover.recompute import follow
 
 #: fixed rates, so that auto's plan does not depend on this host's calibration
 MACHINE = Machine(matmul_flops={"float32": 1e11}, elementwise_bytes_per_s=1e10,
@@ -97,31 +97,31 @@ def main(argv: List[str] = None) -> int:
     print(f"HF Llama {args.layers} x hidden 64, seq 16, {args.attn}; torch {torch.__version__}; "
           f"auto: {best[0]} of {args.layers} blocks save some ops")
     sel = wrapped(spillover.SelectivePolicy(machine=MACHINE))
+    following = follow.following_contexts
     modes: Dict[str, Tuple[torch.nn.Module, Callable[..., Any]]] = {
-        "none": (base, policies.following_contexts),
-        "torch full": (torch_ckpt(), policies.following_contexts),
+        "none": (base, following),
+        "torch full": (torch_ckpt(), following),
         "torch selective": (torch_ckpt(functools.partial(tc.create_selective_checkpoint_contexts,
                                                          save_mm)),
-                            policies.following_contexts),
-        "full": (wrapped("full"), policies.following_contexts),
-        "selective": (sel, policies.following_contexts),
+                            following),
+        "full": (wrapped("full"), following),
+        "selective": (sel, following),
         "selective, recording": (sel, _recording),
-        "auto": (best[1], policies.following_contexts),
+        "auto": (best[1], following),
         "auto, recording": (best[1], _recording),
     }
-    follow = policies.following_contexts
     count = _ops_per_block(base, ids)
     times: Dict[str, Tuple[List[float], List[float]]] = {k: ([], []) for k in modes}
     try:
         for r in range(args.rounds + 2):
             for name, (m, contexts) in modes.items():
-                policies.following_contexts = contexts
+                follow.following_contexts = contexts
                 f, b = step(m)
                 if r >= 2:  # two warm-up rounds: selective learns, then records
                     times[name][0].append(f)
                     times[name][1].append(b)
     finally:
-        policies.following_contexts = follow
+        follow.following_contexts = following
     f0 = statistics.median(times["none"][0])
     b0 = statistics.median(times["none"][1])
     ops = count * args.layers

@@ -86,9 +86,9 @@ def test_gpt_gradients_bitwise_without_torchs_top_hooks(tiny_gpt_cl, policy, tie
     autograd saves: nothing may then be skipped as unread (Note [outputs only saved ops read]).
     Skipping anyway gave nan gradients on torch 2.5 and 2.6 under policies that save matmuls;
     here the newest torch is made to look like those."""
-    from spillover.recompute import blocks, modes, policies
+    from spillover.recompute import auto, blocks, modes
 
-    for mod in (modes, policies, blocks):
+    for mod in (modes, auto, blocks):
         monkeypatch.setattr(mod, "top_hooks", None)
     base, batch = tiny_gpt_cl
     model = _wrapped(base, policy)

@@ -153,9 +153,9 @@ def test_a_planned_forward_records_nothing(llama, records, monkeypatch):
     lean = records["skipped"]
     assert lean > 0  # the plan saves what lets the replay skip ops
     # the recording mode's forward, on the same plan, skips the same ops in its replays
-    from spillover.recompute import policies
+    from spillover.recompute import follow
 
-    monkeypatch.setattr(policies, "following_contexts", lambda run, *a: run.contexts)
+    monkeypatch.setattr(follow, "following_contexts", lambda run, *a: run.contexts)
     records.update(recorded=0, skipped=0)
     for _ in range(2):
         assert_bitwise(ref, _step(model, ids))
@@ -201,9 +201,9 @@ def test_selective_follows_its_first_refined_run(llama, records, monkeypatch):
         records.update(recorded=0)
         assert_bitwise(ref, _step(model, ids, _ctx()))
         assert (records["recorded"] > 0) is expect_recorded
-    from spillover.recompute import policies
+    from spillover.recompute import follow
 
-    monkeypatch.setattr(policies, "following_contexts", lambda run, *a: run.contexts)
+    monkeypatch.setattr(follow, "following_contexts", lambda run, *a: run.contexts)
     records.update(recorded=0, skipped=0)
     for _ in range(2):
         assert_bitwise(ref, _step(model, ids))

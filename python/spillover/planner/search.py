@@ -87,7 +87,7 @@ class RegionPlan:
     mode: str  # checkpoint | plain-keep | plain-offload
     actions: Dict[int, Tuple[str, str, str]]  # index -> (op name, action, tier)
     #: the recorded run it was planned from (its ops' names, readers and forced reasons):
-    #: Note [a planned forward records nothing] in recompute/planned.py
+    #: Note [a forward that follows its record] in recompute/follow.py
     record: Optional[RegionRecord] = dataclasses.field(default=None, compare=False, repr=False)
 
     @functools.cached_property

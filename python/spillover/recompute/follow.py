@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from ..planner import RegionRecord, output_tensors
 from ..planner.cost import skipped_ops
@@ -136,13 +136,10 @@ class _FollowingSaveMode(_SaveMode):
         return out
 
     def _finish(self) -> None:
-        storage = self.storage
         stop = self.last_save if self.last_save >= 0 else self.n
-        for n, entries in self.cached.items():  # Note [after the last save]
-            if n >= stop:
-                for key, idx, _ in entries:
-                    storage[key][idx] = RECOMPUTE
+        self._drop_after(stop)
         if self.last_save >= 0 and not self.diverged:
+            storage = self.storage
             saved = [n for n, entries in self.cached.items()
                      if any(storage[key].get(idx) is not RECOMPUTE for key, idx, _ in entries)]
             readers, needed = self.template.readers, self.needed_ops
@@ -150,20 +147,7 @@ class _FollowingSaveMode(_SaveMode):
                                   if n < stop and n not in needed}, saved):
                 key, idx, _, skip = self.skippable[n]
                 storage[key][idx] = skip
-        ctx = self.run.ctx
-        if ctx is not None:  # Note [kept by a policy] in activations/hooks.py
-            for entries in self.cached.values():
-                for key, idx, _ in entries:
-                    entry = storage[key].get(idx)
-                    for s in (entry,) if type(entry) is _Saved else tree_leaves(entry):
-                        if type(s) is _Saved and s.ctx is None and s.version is not None:
-                            ctx.kept(s.value)
-        self.run.recomputes_all = all(
-            e is RECOMPUTE for entries in storage.values() for e in entries.values())
-        self.cached.clear()
-        self.producer.clear()
-        self.consumers.clear()
-        self.skippable.clear()
+        self._close()
         self.on_end(not (self.diverged or self.changed))
 
 

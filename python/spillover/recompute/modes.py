@@ -367,7 +367,7 @@ class _SaveMode(TorchDispatchMode):
                 if entry is not None and entry is not RECOMPUTE:
                     _written_after_pack(entry)
                     self.storage[key][idx] = RECOMPUTE
-                    if rec is not None:  # None: a planned run's (recompute/planned.py)
+                    if rec is not None:  # None: a following run's (recompute/follow.py)
                         rec.action = "recompute"
                         rec.reason = MODIFIED_REASON
 
@@ -392,24 +392,13 @@ class _SaveMode(TorchDispatchMode):
         stop = self.last_save if self.last_save >= 0 else self.n
         rec.stop = stop
         rec.saves_seen = self.last_save >= 0
-        # Note [after the last save]: drop what recomputation never asks for.
-        for entries in self.cached.values():
-            for key, idx, op in entries:
-                if op.index >= stop and self.storage[key].get(idx) is not RECOMPUTE:
-                    self.storage[key][idx] = RECOMPUTE
+        self._drop_after(stop)
         if rec.saves_seen:
             # Only where autograd's saves were seen (needed_ops): without the pack hook
             # (torch < 2.8 has no _top_saved_tensors_default_hooks) an op autograd saves
             # would look unread and come back as an empty tensor (2026-12-06: nan gradients
             # on torch 2.5/2.6 under selective policies that save matmuls).
             self._skip_dead(stop)
-        if self.run.ctx is not None:  # Note [kept by a policy] in activations/hooks.py
-            for entries in self.cached.values():
-                for key, idx, _ in entries:
-                    entry = self.storage[key].get(idx)
-                    for s in (entry,) if type(entry) is _Saved else tree_leaves(entry):
-                        if type(s) is _Saved and s.ctx is None and s.version is not None:
-                            self.run.ctx.kept(s.value)
         needed = 0
         consumers, views = self.consumers, self.view_ops
         for op in rec.ops:
@@ -423,14 +412,36 @@ class _SaveMode(TorchDispatchMode):
                 op.needed = True
                 needed += op.bytes
         rec.needed_bytes = needed
+        self._close()
+        if self.run.sink is not None:
+            self.run.sink(rec)
+
+    def _drop_after(self, stop: int) -> None:
+        """Note [after the last save]: what recomputation never asks for is not kept."""
+        for n, entries in self.cached.items():
+            if n >= stop:
+                for key, idx, _ in entries:
+                    self.storage[key][idx] = RECOMPUTE
+
+    def _close(self) -> None:
+        """The end of every forward, recorded or following (recompute/follow.py): the kept
+        outputs told to the context, whether the replay has anything to answer, the
+        bookkeeping dropped."""
+        storage, ctx = self.storage, self.run.ctx
+        if ctx is not None:  # Note [kept by a policy] in activations/hooks.py
+            for entries in self.cached.values():
+                for key, idx, _ in entries:
+                    entry = storage[key].get(idx)
+                    for s in (entry,) if type(entry) is _Saved else tree_leaves(entry):
+                        if type(s) is _Saved and s.ctx is None and s.version is not None:
+                            ctx.kept(s.value)
+        # Note [a replay with nothing to answer]
         self.run.recomputes_all = all(
-            e is RECOMPUTE for entries in self.storage.values() for e in entries.values())
+            e is RECOMPUTE for entries in storage.values() for e in entries.values())
         self.cached.clear()
         self.producer.clear()
         self.consumers.clear()
         self.skippable.clear()
-        if self.run.sink is not None:
-            self.run.sink(rec)
 
 
 #: Note [a replay's host time is the region's] (planner/machine.py): when set, called with each

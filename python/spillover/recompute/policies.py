@@ -1,6 +1,7 @@
 """Region policies: what a recompute region saves, and how it runs.
 
-Every policy is a :class:`RegionPolicy`; the region runner and ``wrap`` only call its methods.
+Every policy is a :class:`RegionPolicy` (base.py); the region runner and ``wrap`` only call
+its methods. Here: the fixed policies, selective and user callables; ``"auto"`` is auto.py's.
 :func:`resolve_policy` turns what users pass (a name, a callable, a :class:`Planner`) into one.
 
 Note [torch.compile]
@@ -16,18 +17,13 @@ from __future__ import annotations
 import abc
 import inspect
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union
 
-import torch
 import torch.utils.checkpoint as _tc
-from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import planner as _planner
 from ..activations import current_context
-from ..config import format_size
 from ..planner import (
-    Explanation,
     Machine,
     OpRecord,
     Planner,
@@ -37,9 +33,10 @@ from ..planner import (
     output_tensors,
     storage_bytes,
 )
-from ..planner.records import sim_of
-from .follow import Template, following_contexts
-from .modes import Decider, _Run, top_hooks
+from . import follow as _follow
+from .auto import _Auto
+from .base import RegionPolicy, _sac
+from .modes import Decider, _Run
 from .ops import device_of, forced, input_bytes, key_of
 
 if TYPE_CHECKING:
@@ -48,69 +45,6 @@ if TYPE_CHECKING:
 POLICIES = ("full", "selective", "offload", "auto")
 
 _TC_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_tc.checkpoint).parameters
-
-
-class RegionPolicy(abc.ABC):
-    """What a policy does with one recompute region: run it eagerly, run it under
-    torch.compile, and say why it saved or recomputed an op's output (for ``explain``)."""
-
-    @abc.abstractmethod
-    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-            key: Any, name: str, state: Optional[_WrapState]) -> Any:
-        """``fn(*args, **kwargs)`` as one region, eagerly, with grad enabled. ``key`` and
-        ``name`` identify the region across steps (a wrapped block's name; None and "" for a
-        standalone ``checkpoint``); ``state`` is the wrapped model's, which takes the region's
-        record, or None."""
-
-    @abc.abstractmethod
-    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Any:
-        """The same region while ``torch.compile`` traces it (Note [torch.compile])."""
-
-    def reason(self, op: OpRecord) -> str:
-        """Why this policy saved or recomputed ``op``'s output (neither forced nor skipped)."""
-        saved = op.action in ("keep", "offload")
-        return f"the policy returned {'save' if saved else 'recompute'}"
-
-    def explain(self, records: List[RegionRecord], machine: Optional[Machine]) -> Explanation:
-        """What a wrapped model's last step (``records``) decided; see ``spillover.explain``."""
-        for r in records:
-            for o in r.ops:
-                if not o.reason and not o.forced and not o.after_stop:
-                    o.reason = self.reason(o)
-        device = records[0].device if records else "cpu"
-        m = machine or (_planner.machine_for(device).simulated(sim_of(records[0]))
-                        if records else None)
-        return _planner.explain_records(records, repr(self), m)
-
-    def attach(self, model: nn.Module) -> None:
-        """``wrap`` made ``model``'s blocks regions of this policy."""
-        return None
-
-    def begin_step(self, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
-                   ) -> bool:
-        """A wrapped model's forward starts (eager, grad enabled), called with ``args`` and
-        ``kwargs``. True: count the bytes the model saves outside its regions during it, for
-        :meth:`end_step`."""
-        return False
-
-    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0,
-                 tail_bytes: int = 0) -> None:
-        """The forward :meth:`begin_step` asked to count has ended; ``loss_bytes``: what its
-        chunked loss region adds when backward starts (Note [loss transient], loss/chunked.py), and
-        ``loss_min_bytes`` what it would add with the smallest chunk; ``tail_bytes``: the part of
-        ``outside_bytes`` saved after the last region (Note [the tail stays], planner/search.py).
-        """
-        return None
-
-    def loss_cap(self) -> Optional[int]:
-        """The cap on the loss region's chunk in this step (Note [loss chunk under a budget]
-        in loss/chunked.py); None: the speed rule's chunk."""
-        return None
-
-def _sac(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-         context_fn: Callable[[], Tuple[Any, Any]]) -> Any:
-    return _tc.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 # ---- fixed policies ------------------------------------------------------------------------------
@@ -208,7 +142,7 @@ class _StaticPolicy(RegionPolicy):
         if tpl is None:
 
             def keep(rec: RegionRecord) -> None:
-                templates[slot] = Template(rec)
+                templates[slot] = _follow.Template(rec)
                 if add is not None:
                     add(rec)
             return _sac(fn, args, kwargs, _Run(decider, ctx, record, keep).contexts)
@@ -219,7 +153,7 @@ class _StaticPolicy(RegionPolicy):
             if add is not None:
                 add(tpl.record)  # type: ignore[union-attr]
         return _sac(fn, args, kwargs,
-                    following_contexts(_Run(decider, ctx, record, None), tpl, None, end))
+                    _follow.following_contexts(_Run(decider, ctx, record, None), tpl, None, end))
 
     def _decider(self, ctx: Any) -> Decider:
         saved = "offload" if ctx is not None else "keep"
@@ -397,202 +331,6 @@ def _normalise(decision: Any, policy: Any, op: Any) -> str:
     raise ValueError(
         f"policy {policy!r} returned {decision!r} for {op}: expected 'save' or 'recompute'"
     )
-
-
-# ---- the planner ---------------------------------------------------------------------------------
-
-
-class _Auto(RegionPolicy):
-    """``"auto"``: a :class:`Planner` decides keep, offload or recompute per op output from the
-    costs it measured in learning steps (run the most frugal way the offload context allows:
-    Note [learning frugally] in planner/tuner.py)."""
-
-    def __init__(self, planner: Planner):
-        self.planner = planner
-
-    def run(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-            key: Any, name: str, state: Optional[_WrapState]) -> Any:
-        pol = self.planner
-        ctx = current_context()
-        device = device_of(args, kwargs)
-        key = key if key is not None else key_of(fn)
-        sig, rplan = pol.region_plan(key, args, kwargs, ctx)
-        if state is not None and state.counting is not None:
-            state.counting.exclude(args)
-        plan = pol.plan
-        if (ctx is not None and rplan is not None and plan is not None and plan.keep_all
-                and rplan is plan.regions[0]):
-            ctx.keep_rest()  # Note [everything kept] in planner/search.py
-        if rplan is not None and rplan.mode == "plain-keep":
-            if ctx is not None:  # keep everything: the context counts them, offloads none
-                with torch.autograd.graph.saved_tensors_hooks(ctx.kept, _identity):
-                    out = fn(*args, **kwargs)
-            else:
-                out = fn(*args, **kwargs)
-        elif rplan is not None and rplan.mode == "plain-offload":
-            out = fn(*args, **kwargs)  # the context takes what autograd saves, reloads on use
-        elif rplan is not None and rplan.recomputes_all:
-            # Note [a replay with nothing to answer] in modes.py: torch's full checkpointing,
-            # without a dispatch mode in the forward or the replay. A planned region leaves no
-            # record (the plan's records stand for it), as the plain ones do; its input
-            # signature was matched above, and a change of its ops cannot make it save wrong.
-            out = _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        elif rplan is None and pol.learns_plainly(ctx) and _context_hooks(state) is not None:
-            # Note [learning frugally] in planner/tuner.py: run plainly, the context's hooks
-            # taking what autograd saves, while the save mode records every op.
-            record = RegionRecord(key, name or str(key), sig, device, "plain-offload",
-                                  input_bytes=input_bytes(args),
-                                  offload=_planner.ctx_offload_info(ctx))
-            pack, unpack = _context_hooks(state)
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
-                    _Run(_learning, ctx, record, pol.add_record).contexts()[0]:
-                out = fn(*args, **kwargs)
-        else:
-            record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
-                                  input_bytes=input_bytes(args),
-                                  offload=_planner.ctx_offload_info(ctx))
-            if rplan is None:
-                out = _sac(fn, args, kwargs, _Run(_learning, ctx, record, pol.add_record).contexts)
-            elif rplan.record is None or not rplan.record.ops:  # a plan made elsewhere
-                out = _sac(fn, args, kwargs,
-                           _Run(_planned(pol, rplan), ctx, record, pol.add_record).contexts)
-            else:  # Note [a forward that follows its record] in follow.py
-                tpl = rplan.__dict__.get("_template")
-                if tpl is None:
-                    tpl = rplan.__dict__["_template"] = Template(rplan.record)
-                run = _Run(_planned(pol, rplan), ctx, record, None)
-                out = _sac(fn, args, kwargs, following_contexts(
-                    run, tpl, rplan.actions, lambda ok: ok or pol.mark_stale()))
-        if state is not None and state.counting is not None:
-            state.counting.tail = 0  # what is saved from here on is the tail, so far
-        if (ctx is not None and rplan is not None and plan is not None and plan.keep_tail
-                and rplan is plan.regions[-1]):
-            ctx.keep_rest()  # Note [the tail stays] in planner/search.py
-        if not pol.explicit_steps:
-            _note_backward_on(out, pol)
-        return out
-
-    def compiled(self, fn: Callable[..., Any], args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Any:
-        raise RuntimeError(
-            "spillover: policy='auto' cannot run under torch.compile: the planner learns from "
-            "eager steps and re-plans when shapes change. Compile with a fixed policy instead "
-            "(spillover.wrap(model, policy='selective' | 'full' | 'offload' | callable)), or "
-            "leave the wrapped blocks out of the compiled region."
-        )
-
-    def explain(self, records: List[RegionRecord], machine: Optional[Machine]) -> Explanation:
-        planner = self.planner
-        recs = planner.planned_records if planner.plan is not None else planner.last_records
-        if not recs:
-            recs = planner._records
-        device = recs[0].device if recs else "cpu"
-        m = machine or (planner.machine(device) if recs else None)
-        policy = "auto" + ("" if planner.plan is not None else " (learning: no plan yet)")
-        ex = _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes,
-                                      planner.loss_bytes)
-        if planner.plan is not None:
-            ex.summary["phase"] = planner.phase.value + (
-                f", last measured peak {format_size(planner.last_peak)}"
-                if planner.last_peak is not None else "")
-        seeded = planner.seeded
-        if seeded is not None:  # Note [seeded plan] in spillover/estimate/seed.py
-            pred = seeded.get("predicted_peak")
-            ex.summary["seeded"] = (
-                f"planned from a trace on fake tensors ({seeded.get('fake_steps', 0)} fake "
-                f"steps, {seeded.get('seconds', 0.0):.1f} s): {seeded['variant']}, predicted "
-                f"peak {format_size(pred) if pred is not None else '-'}; measured "
-                + (", ".join(format_size(p) for p in planner.first_peaks) or "not yet"))
-        elif planner.seed_note:
-            ex.summary["seeded"] = f"no: {planner.seed_note}; learned instead"
-        return ex
-
-    def seed(self, model: nn.Module, state: Any, args: Tuple[Any, ...],
-             kwargs: Dict[str, Any]) -> bool:
-        """A wrapped model's first forward: plan it from a trace on fake tensors (Note [seeded
-        plan] in spillover/estimate/seed.py), once; on failure the planner learns as before.
-        Returns whether a trace ran (it called the model)."""
-        pol = self.planner
-        if not pol.seed_from_trace or not pol.learning or pol.seed_note or pol.seeded:
-            return False
-        from ..estimate.seed import seed_planner
-
-        pol.seed_note = seed_planner(model, state, args, kwargs) or ""
-        return True
-
-    def attach(self, model: nn.Module) -> None:
-        if type(model).forward is not nn.Module.forward:
-            # the model's forward hooks mark steps (containers have none)
-            self.planner.explicit_steps = True
-
-    def begin_step(self, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None
-                   ) -> bool:
-        self.planner.begin_step()
-        self.planner.start_peak(args, kwargs or {}, current_context())
-        return self.planner.learning
-
-    def end_step(self, outside_bytes: int, loss_bytes: int = 0, loss_min_bytes: int = 0,
-                 tail_bytes: int = 0) -> None:
-        self.planner.outside_bytes = outside_bytes
-        self.planner.tail_bytes = tail_bytes
-        self.planner.loss_bytes = loss_bytes
-        self.planner.loss_min_bytes = loss_min_bytes
-
-    def loss_cap(self) -> Optional[int]:
-        plan = self.planner.plan
-        return plan.loss_cap if plan is not None and not self.planner.learning else None
-
-    def __repr__(self) -> str:
-        return "'auto'"
-
-
-def _learning(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
-    return "recompute"
-
-
-def _context_hooks(state: Optional[_WrapState]) -> Any:
-    """The saved-tensor hooks under the learning step's counting hooks (the offload context's),
-    so that what a region learned plainly saves is not counted as outside the regions; with
-    no wrap state, the innermost active ones. Their pack runs with the dispatch modes off: the
-    ops it runs to stage a tensor (an empty block, a set_) are the context's, not the region's,
-    and the save mode must not record them."""
-    if state is not None and state.counting is not None:
-        hooks = state.counting.inner
-    else:
-        hooks = top_hooks(False) if top_hooks is not None else None
-    if hooks is None:
-        return None
-    inner_pack, unpack = hooks
-
-    def pack(x: torch.Tensor) -> Any:
-        with _disable_current_modes():
-            return inner_pack(x)
-
-    return pack, unpack
-
-
-def _planned(planner: Planner, rplan: Any) -> Decider:
-    actions = rplan.actions
-
-    def decide(n: int, func: Any, args: Any, kwargs: Any, out: Any) -> str:
-        act = actions.get(n)
-        if act is None or act[0] != str(func):
-            planner.mark_stale()
-            return "recompute"
-        return act[1]
-
-    return decide
-
-
-def _note_backward_on(out: Any, planner: Planner) -> None:
-    for t in output_tensors(out) if not isinstance(out, dict) else list(out.values()):
-        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-            t.grad_fn.register_prehook(lambda grads: planner.note_backward())
-            return
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 # ---- names to policies ---------------------------------------------------------------------------
