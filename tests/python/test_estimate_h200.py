@@ -105,8 +105,13 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     fixed = _estimate(["full", "selective"], pool=None)
     # Note [a replay's host time is the region's]: selective's replay dispatches every op
     # before each region's stop, as full's does, though it runs fewer of them on the device
-    phases = {m: [o.phase for o in fixed[m].trace.ops] for m in ("full", "selective")}
-    assert phases["selective"].count("recompute") == phases["full"].count("recompute")
+    # (a stand-in is one op as the op it stands in for is; each replay also makes its
+    # stand-ins' buffer, Note [stand-ins share one buffer] in recompute/replay.py)
+    rec = {m: [o.name for o in fixed[m].trace.ops if o.phase == "recompute"]
+           for m in ("full", "selective")}
+    buffers = rec["selective"].count("empty.memory_format")
+    assert 0 < buffers <= 2 * DIMS["layers"]
+    assert len(rec["selective"]) - buffers == len(rec["full"])
     assert fixed["selective"].recompute_flops < fixed["full"].recompute_flops
     fitting = [fixed[m].step_seconds for m in ("full", "selective")
                if fixed[m].device_peak_bytes <= peak]

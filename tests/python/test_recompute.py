@@ -537,8 +537,8 @@ def test_ops_only_saved_outputs_read_are_not_rerun(tiny_gpt_cl, tier, tmp_path, 
     model = spillover.wrap(copy.deepcopy(base), policy=_save_softmax)
     skipped = []
     make = recompute._Skip.make
-    monkeypatch.setattr(recompute._Skip, "make", lambda self: skipped.append(self.size) or
-                        make(self))
+    monkeypatch.setattr(recompute._Skip, "make", lambda self, *a: skipped.append(self.size) or
+                        make(self, *a))
     for _ in range(2):
         ctx = (spillover.offload_context(tier, nvme_path=str(tmp_path), min_offload_bytes=0,
                                          host_pool_bytes=(2 << 20) + 77824)

@@ -50,8 +50,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import _runtime
-from ..recompute import modes as _rmodes
 from ..recompute import ops as _ops
+from ..recompute import replay as _replay
 from .devices import Device
 from .fakes import fake_copy, fake_inputs, storage_keys
 from .offload import OffloadFigures, SimContext
@@ -143,12 +143,12 @@ def _answered_by(tracker: Tracker) -> Iterator[None]:
     """Note [a replay's host time is the region's] (planner/machine.py): the replays of the
     step charge ``tracker`` the dispatch of the calls they answer without running them. A
     process-wide hook, not a thread's: autograd may run a replay on a thread of its own."""
-    prev = _rmodes.ANSWERED
-    _rmodes.ANSWERED = tracker.answered
+    prev = _replay.ANSWERED
+    _replay.ANSWERED = tracker.answered
     try:
         yield
     finally:
-        _rmodes.ANSWERED = prev
+        _replay.ANSWERED = prev
 
 
 class Runner:

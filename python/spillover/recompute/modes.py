@@ -63,12 +63,12 @@ from .ops import (
     IGNORED,
     INDUCTOR_CODE,
     OpInfo,
-    detach,
     op_info,
     producer_of,
     skey,
     storage_key,
 )
+from .replay import _MISMATCH, RECOMPUTE, _ReplayMode, _Saved, _Skip  # noqa: F401
 
 top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -82,64 +82,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-#: A cache entry: the op runs again in recomputation.
-RECOMPUTE = object()
-
 #: Why a saved output is recomputed after all: an op of its region wrote it in place.
 MODIFIED_REASON = "modified in place later in the region"
 
-_MISMATCH = (
-    "The region ran different ops during recomputation than in its forward (Note [replay "
-    "matching] in spillover/recompute/modes.py): it must not depend on state that changes "
-    "between forward and backward."
-)
-
 #: decide(n, func, args, kwargs, out) -> "keep" | "offload" | "recompute", for op n of a region.
 Decider = Callable[[int, Any, Tuple[Any, ...], Dict[str, Any], Any], str]
-
-
-class _Skip:
-    """Note [outputs only saved ops read]: in recomputation, an empty tensor shaped like the
-    op's output stands in for running it."""
-
-    __slots__ = ("size", "stride", "dtype", "device")
-
-    def __init__(self, t: torch.Tensor):
-        self.size, self.stride = t.size(), t.stride()
-        self.dtype, self.device = t.dtype, t.device
-
-    def make(self) -> torch.Tensor:
-        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-
-
-class _Saved:
-    """One saved op output: a plain (detached) reference, or an offload handle."""
-
-    __slots__ = ("value", "ctx", "version")
-
-    def __init__(self, x: Any, ctx: Any):
-        self.ctx = ctx
-        self.version: Optional[int] = None
-        if isinstance(x, torch.Tensor):
-            x = detach(x)
-            self.version = x._version
-            if ctx is not None:
-                x = ctx.pack(x)  # a handle, or x itself when the context keeps it
-        self.value = x
-
-    def get(self) -> Any:
-        v = self.value
-        if isinstance(v, torch.Tensor):
-            if v._version != self.version:
-                raise RuntimeError(
-                    "spillover.checkpoint: a tensor the region saved has been modified in place "
-                    "after the region's forward; recomputation would see the modified bytes. "
-                    "Clone it before modifying it, or use an out-of-place op."
-                )
-            return detach(v)  # a fresh alias: autograd sets its history on it
-        if self.ctx is not None and self.version is not None:
-            return self.ctx.unpack(v)
-        return v
 
 
 def _written_after_pack(entry: Any) -> None:
@@ -442,60 +389,3 @@ class _SaveMode(TorchDispatchMode):
         self.producer.clear()
         self.consumers.clear()
         self.skippable.clear()
-
-
-#: Note [a replay's host time is the region's] (planner/machine.py): when set, called with each
-#: op a replay answers without running it (a kept or offloaded output), whose dispatch the
-#: host pays all the same; the estimate's tracker charges it (estimate/trace.py). None in a
-#: training run.
-ANSWERED: Optional[Callable[[Any], None]] = None
-
-
-class _ReplayMode(TorchDispatchMode):
-    """Recompute: saved outputs come back (unpacked if offloaded), every other op runs again."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __init__(self, storage: Dict[Any, Dict[int, Any]], run: Optional[_Run] = None):
-        super().__init__()
-        self.storage = storage
-        self.run = run
-        self.counter: Dict[Any, int] = {}
-        self._pushed: List[bool] = []
-
-    def __enter__(self) -> _ReplayMode:
-        self.counter.clear()  # each recomputation (retain_graph=True: several) starts over
-        # Note [a replay with nothing to answer]
-        push = self.run is None or not self.run.recomputes_all
-        self._pushed.append(push)
-        return super().__enter__() if push else self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._pushed.pop():
-            super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if func in IGNORED:
-            return func(*args, **kwargs)
-        key = func if func is not INDUCTOR_CODE else storage_key(func, args)
-        idx = self.counter.get(key, 0)
-        self.counter[key] = idx + 1
-        entries = self.storage.get(key)
-        entry = entries.get(idx) if entries is not None else None
-        if entry is None:
-            raise RuntimeError(
-                f"spillover.checkpoint: {func} (call {idx + 1}) ran during recomputation but "
-                f"not in the forward. {_MISMATCH}"
-            )
-        if entry is RECOMPUTE:
-            return func(*args, **kwargs)
-        if isinstance(entry, _Skip):
-            return entry.make()
-        if ANSWERED is not None:
-            ANSWERED(func)
-        if type(entry) is _Saved:
-            return entry.get()
-        return tree_map(lambda s: s.get() if isinstance(s, _Saved) else s, entry)
