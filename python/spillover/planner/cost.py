@@ -171,6 +171,10 @@ class Costs:
         # the pool with what the context takes by itself.
         self.host_room = self.pool - self.fixed_in if ctx is not None and not self.nvme else 0
         self.kept = 0
+        #: the kept bytes of each region (Note [a kept backward frees as it goes] in search.py)
+        self.region_kept = [0] * len(regions)
+        #: ... and of those, what autograd saved (what rebuilding the region holds anyway)
+        self.region_kept_needed = [0] * len(regions)
         self.items: List[Item] = []
         self.fwd = [0.0] * len(regions)
         for ri, r in enumerate(regions):
@@ -184,11 +188,15 @@ class Costs:
                 elif o.forced == "effect":
                     self.ops[k] = ("keep", "", "has an ordered side effect: saved")
                     self.kept += o.bytes
+                    self.region_kept[ri] += o.bytes
+                    self.region_kept_needed[ri] += o.bytes if o.needed else 0
                 elif o.forced is not None or o.bytes == 0:
                     self.ops[k] = ("recompute", "", o.forced or "holds no memory")
                 else:
                     self.items.append(Item(ri, o, sec))
                     self.kept += o.bytes
+                    self.region_kept[ri] += o.bytes
+                    self.region_kept_needed[ri] += o.bytes if o.needed else 0
         self.recompute = 0.0
         self.transfer = 0.0
         self.region_transfer = [0.0] * len(regions)
@@ -205,6 +213,67 @@ class Costs:
         self.per_byte_cpu = 1.0 / machine.link_bytes_per_s if device_is_host else 0.0
         self.keep_tail = False  # Note [the tail stays] in search.py
         self.keep_all = False  # Note [everything kept] in search.py
+        #: Note [a kept backward frees as it goes] in search.py: the backward term counts each
+        #: region rebuilt with what the regions after it kept already freed (``staged``);
+        #: ``pre_held`` is what the plain tail holds with what its backward adds
+        self.staged = False
+        self.pre_held = 0
+        #: ... and what backward adds at its start beside ``tail_grad`` (staged only)
+        self.start_grad = 0
+
+    def unkeep(self, it: Item) -> None:
+        """``it`` is no longer kept (recomputed or offloaded)."""
+        self.kept -= it.op.bytes
+        self.region_kept[it.region] -= it.op.bytes
+        if it.op.needed:
+            self.region_kept_needed[it.region] -= it.op.bytes
+
+    def clear_kept(self) -> None:
+        self.kept = 0
+        self.region_kept = [0] * len(self.regions)
+        self.region_kept_needed = [0] * len(self.regions)
+
+    def _staged_terms(self) -> List[int]:
+        """Per region, what rebuilding it adds over ``mem`` when the regions after it are done
+        (Note [a kept backward frees as it goes] in search.py): its rebuilt bytes, less what
+        the regions after it kept (freed by their backward) and what it kept of its own saved
+        tensors (``mem`` holds them, and they are among what it rebuilds; an output it keeps
+        that autograd does not save is held on top)."""
+        out = [0] * len(self.regions)
+        after = 0
+        for i in range(len(self.regions) - 1, -1, -1):
+            r = self.regions[i]
+            out[i] = r.needed_bytes + transient_bytes(r) - after - self.region_kept_needed[i]
+            after += self.region_kept[i]
+        return out
+
+    def bwd_now(self) -> int:
+        """The backward term of the peak under the decisions so far."""
+        if not self.staged:
+            return self.bwd
+        return max(self._staged_terms(), default=0)
+
+    def over(self) -> bool:
+        """The decisions so far do not fit ``budget``."""
+        if not self.staged:
+            return self.mem > self.budget
+        return self.mem + max(self.pre_held, self.bwd_now()) > self.budget
+
+    def binding(self) -> List[int]:
+        """Staged: the regions whose rebuilt term is the peak (the start of backward, which
+        every freed byte lowers, is not named)."""
+        terms = self._staged_terms()
+        worst = max(terms, default=0)
+        if not terms or self.pre_held > worst:
+            return []
+        return [i for i, t in enumerate(terms) if t == worst]
+
+    @staticmethod
+    def lowers(it: Item, binding: List[int]) -> bool:
+        """Freeing ``it`` lowers every binding term: a region rebuilt holds what the regions
+        before it kept, and what it kept itself that autograd does not save (the saved ones it
+        rebuilds anyway); what the regions after it kept is gone."""
+        return all(it.region < i or (it.region == i and not it.op.needed) for i in binding)
 
     @property
     def mem(self) -> int:
@@ -222,7 +291,8 @@ class Costs:
         """The modeled peak: what is held after forward with what backward adds first (the loss
         region's transient or the plain tail's gradients), or, once the plain tail's backward
         freed it, what the rest holds + the largest region rebuilt."""
-        return max(self.mem + self.tail_grad, self.mem - self.tail_bytes + self.bwd)
+        start = max(self.tail_grad, self.start_grad)
+        return max(self.mem + start, self.mem - self.tail_bytes + self.bwd_now())
 
     def rebuilt_bytes(self) -> int:
         """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds

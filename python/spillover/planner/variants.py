@@ -26,7 +26,9 @@ class Greedy(Costs):
         )
         taken: set = set()
         lo = hi = 0
-        while self.mem > self.budget:
+        if self.staged:
+            self._free_staged(by_rc, taken)
+        while not self.staged and self.mem > self.budget:
             while lo < len(by_rc) and id(by_rc[lo]) in taken:
                 lo += 1
             while hi < len(by_off) and (
@@ -40,12 +42,12 @@ class Greedy(Costs):
             off_cost, hidden = self.offload_cost(off) if off is not None else (float("inf"), False)
             if off is None or cand.rc <= off_cost / off.op.bytes:
                 taken.add(id(cand))
-                self.kept -= cand.op.bytes
+                self.unkeep(cand)
                 self.ops[(cand.region, cand.op.index)] = (
                     "recompute", "", f"cheapest to free ({rate_text(cand)})")
             else:
                 taken.add(id(off))
-                self.kept -= off.op.bytes
+                self.unkeep(off)
                 self._take_offload(off, off_cost, "the transfer hides behind compute" if hidden
                                    else "cheaper to move than to recompute")
         for it in self.items:
@@ -55,6 +57,26 @@ class Greedy(Costs):
         self._label_tiers()
         self._total_recompute()
         return self
+
+    def _free_staged(self, by_rc: List[Item], taken: set) -> None:
+        """Note [a kept backward frees as it goes] in search.py: recompute the cheapest output
+        whose bytes every binding term holds, until the step's peak fits (no offloading: the
+        kept family ships nothing)."""
+        assert not self.use_offload
+        while self.over():
+            binding = self.binding()
+            left = [it for it in by_rc if id(it) not in taken]
+            # where nothing lowers every binding term (the rebuilt regions tie), the cheapest
+            # of the rest: a rebuilt region holds less than the model's bound on it
+            # (recomputed tensors come back as backward reaches them), a kept one all of it
+            cand = next((it for it in left if self.lowers(it, binding)),
+                        left[0] if left else None)
+            if cand is None:
+                break
+            taken.add(id(cand))
+            self.unkeep(cand)
+            self.ops[(cand.region, cand.op.index)] = (
+                "recompute", "", f"cheapest to free ({rate_text(cand)})")
 
     def _take_offload(self, it: Item, cost: float, why: str) -> None:
         """Decide to offload ``it`` (its bytes already left out of ``kept``)."""
@@ -136,7 +158,7 @@ class PlainOffload(Greedy):
 
     def run(self) -> PlainOffload:
         self.modes = ["plain-offload"] * len(self.regions)
-        self.kept = 0
+        self.clear_kept()
         total = sum(r.needed_bytes for r in self.regions)
         t = self.transfer_seconds(total)
         last = self.regions[self.last].needed_bytes if self.regions else 0
