@@ -42,6 +42,40 @@ if TYPE_CHECKING:
 #:     decisions do not change that share, so it is left out of the comparison.)
 
 
+#: Note [measured compute]
+#:     The calibration's rates come from one op each, on tensors of its size: on this CPU an
+#:     out-of-place multiply of 64 MiB, whose fresh output page-faults every time (7.6 GB/s),
+#:     where a training step's elementwise ops reuse freed memory (a GPT block's softmax,
+#:     scaling and masking of 16 MiB scores ran at 25-32 GB/s), and a 1024-square matmul
+#:     (329 GFLOP/s against 1.5x faster in the block). So the model put the block's forward
+#:     at 44 ms where it took 25, and on the simulated H200 (GPT 4x256, seq 512, budget 0.7x
+#:     none's peak) planned 32 MiB of softmax outputs through the 0.4 GB/s link as hidden
+#:     behind a forward that could not hide them: that plan ran 116 ms over none, modeled
+#:     40, where a plan that ships nothing ran 47 (modeled 65) and was never tried. Where a
+#:     region's forward wall time is its compute's (real tensors on a CPU host, the
+#:     simulated device included; not CUDA, whose host only queues kernels, nor an
+#:     estimate's fake tensors), the learning step times each region's forward, and the plans
+#:     after it scale the model's compute by measured / modeled over the step's regions
+#:     (``compute_scale``): recomputation and the time a forward hides copies in move
+#:     together, the link and the host's costs do not. The scale only lowers the model's
+#:     compute (at most to ``MIN_SCALE``): a learning step that ran slower than modeled is
+#:     often a process's first, its memory faulted in for the first time.
+
+#: Note [measured compute]: the least scale the measured forwards may set
+MIN_SCALE = 0.2
+
+
+def measured_scale(machine: Machine, recs: Sequence[Any]) -> float:
+    """Note [measured compute]: measured / modeled forward seconds over ``recs`` (the
+    regions of a learning step), within [``MIN_SCALE``, 1]; 1 where any was not measured."""
+    if not recs or any(r.forward_seconds <= 0 for r in recs):
+        return 1.0
+    modeled = sum(sum(machine.op_seconds(o) for o in r.ops) for r in recs)
+    if modeled <= 0:
+        return 1.0
+    return min(1.0, max(MIN_SCALE, sum(r.forward_seconds for r in recs) / modeled))
+
+
 #: Device calls of one pack and its unpack on the simulated link: 1.59 + 2.69, measured by
 #: ``benches/python/link_cost.py`` on the simulated link (2026-12-04; Note [device calls] in
 #: rust/link).
@@ -66,6 +100,9 @@ class Machine:
     #: the device runs apart from the host (a GPU); 0: host and device time add up (the
     #: calibration's model, a CPU)
     host_seconds_per_forward_op: float = 0.0
+    #: Note [measured compute]: the model's compute times (not the link's, not the host's)
+    #: scaled by what a learning step measured
+    compute_scale: float = 1.0
 
     @classmethod
     def from_calibration(cls, data: Dict[str, Any], device: str) -> Machine:
@@ -108,7 +145,7 @@ class Machine:
         t = op.moved_bytes / self.elementwise_bytes_per_s
         if op.compute_bound:
             t += op.flops / self.flops_per_s(op.dtype)
-        return t
+        return t * self.compute_scale
 
     def rerun_seconds(self, op: OpRecord) -> float:
         """What recomputing the op costs: its device time (:meth:`op_seconds`) and the host's

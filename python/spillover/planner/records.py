@@ -144,6 +144,9 @@ class RegionRecord:
     # autograd's saves were seen (torch 2.8+): only then are unread ops skipped at runtime
     saves_seen: bool = True
     offload: Optional[Dict[str, Any]] = None  # the offload context seen: tier, pool bytes
+    #: Note [measured compute]: the forward's wall-clock seconds, where they are its compute's
+    #: (a recording run on real CPU tensors); 0 where not measured
+    forward_seconds: float = 0.0
 
     @property
     def held_bytes(self) -> int:

@@ -47,6 +47,7 @@ Note [planner step boundaries]
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -55,12 +56,12 @@ import psutil
 import torch
 
 from ..config import Config, format_size
-from .machine import Machine
+from .machine import Machine, measured_scale
+from .metering import Metering, _device_of_args
 from .records import (
     RegionRecord,
     _ctx_signature,
     _sim_link,
-    host_is_device,
     input_signature,
     sim_of,
 )
@@ -85,7 +86,7 @@ class Phase(enum.Enum):
     SETTLED = "settled"
 
 
-class Planner(Trials):
+class Planner(Trials, Metering):
     """The ``"auto"`` policy: one per wrapped model (``wrap(model, policy="auto")``), or shared
     by standalone ``checkpoint(fn, ..., policy=planner)`` calls.
 
@@ -152,6 +153,8 @@ class Planner(Trials):
         self.seeded: Optional[Dict[str, Any]] = None
         self.seed_note = ""
         self.first_peaks: List[int] = []  # the measured peaks of the steps after a seed
+        #: Note [measured compute] (machine.py): the learning step's measured / modeled compute
+        self.compute_scale = 1.0
 
     def __reduce__(self) -> Any:
         # Pickled with a wrapped model (Note [pickling a wrapped model] in recompute/blocks.py):
@@ -171,8 +174,12 @@ class Planner(Trials):
 
     def machine_of(self, recs: Sequence[RegionRecord]) -> Machine:
         """The machine the step of ``recs`` ran on: the simulated device's where its context
-        has one (Note [the simulated device is a device] in records.py)."""
-        return self.machine(recs[0].device).simulated(sim_of(recs[0]))
+        has one (Note [the simulated device is a device] in records.py), its compute scaled
+        by what the learning step measured (Note [measured compute] in machine.py)."""
+        m = self.machine(recs[0].device).simulated(sim_of(recs[0]))
+        if self.compute_scale != 1.0:
+            m = dataclasses.replace(m, compute_scale=self.compute_scale)
+        return m
 
     @property
     def learning(self) -> bool:
@@ -204,6 +211,10 @@ class Planner(Trials):
                 kind = ("plain-offload" if all(r.mode == "plain-offload" for r in recs)
                         else "checkpoint")
                 self.peak_offsets = {}
+                # Note [measured compute] (machine.py): not with a machine given (its figures
+                # are the ones to plan with)
+                self.compute_scale = (measured_scale(self.machine(recs[0].device), recs)
+                                      if self._machine is None else 1.0)
                 if peak is not None:
                     off = peak - learning_peak(recs, self.machine_of(recs),
                                                self.outside_bytes, kind, self.loss_bytes)
@@ -250,24 +261,6 @@ class Planner(Trials):
             return None
         plan.budget, plan.note, plan.fits = budget, LEARNED, True
         return plan, peak
-
-    def _finish_peak(self, recs: List[RegionRecord]) -> Optional[int]:
-        """The peak of the step that ran (None when it was not measured)."""
-        if not self._metering or self._meter is None:
-            return None
-        peak = self._step_peak if self._step_peak is not None else self._meter.read()
-        self._step_peak = None
-        if peak is not None and recs:
-            peak += self._pool_charge(recs)
-        self.last_peak = peak
-        return peak
-
-    @staticmethod
-    def _pool_charge(recs: List[RegionRecord]) -> int:
-        """On a CPU host the offload context's pool is this same memory, faulted in when the
-        context opened (before the step): charged in full, as the budget counts it."""
-        info = recs[0].offload
-        return int(info["pool_bytes"]) if info and host_is_device(recs[0]) else 0
 
     def _tune(self, peak: int) -> None:
         """Note [peak feedback]: correct the model by the peak the planned step reached."""
@@ -371,18 +364,6 @@ class Planner(Trials):
             self.tuning_left = 0
             self.measure_peak = False
 
-    def start_peak(self, args: Sequence[Any], kwargs: Dict[str, Any], ctx: Any) -> None:
-        """A wrapped model's forward starts (Note [planner step boundaries]): measure the
-        step's peak from here, over what was live before it -- as the budget means it, and as
-        torch's counters read around a step -- not from its first region, after the embedding
-        ran. Tensor arguments name the device; a forward without any waits for its first
-        region."""
-        if not any(isinstance(a, torch.Tensor) for a in [*args, *kwargs.values()]):
-            return
-        with self._lock:
-            if self._pos == 0:
-                self._start_peak(_device_of_args(args, kwargs), ctx)
-
     def _start_peak(self, device: str, ctx: Any) -> None:
         """Measure this step's peak if it learns or tunes the plan (on the simulated device,
         its live tensor storages: Note [the simulated device is a device] in records.py)."""
@@ -395,12 +376,6 @@ class Planner(Trials):
             self._meter = StorageMeter() if what == "storages" else PeakMeter(device)
         self._step_peak = None
         self._metering = self._meter.start()
-
-    def end_of_backward(self) -> None:
-        """The step's backward reached its first region: read the step's peak now (before the
-        optimizer allocates its state)."""
-        if self._metering and self._meter is not None and self._step_peak is None:
-            self._step_peak = self._meter.read()
 
     def _budget_for(self, device: str) -> int:
         if self.budget_bytes is not None:
@@ -465,13 +440,6 @@ class Planner(Trials):
         """The op sequence of a planned region differed from the learned one."""
         with self._lock:
             self._dirty = True
-
-
-def _device_of_args(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return str(a.device)
-    return "cpu"
 
 
 def _on_grad_of(args: Sequence[Any], fn: Callable[[], None]) -> None:

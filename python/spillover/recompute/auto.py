@@ -3,6 +3,7 @@ region and op by op, what is kept, offloaded or recomputed."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -65,15 +66,19 @@ class _Auto(RegionPolicy):
                                   input_bytes=input_bytes(args),
                                   offload=_planner.ctx_offload_info(ctx))
             pack, unpack = _context_hooks(state)
+            t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                     _Run(_learning, ctx, record, pol.add_record).contexts()[0]:
                 out = fn(*args, **kwargs)
+            _time_forward(record, args, t0)
         else:
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
                                   input_bytes=input_bytes(args),
                                   offload=_planner.ctx_offload_info(ctx))
             if rplan is None:
+                t0 = time.perf_counter()
                 out = _sac(fn, args, kwargs, _Run(_learning, ctx, record, pol.add_record).contexts)
+                _time_forward(record, args, t0)
             elif rplan.record is None or not rplan.record.ops:  # a plan made elsewhere
                 out = _sac(fn, args, kwargs,
                            _Run(_planned(pol, rplan), ctx, record, pol.add_record).contexts)
@@ -214,3 +219,14 @@ def _note_backward_on(out: Any, planner: Planner) -> None:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _time_forward(record: RegionRecord, args: Tuple[Any, ...], t0: float) -> None:
+    """Note [measured compute] in planner/machine.py: a learning run's forward seconds, where
+    they are its compute's (real tensors on a CPU host; the record is handed to the planner
+    when the forward ends, and read when the step ends)."""
+    if record.device != "cpu":
+        return
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None and type(first) is torch.Tensor:  # not a fake tensor of an estimate
+        record.forward_seconds = time.perf_counter() - t0
