@@ -112,8 +112,9 @@ class _Auto(RegionPolicy):
         recs = planner.planned_records if planner.plan is not None else planner.last_records
         if not recs:
             recs = planner._records
-        device = recs[0].device if recs else "cpu"
-        m = machine or (planner.machine(device) if recs else None)
+        # the machine the plan was made with: the simulated device's link, the measured
+        # compute (Note [measured compute] in planner/machine.py)
+        m = machine or (planner.machine_of(recs) if recs else None)
         policy = "auto" + ("" if planner.plan is not None else " (learning: no plan yet)")
         ex = _planner.explain_records(recs, policy, m, planner.plan, planner.outside_bytes,
                                       planner.loss_bytes)
