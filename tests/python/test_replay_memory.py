@@ -19,9 +19,14 @@ import torch
 from conftest import assert_bitwise, grads
 
 import spillover
-from spillover.recompute import replay
+from spillover.recompute import modes, replay
 
 transformers = pytest.importorskip("transformers")
+
+#: torch < 2.8 has no hook to see autograd's saves: no op is skipped, nothing dropped after the
+#: last save (Note [after the last save] in recompute/modes.py)
+SAVES_SEEN = modes.top_hooks is not None
+needs_top_hooks = pytest.mark.skipif(not SAVES_SEEN, reason="needs torch 2.8+ (saves not seen)")
 
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
@@ -104,8 +109,13 @@ def test_the_first_replay_gives_up_what_it_hands_back(llama, replays, policy):
         loss.backward()
         assert_bitwise(ref, grads(model))
         after = [_kept(r.storage) for r in replays]
-        # every kept output the replay handed back was given up, none kept back
-        assert after == [(0, k) for k, _ in before], (before, after)
+        # every kept output the replay handed back was given up, none kept back; without
+        # autograd's saves seen (torch < 2.8) the outputs after the last save stay, never
+        # asked for (recomputation stops at the last save)
+        if SAVES_SEEN:
+            assert after == [(0, k) for k, _ in before], (before, after)
+        else:
+            assert all(g > 0 and k + g == kb for (k, g), (kb, _) in zip(after, before))
         assert all(r.replays == 1 and not r.rerun_all for r in replays)
 
 
@@ -158,6 +168,7 @@ def test_torchs_selective_checkpointing_refuses_a_second_backward():
         y.sum().backward()
 
 
+@needs_top_hooks
 def test_stand_ins_share_one_buffer(llama, replays, monkeypatch):
     """With the softmax output saved, the ops before it that only it reads are skipped
     (eager attention: the scores matmul, the scaling and the mask); their stand-ins are views
