@@ -218,6 +218,7 @@ class Costs:
         #: ``pre_held`` is what the plain tail holds with what its backward adds
         self.staged = False
         self.pre_held = 0
+        self._rebuilt: Optional[List[int]] = None
         #: ... and what backward adds at its start beside ``tail_grad`` (staged only)
         self.start_grad = 0
 
@@ -239,11 +240,13 @@ class Costs:
         the regions after it kept (freed by their backward) and what it kept of its own saved
         tensors (``mem`` holds them, and they are among what it rebuilds; an output it keeps
         that autograd does not save is held on top)."""
+        rebuilt = self._rebuilt
+        if rebuilt is None:  # decision-independent: once per pass
+            rebuilt = self._rebuilt = [r.needed_bytes + transient_bytes(r) for r in self.regions]
         out = [0] * len(self.regions)
         after = 0
         for i in range(len(self.regions) - 1, -1, -1):
-            r = self.regions[i]
-            out[i] = r.needed_bytes + transient_bytes(r) - after - self.region_kept_needed[i]
+            out[i] = rebuilt[i] - after - self.region_kept_needed[i]
             after += self.region_kept[i]
         return out
 

@@ -63,16 +63,14 @@ class Greedy(Costs):
         whose bytes every binding term holds, until the step's peak fits (no offloading: the
         kept family ships nothing)."""
         assert not self.use_offload
-        while self.over():
+        left = list(by_rc)
+        while left and self.over():
             binding = self.binding()
-            left = [it for it in by_rc if id(it) not in taken]
             # where nothing lowers every binding term (the rebuilt regions tie), the cheapest
             # of the rest: a rebuilt region holds less than the model's bound on it
             # (recomputed tensors come back as backward reaches them), a kept one all of it
-            cand = next((it for it in left if self.lowers(it, binding)),
-                        left[0] if left else None)
-            if cand is None:
-                break
+            cand = next((it for it in left if self.lowers(it, binding)), left[0])
+            left.remove(cand)
             taken.add(id(cand))
             self.unkeep(cand)
             self.ops[(cand.region, cand.op.index)] = (
