@@ -121,3 +121,18 @@ def drained(c, timeout=5.0):
 
 
 __all__ = ["assert_bitwise", "drained", "gpt_step", "grads", "clone_model", "spillover"]
+
+
+@pytest.fixture(params=["sdpa", "eager"])
+def tiny_hf_llama(request):
+    """An HF Llama of 3 layers (hidden 64) with a realistic vocabulary (32000), with fused
+    (SDPA) and explicit (eager) attention, and a batch of token ids (2 x 32)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=request.param)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    return model, ids

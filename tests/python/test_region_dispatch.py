@@ -29,16 +29,9 @@ MACHINE = Machine(matmul_flops={"float32": 1e11}, elementwise_bytes_per_s=1e10,
                   d2h_bytes_per_s=5e9, h2d_bytes_per_s=5e9)
 
 
-@pytest.fixture(params=["sdpa", "eager"])
-def llama(request):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=request.param)
-    ids = torch.randint(0, cfg.vocab_size, (2, 32))
-    return model, ids
+@pytest.fixture
+def llama(tiny_hf_llama):
+    return tiny_hf_llama
 
 
 @pytest.fixture

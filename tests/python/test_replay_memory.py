@@ -31,16 +31,9 @@ needs_top_hooks = pytest.mark.skipif(not SAVES_SEEN, reason="needs torch 2.8+ (s
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
-@pytest.fixture(params=["eager", "sdpa"])
-def llama(request):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=request.param)
-    ids = torch.randint(0, cfg.vocab_size, (2, 32))
-    return model, ids
+@pytest.fixture
+def llama(tiny_hf_llama):
+    return tiny_hf_llama
 
 
 @pytest.fixture
@@ -180,7 +173,7 @@ def test_stand_ins_share_one_buffer(llama, replays, monkeypatch):
     made = []
     make = replay._Skip.make
 
-    def recording(self, scratch=None):
+    def recording(self, scratch):
         t = make(self, scratch)
         made.append((id(scratch), t.dtype, t.untyped_storage().data_ptr(), t.shape))
         return t

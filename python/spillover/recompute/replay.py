@@ -68,12 +68,9 @@ class _Skip:
         self.size, self.stride = t.size(), t.stride()
         self.dtype, self.device = t.dtype, t.device
 
-    def make(self, scratch: Optional[Dict[Any, torch.Tensor]] = None) -> torch.Tensor:
-        """The stand-in; with ``scratch`` (a replay's), a view of that replay's one buffer
-        for this device and dtype (Note [stand-ins share one buffer])."""
-        if scratch is None:
-            return torch.empty_strided(self.size, self.stride, dtype=self.dtype,
-                                       device=self.device)
+    def make(self, scratch: Dict[Any, torch.Tensor]) -> torch.Tensor:
+        """The stand-in: a view of the replay's one buffer for this device and dtype
+        (``scratch``, Note [stand-ins share one buffer])."""
         span = 1 + sum((n - 1) * st for n, st in zip(self.size, self.stride)) \
             if all(self.size) else 0
         key = (self.device, self.dtype)
