@@ -8,10 +8,13 @@ registration]). Before, every step of this loop mapped (and on a device register
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import threading
 import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -197,3 +200,43 @@ def test_a_larger_size_asked_while_one_is_made_is_made_next(small_first_pool, mo
     assert [m.capacity for m in made] == [2 * cap, 8 * cap]
     assert returned == [made[0]] and pools._next is made[1]
     pools._next = None  # not a real pool: nothing to give back
+
+
+@pytest.mark.parametrize("tier", ["auto", "host"])
+def test_auto_policy_on_a_cpu_host_ships_nothing_and_grows_no_pool(tier, small_first_pool,
+                                                                   tiny_hf_llama):
+    """Note [a CPU host ships nothing] in planner/records.py: the Quick start's loop with
+    ``policy="auto"`` and no budget, on an HF Llama (vocab 32000, SDPA and eager attention):
+    what the context would take is kept in place from the learning step on (that pool is the
+    RAM the budget counts, and it would stay with the process at the most it held), so the
+    pool stays at the first one, and gradients are bitwise. Before, the learning step under
+    tier auto shipped every saved tensor and the pool grew for it, and the plans after it
+    shipped the tail on every step (GPT 4x256, vocab 8192: a 512 MiB pool kept for a plan
+    shipping 2 MiB, the step's peak 1.93x no checkpointing's with the pool counted)."""
+    model, ids = tiny_hf_llama
+
+    def step(m, ctx=None):
+        m.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    ref = step(model)
+    planner = spillover.Planner(measure_peak=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # use_cache=False
+        wrapped = spillover.wrap(copy.deepcopy(model), policy=planner, chunked_loss=False)
+    rows = []
+    for _ in range(5):
+        ctx = spillover.offload_context(tier)  # defaults, as the Quick start writes it
+        got = step(wrapped, ctx)
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+        rows.append(ctx.stats())
+        del ctx
+    assert planner.plan is not None and not planner.learning
+    assert [s.bytes_offloaded for s in rows] == [0] * 5, [s.bytes_offloaded for s in rows]
+    caps = [s.pool_capacity for s in rows]  # the pool it started on (another test's may
+    assert caps == [caps[0]] * 5 and caps[0] <= 64 * MiB, caps  # still be held): never grown
+    assert [s.pool_maps for s in rows][1:] == [0] * 4
+    assert all(s.bytes_kept_policy > 0 for s in rows)  # kept, counted as kept by a policy

@@ -121,6 +121,19 @@ class OffloadContext(Hooks, Guardrails):
         return self._tier is not None and self._tier.has_swap
 
     @property
+    def grows_in_ram(self) -> bool:
+        """Whether what this context takes now stays in host RAM, in a default pool that grows
+        for it (no size given): the host tier, or tier auto while its pool can still grow
+        (Note [RAM before the drive] in _growth.py). Before its first step: what that step
+        will do."""
+        if not self._pools.growable:
+            return False
+        tier = self._tier
+        if tier is None:
+            return self.tier in ("host", "auto")
+        return not tier.has_swap or bool(tier.defers_writes)
+
+    @property
     def _step(self) -> Any:
         """The latest step's tier step (``spillover._native.Step``), or None (tests)."""
         rec = self._last

@@ -192,6 +192,11 @@ class SimContext(DriveModel):
         return self.cap
 
     @property
+    def grows_in_ram(self) -> bool:
+        """As ``OffloadContext.grows_in_ram``: a default pool, packing to RAM."""
+        return not self.fixed and not self._drive
+
+    @property
     def _drive(self) -> bool:
         """Entries packed now go through the drive's model (Note [RAM before the drive])."""
         return self.nvme and self.spilling

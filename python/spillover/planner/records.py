@@ -209,6 +209,27 @@ def host_is_device(rec: RegionRecord) -> bool:
     return rec.device == "cpu" and not sim_of(rec)
 
 
+#: Note [a CPU host ships nothing]
+#:     On a CPU host (the simulated device aside) the context's host pool is the same RAM the
+#:     budget counts. A pool of the user's size is RAM taken already: what fills it frees the
+#:     tensors' own. A default pool grows by what it takes, and stays with the process at the
+#:     most it held (Note [the pool lives for the process] in _pools.py). So under a default
+#:     pool that keeps in RAM what it takes (the host tier; tier auto while its pool grows:
+#:     Note [RAM before the drive] in _growth.py), what the context would take is kept in
+#:     place instead, from a region's start to backward (``OffloadContext.keep_rest``), in
+#:     every step auto runs, the learning step included: the same live bytes, no copy, no pool
+#:     grown for them. Before, the Quick start's loop with ``policy="auto"`` and no budget (GPT
+#:     4x256, seq 512, vocab 8192) learned with every saved tensor shipped, kept a 512 MiB pool
+#:     for a plan that ships 2 MiB, and peaked at 750 MiB with the pool counted, 1.93x no
+#:     checkpointing's 389 MiB. A tier that writes to the drive, or a pool of the user's size,
+#:     goes on as before.
+def keeps_on_host(ctx: Any, device: str) -> bool:
+    """Note [a CPU host ships nothing]: whether what ``ctx`` would take from a region on
+    ``device`` is kept in place."""
+    return (ctx is not None and device == "cpu" and _sim_link(ctx) is None
+            and bool(ctx.grows_in_ram))
+
+
 def input_signature(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
     sig: List[Any] = []
     for a in list(args) + [kwargs[k] for k in sorted(kwargs)]:

@@ -26,7 +26,8 @@ Note [learning frugally]
     taking what autograd saves (the "plain-offload" variant): backward reloads tensors one by
     one instead of rebuilding a region at once, so it peaks lower than full recomputation
     under the same context (measured on the CPU GPT, 6x512, seq 512, 64 MiB pool: 209 vs
-    253 MiB) and recomputes nothing. Either way the ops of each region are recorded as it
+    253 MiB) and recomputes nothing. Not where the context's takings are kept in place (Note
+    [a CPU host ships nothing] in records.py). Either way the ops of each region are recorded as it
     runs (bytes, FLOPs, what autograd saves), which is all the search needs.
 
 Note [the learning step is a candidate]
@@ -63,6 +64,7 @@ from .records import (
     _ctx_signature,
     _sim_link,
     input_signature,
+    keeps_on_host,
     sim_of,
 )
 from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
@@ -191,10 +193,12 @@ class Planner(Trials, Metering):
         """True once the plan is final: planned, and no longer corrected by measured peaks."""
         return self.plan is not None and self.phase is Phase.SETTLED
 
-    def learns_plainly(self, ctx: Any) -> bool:
-        """Note [learning frugally]: whether a learning run of a region under ``ctx`` runs
-        plainly, the context taking what autograd saves, instead of recomputed in full."""
-        return ctx is not None and bool(ctx.nvme)
+    def learns_plainly(self, ctx: Any, device: str = "") -> bool:
+        """Note [learning frugally]: whether a learning run of a region on ``device`` under
+        ``ctx`` runs plainly, the context taking what autograd saves, instead of recomputed in
+        full: under the NVMe tier, unless it is kept in place (Note [a CPU host ships nothing]
+        in records.py)."""
+        return ctx is not None and bool(ctx.nvme) and not keeps_on_host(ctx, device)
 
     def begin_step(self) -> None:
         """Close the step that ran (plan from it if it was a learning step, correct the plan by

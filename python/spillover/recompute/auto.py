@@ -43,8 +43,10 @@ class _Auto(RegionPolicy):
             state.counting.exclude(args)
         plan = pol.plan
         if (ctx is not None and rplan is not None and plan is not None and plan.keep_all
-                and rplan is plan.regions[0]):
-            ctx.keep_rest()  # Note [everything kept] in planner/search.py
+                and rplan is plan.regions[0]) or _planner.keeps_on_host(ctx, device):
+            # Notes [everything kept] in planner/search.py, [a CPU host ships nothing] in
+            # planner/records.py
+            ctx.keep_rest()
         if rplan is not None and rplan.mode == "plain-keep":
             if ctx is not None:  # keep everything: the context counts them, offloads none
                 with torch.autograd.graph.saved_tensors_hooks(ctx.kept, _identity):
@@ -59,7 +61,8 @@ class _Auto(RegionPolicy):
             # record (the plan's records stand for it), as the plain ones do; its input
             # signature was matched above, and a change of its ops cannot make it save wrong.
             out = _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        elif rplan is None and pol.learns_plainly(ctx) and _context_hooks(state) is not None:
+        elif (rplan is None and pol.learns_plainly(ctx, device)
+              and _context_hooks(state) is not None):
             # Note [learning frugally] in planner/tuner.py: run plainly, the context's hooks
             # taking what autograd saves, while the save mode records every op.
             record = RegionRecord(key, name or str(key), sig, device, "plain-offload",
