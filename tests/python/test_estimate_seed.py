@@ -97,17 +97,23 @@ def test_first_step_peak_within_the_budget():
     assert planner.seeded["predicted_peak"] == pytest.approx(peak, rel=0.05)
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_seeded_under_an_offload_context(tier, tmp_path):
+@pytest.mark.parametrize("tier,pool", [("host", 4 << 20), ("nvme", 4 << 20), ("auto", None)])
+def test_seeded_under_an_offload_context(tier, pool, tmp_path):
+    """The first step follows the seeded plan under each tier, the default one (auto, default
+    pool, as the Quick start's context is) included: the trace's simulated context carries
+    the real one's tier and pool, so the plan's regions match the step's. Before, the trace
+    named tier auto "nvme" and stood in a pool of the cap's size for the default one: the
+    regions of the first real step did not match, and it ran a learning step."""
     base, batch = _model()
     full, plain, outside = _probe(base, batch)
     planner = Planner(budget_bytes=(full + plain) // 2 + outside, machine=CPU)
     model = spillover.wrap(copy.deepcopy(base), policy=planner)
-    ctx = spillover.offload_context(tier, host_pool_bytes=4 << 20, nvme_path=str(tmp_path))
     for _ in range(3):
+        ctx = spillover.offload_context(tier, host_pool_bytes=pool, nvme_path=str(tmp_path))
         grads = gpt_step(model, batch, ctx)
         assert_bitwise(same_loss_ref(base, batch, model), grads)
     assert planner.seeded is not None, planner.seed_note
+    assert planner.learning_steps == 0, str(spillover.explain(model))
     assert "planned from a trace" in str(spillover.explain(model))
 
 

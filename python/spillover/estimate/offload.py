@@ -138,7 +138,10 @@ class SimContext(DriveModel):
         if tier not in ("host", "nvme", "auto"):
             raise ValueError(f"tier={tier!r}: expected host, nvme or auto")
         drive = bool(device.nvme_write_bytes_per_s)
-        self.tier = tier if tier != "auto" else ("nvme" if drive else "host")
+        #: the tier asked for, as ``OffloadContext.tier`` names it (a plan seeded under this
+        #: context must match the real one's signature: Note [seeded plan] in seed.py)
+        self.tier = tier
+        self._resolved = tier if tier != "auto" else ("nvme" if drive else "host")
         #: whether the pool spills to the drive (auto over a growing pool: once at its cap)
         self.spilling = tier != "auto" or pool_bytes is not None
         self.device = device
@@ -185,7 +188,7 @@ class SimContext(DriveModel):
 
     @property
     def nvme(self) -> bool:
-        return self.tier == "nvme" and bool(self.device.nvme_write_bytes_per_s)
+        return self._resolved == "nvme" and bool(self.device.nvme_write_bytes_per_s)
 
     @property
     def pool_limit(self) -> int:

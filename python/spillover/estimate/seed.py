@@ -7,7 +7,12 @@ Note [seeded plan]
     (Note [fake device] in trace.py): the model's parameters and buffers are swapped for fake
     ones for the length of the trace (``torch.nn.utils.stateless``), its wrap state runs a
     planner of its own, and the offload context in force is stood in for by a simulated one of
-    the same tier and pool (Note [simulated offload] in offload.py). That planner learns, plans
+    the same tier and pool (Note [simulated offload] in offload.py: tier auto named so, as
+    the plan's regions are matched by it, and a default pool growing as the real one does;
+    the trace once named tier auto "nvme" and stood a fixed pool of the cap's size in for the
+    default one, so under the Quick start's context the first real step matched no region of
+    the plan and ran a learning step: on a device, one that ships every saved tensor and grows
+    the process's pool for them). That planner learns, plans
     and tunes on fake steps exactly as it would on real ones, each fake step's peak read by the
     tracker (Note [peak feedback] in planner/tuner.py), so the plan handed over has been
     checked against the budget on the fake step before the first real step runs. The model's
@@ -134,7 +139,11 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
     if ctx is not None:
         # the context's first step has no learned order (Note [seeded plan]): every fake step
         # is planned as that one
-        sim = SimContext("nvme" if ctx.nvme else "host", dev, tracker, ctx.pool_limit,
+        # its tier and pool as the context's, so that the plan's regions match the real
+        # step's (the signature names the tier; tier auto's default pool keeps in RAM while it
+        # grows: Note [RAM before the drive] in _growth.py)
+        tier = ctx.tier if ctx.tier != "auto" or ctx.nvme else "host"
+        sim = SimContext(tier, dev, tracker, ctx.config.host_pool_bytes,
                          ctx.pool_limit, storage_keys(list(made.values())),
                          ctx.config.min_offload_bytes,
                          learns_order=getattr(ctx, "steps", 0) > 1)

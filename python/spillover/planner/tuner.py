@@ -123,6 +123,9 @@ class Planner(Trials, Metering):
         self.explicit_steps = False  # set by wrap: it calls begin_step() itself
         self.steps = 0
         self.replans = 0
+        #: steps run as learning steps (Note [learning frugally]); 0 where a seeded plan was
+        #: followed from the first step (Note [seeded plan] in spillover/estimate/seed.py)
+        self.learning_steps = 0
         self._records: List[RegionRecord] = []  # this step's
         self.last_records: List[RegionRecord] = []  # the last finished step's
         self.planned_records: List[RegionRecord] = []  # the records the plan was made from
@@ -211,6 +214,7 @@ class Planner(Trials, Metering):
             if recs:
                 self.last_records = recs
             if learned:  # every region of the step recorded a learning run
+                self.learning_steps += 1
                 # Note [learning frugally]: how the learning step ran is its variant family
                 kind = ("plain-offload" if all(r.mode == "plain-offload" for r in recs)
                         else "checkpoint")
