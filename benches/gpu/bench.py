@@ -14,6 +14,12 @@ Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
 - auto: the defaults, no size given (tier auto; the pool starts small and grows to what the
   steps use, Note [growing pool] in spillover/_growth.py): what a user gets without a knob. With
   a size given, auto is the NVMe tier over that pool, the nvme mode again;
+- quickstart: the README's Quick start whole: the layers under spillover.wrap(policy=
+  "selective") and a new offload_context(tier="auto") every step, the defaults (from the third
+  step on no pool may be mapped or registered, checked);
+- quickstart-auto: the same with wrap(policy="auto") and no budget (the default: half the free
+  memory): the first step follows a plan made on a trace of fake tensors (no learning step,
+  checked; Note [seeded plan] in spillover/estimate/seed.py), and the peak should be none's;
 - planned: spillover.wrap(policy=Planner) with full's measured peak as its budget, under
   offload_context("host") with host's pool: the planner's learning and tuning steps run before
   the warm-up, Note [peak feedback] in planner/tuner.py; needs full's result in DIR, else a 1-byte
@@ -22,16 +28,16 @@ Modes: none; full (torch.utils.checkpoint per layer); save_on_cpu
 a process of its own, so a mode's peak cannot include what another left on the device and one
 mode's crash or timeout loses only that mode.
 
-Per step (one warm-up, two for auto, then --steps measured): seconds for forward + backward (and
-each on its own, from CUDA events: no synchronize between them); torch.cuda.max_memory_allocated and
-max_memory_reserved of the forward and of the backward, separately (the peak counters are reset
-between the two; they count allocations as the host makes them, so reading them needs no
-synchronize), each also above the memory held before the step (parameters and gradients: the
-activations' peak); ctx.stats() for spillover's modes; and a fingerprint of the gradients.
-DIR/bench-MODE.json is rewritten after every step, so a mode that runs out of time still leaves
-what it measured. On the CPU (the dry run) the memory figures are a stand-in: the process's
-peak resident set (VmHWM, reset through /proc/self/clear_refs) for both counters, said as
-"memory_counter": "rss" in the JSON.
+Per step (one warm-up, two for auto, three for the Quick start's, then --steps measured):
+seconds for forward + backward (and each on its own, from CUDA events: no synchronize between
+them); torch.cuda.max_memory_allocated and max_memory_reserved of the forward and of the
+backward, separately (the peak counters are reset between the two; they count allocations as the
+host makes them, so reading them needs no synchronize), each also above the memory held before
+the step (parameters and gradients: the activations' peak); ctx.stats() for spillover's modes;
+and a fingerprint of the gradients. DIR/bench-MODE.json is rewritten after every step, so a mode
+that runs out of time still leaves what it measured. On the CPU (the dry run) the memory figures
+are a stand-in: the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) for
+both counters, said as "memory_counter": "rss" in the JSON.
 
 Mode optim (not an activation mode; its own table): a GPT from spillover.models (fp32
 parameters, bf16 autocast, 134M parameters: AdamW's state is 1 GiB on the device) trained
@@ -80,13 +86,16 @@ from torch import nn
 
 import spillover
 
-MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto", "quickstart", "optim")
+MODES = ("none", "full", "planned", "save_on_cpu", "host", "nvme", "auto", "quickstart",
+         "quickstart-auto", "optim")
+#: the README's Quick start whole: the model wrapped (its policy), a new context every step
+WRAPPED = {"quickstart": "selective", "quickstart-auto": "auto"}
 
 
 def mode_context(mode: str, args: Any):
     if mode == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=args.device == "cuda")
-    if mode == "quickstart":  # the README's Quick start: tier="auto", the defaults
+    if mode in WRAPPED:  # the README's Quick start: tier="auto", the defaults
         return spillover.offload_context("auto")
     if mode in ("host", "nvme", "auto", "planned"):
         kw: Dict[str, Any] = {}
@@ -122,9 +131,10 @@ def choose_pool(mode: str, args: Any, model: nn.Module, inp: torch.Tensor,
                 tgt: torch.Tensor, res: Dict[str, Any]) -> None:
     """args.pool_bytes and res["pool_rule"] for the mode (the module docstring)."""
     args.pool_bytes = None
-    if mode == "quickstart":
-        res["pool_rule"] = ("a new offload_context(tier='auto') every step, the defaults (the "
-                            "README's Quick start)")
+    if mode in WRAPPED:
+        res["pool_rule"] = (f"spillover.wrap(model, policy={WRAPPED[mode]!r}) and a new "
+                            "offload_context(tier='auto') every step, the defaults (the README's "
+                            "Quick start)")
         return
     if mode not in ("host", "nvme", "auto", "planned"):
         return
@@ -168,6 +178,13 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     print(f"{args.mode}: Llama-style {res['params'] / 1e9:.2f}B params, {args.layers} layers, "
           f"d {args.d_model}, seq {args.seq}, batch {args.batch}, {dtype}, {dev}", flush=True)
     choose_pool(args.mode, args, model, inp, tgt, res)
+    planner = None
+    if args.mode in WRAPPED:  # the layers wrapped as the README's Quick start does
+        if WRAPPED[args.mode] == "auto":  # no budget: the default (half the free memory)
+            planner = spillover.Planner()
+            spillover.wrap(model, policy=planner)
+        else:
+            spillover.wrap(model, policy=WRAPPED[args.mode])
     if args.mode == "planned":
         plan_steps(model, inp, tgt, args, res, cuda)
     # spillover: one context, entered once per step, as in training (Note [one context, many
@@ -176,9 +193,10 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
     ctx = mode_context(args.mode, args)
     # auto grows its pool over its first steps (Note [growing pool]): two warm-ups, so that no
     # measured step includes a growth, pinning or retiring a generation
-    warmups = 2 if args.mode in ("auto", "quickstart") else 1
+    # (the Quick start's: selective's refinement and auto's seeded plan settle in these too)
+    warmups = 3 if args.mode in WRAPPED else 2 if args.mode == "auto" else 1
     for step in range(args.steps + warmups):
-        if not isinstance(ctx, spillover.OffloadContext) or args.mode == "quickstart":
+        if not isinstance(ctx, spillover.OffloadContext) or args.mode in WRAPPED:
             ctx = mode_context(args.mode, args)  # quickstart: a new context every step
         model.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
         if cuda:
@@ -236,6 +254,12 @@ def run(args: Any, res: Dict[str, Any], path: Optional[str]) -> None:
             res["warmup"] = row
         if path:
             write_json(path, res)
+    if planner is not None:  # auto's plan, and whether its first step followed a seeded one
+        res["plan"] = planner.plan.variant if planner.plan else None
+        res["learning_steps"] = planner.learning_steps
+        res["seeded"] = planner.seed_note or (planner.seeded or {}).get("variant")
+        print(f"  auto: plan {res['plan']}, learning steps {res['learning_steps']}, seeded: "
+              f"{res['seeded']}", flush=True)
     res["failed_checks"] = checks(args.mode, res)
 
 
@@ -243,11 +267,14 @@ def checks(mode: str, res: Dict[str, Any]) -> List[str]:
     """What a mode's measured steps must show for its figures to mean what the table says."""
     stats = [s["stats"] for s in res["steps"] if s.get("stats")]
     failed = []
-    if mode == "quickstart":  # Note [the pool lives for the process]: from the third step on
+    if mode in WRAPPED:  # Note [the pool lives for the process]: from the third step on
         made = sum(st.get("pool_maps", 0) + st.get("pool_registrations", 0) for st in stats)
         if made:
             failed.append(f"{made} pool maps or registrations in the measured steps (a new "
                           "context per step must map and register nothing from its third)")
+    if mode == "quickstart-auto" and res.get("learning_steps"):
+        failed.append(f"{res['learning_steps']} learning step(s): the seeded plan was not "
+                      f"followed ({res.get('seeded')})")
     if mode in ("host", "planned") and res.get("pool_rule", "").startswith("1.25"):
         kept = max((st["bytes_kept_pool_full"] for st in stats), default=0)
         if kept:

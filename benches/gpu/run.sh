@@ -2,7 +2,7 @@
 # The GPU run in one command, on a GPU host with PyTorch and pytest (no Rust, no network), from
 # the repository root, after benches/gpu/prepare.sh filled dist/gpu on a machine with Rust:
 #
-#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7 minutes on an H200
+#     OUT=/some/folder bash benches/gpu/run.sh             # everything: under 7.5 minutes on an H200
 #     OUT=/some/folder bash benches/gpu/run.sh --quick     # parity, memory probes, the three
 #                                                          # answers: under 3 minutes
 #     OUT=/some/folder bash benches/gpu/run.sh --dry-run   # every step on the CPU, tiny sizes
@@ -72,8 +72,8 @@ trap 'archive; rm -rf "$WORK"' EXIT
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Budgets in seconds; DEADLINE caps the whole run (each step gets at most what is left, and
-# `timeout -k 10` adds at most 10 s to the last): full 405 s, quick 170 s, so that with the
-# header's few seconds the full run ends within 7 minutes and the quick one within 3.
+# `timeout -k 10` adds at most 10 s to the last): full 430 s, quick 170 s, so that with the
+# header's few seconds the full run ends within 7.5 minutes and the quick one within 3.
 TEST_K=()
 if [ "$quick" = 1 ]; then
     run_kind="quick"
@@ -86,19 +86,20 @@ if [ "$quick" = 1 ]; then
     TEST_K=(-k "not stream")  # the stream-ordering tests run in the full run
 else
     run_kind="full"
-    # 405 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
+    # 430 s: with the probe's 270 s first (benches/gpu/probe.py) and the machine's start, both
     # fit a 15-minute lease with room to run a failed step again
     B_INSTALL=20 B_TESTS=70 B_SANITIZER=15 B_OTHERS=30 B_OPTIM=25 B_OPTIM_LLAMA=30 B_PACK=20
     B_THREADS=30
-    DEADLINE=405
+    DEADLINE=430
     TEST_TIMEOUT=50
     BENCH_ARGS=(--steps 3)
-    BENCH_MODES=(none full planned save_on_cpu host nvme auto quickstart)
+    BENCH_MODES=(none full planned save_on_cpu host nvme auto quickstart quickstart-auto)
     # nvme moves about four times its pool through the disk each way per step: the largest.
-    # quickstart: the README's loop (a new context every step, the defaults), beside auto's one
-    # context
+    # quickstart: the README's Quick start whole (wrap, a new context every step, the
+    # defaults), beside auto's one context; quickstart-auto: the same with policy="auto", no
+    # budget
     declare -A B_BENCH=([none]=18 [full]=18 [planned]=28 [save_on_cpu]=18 [host]=22 [nvme]=30
-                        [auto]=30 [quickstart]=30)
+                        [auto]=30 [quickstart]=30 [quickstart-auto]=25)
 fi
 if [ "$dry" = 1 ]; then  # the same steps on the CPU, at sizes that take seconds there
     export GPU_DRY_RUN=1 CUDA_VISIBLE_DEVICES=""
