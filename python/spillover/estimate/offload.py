@@ -134,14 +134,15 @@ class SimContext(DriveModel):
 
     def __init__(self, tier: str, device: Device, tracker: Tracker, pool_bytes: Optional[int],
                  pool_cap: int, params: set, min_offload_bytes: int = 1 << 20,
-                 learns_order: bool = True):
+                 learns_order: bool = True, resolved: Optional[str] = None):
         if tier not in ("host", "nvme", "auto"):
             raise ValueError(f"tier={tier!r}: expected host, nvme or auto")
         drive = bool(device.nvme_write_bytes_per_s)
         #: the tier asked for, as ``OffloadContext.tier`` names it (a plan seeded under this
         #: context must match the real one's signature: Note [seeded plan] in seed.py)
         self.tier = tier
-        self._resolved = tier if tier != "auto" else ("nvme" if drive else "host")
+        #: what tier auto became (``resolved``: a real context's, whose swap opened or not)
+        self._resolved = resolved or (tier if tier != "auto" else ("nvme" if drive else "host"))
         #: whether the pool spills to the drive (auto over a growing pool: once at its cap)
         self.spilling = tier != "auto" or pool_bytes is not None
         self.device = device

@@ -137,16 +137,15 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
     tmp._meter = _TraceMeter(tracker, "cpu")
     sim = None
     if ctx is not None:
-        # the context's first step has no learned order (Note [seeded plan]): every fake step
-        # is planned as that one
-        # its tier and pool as the context's, so that the plan's regions match the real
-        # step's (the signature names the tier; tier auto's default pool keeps in RAM while it
-        # grows: Note [RAM before the drive] in _growth.py)
-        tier = ctx.tier if ctx.tier != "auto" or ctx.nvme else "host"
-        sim = SimContext(tier, dev, tracker, ctx.config.host_pool_bytes,
+        # the context's tier (as named, and as resolved) and pool, so that the plan's regions
+        # match the real step's (their signature names the tier; tier auto's default pool
+        # keeps in RAM while it grows: Note [RAM before the drive] in _growth.py); its first
+        # step has no learned order (Note [seeded plan]): every fake step is planned as that one
+        sim = SimContext(ctx.tier, dev, tracker, ctx.config.host_pool_bytes,
                          ctx.pool_limit, storage_keys(list(made.values())),
                          ctx.config.min_offload_bytes,
-                         learns_order=getattr(ctx, "steps", 0) > 1)
+                         learns_order=getattr(ctx, "steps", 0) > 1,
+                         resolved="nvme" if ctx.nvme else "host")
         tracker.on_op = sim.poll
     saved = (state.policy, state.records, state.step_records, state.loss_scope)
     region = state.loss_region
