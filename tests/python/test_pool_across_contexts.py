@@ -18,10 +18,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_bitwise, gpt_step
+from conftest import assert_bitwise, gpt_step, loss_cap_of
 
 import spillover
 from spillover import _growth, _native, _pools
+from spillover.estimate.measured import allocator_events, peak_of
 from spillover.models import GPT, GPTConfig, synthetic_batch
 
 MiB = 1 << 20
@@ -240,3 +241,43 @@ def test_auto_policy_on_a_cpu_host_ships_nothing_and_grows_no_pool(tier, small_f
     assert caps == [caps[0]] * 5 and caps[0] <= 64 * MiB, caps  # still be held): never grown
     assert [s.pool_maps for s in rows][1:] == [0] * 4
     assert all(s.bytes_kept_policy > 0 for s in rows)  # kept, counted as kept by a policy
+
+
+def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_first_pool):
+    """Note [a CPU host ships nothing]: under the Quick start's default context a CPU host's
+    plan charges the pool mapped now (the context keeps in place what it would take, so the
+    pool does not grow), not the cap a default pool could grow to (several GiB here): a budget
+    between full recomputation's peak (with the pool) and no checkpointing's is met, the whole
+    step's live storages plus the pool measured, gradients bitwise. Before, every plan looked
+    over any such budget by the cap, auto fell back to running plainly, and the step peaked at
+    1.21x the budget (GPT 4x128, seq 256, vocab 8192; the midpoint budget)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=8192, d_model=128, n_heads=4, n_layers=4, seq=256)
+    base, batch = GPT(cfg), synthetic_batch(cfg, batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = spillover.wrap(copy.deepcopy(base), policy="full")
+    gpt_step(base, batch)
+    gpt_step(full, batch)
+    none_peak = peak_of(allocator_events(lambda: gpt_step(base, batch)))
+    full_peak = peak_of(allocator_events(lambda: gpt_step(full, batch)))
+    floor = full_peak + small_first_pool
+    assert floor < none_peak
+    budget = (floor + none_peak) // 2
+    planner = spillover.Planner(budget_bytes=budget, measure_peak=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    for _ in range(4):
+        got = gpt_step(model, batch, spillover.offload_context())
+        # full recomputation's step through wrap's loss region, in the chunks that step ran
+        # (Note [loss chunk under a budget] in spillover/loss/chunked.py)
+        with spillover.loss.limit_chunk(loss_cap_of(model)):
+            assert_bitwise(gpt_step(full, batch), got)
+    ctx = spillover.offload_context()
+    peak = peak_of(allocator_events(lambda: gpt_step(model, batch, ctx)))
+    s = ctx.stats()
+    assert s.bytes_offloaded == 0, s
+    assert peak + s.pool_capacity <= budget, (peak, s.pool_capacity, budget,
+                                              planner.plan.variant)
+    assert planner.plan.variant != "plain", planner.plan.variant  # it planned recomputation

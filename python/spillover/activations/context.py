@@ -121,6 +121,15 @@ class OffloadContext(Hooks, Guardrails):
         return self._tier is not None and self._tier.has_swap
 
     @property
+    def pool_mapped(self) -> int:
+        """The capacity of the host pool mapped now (before the first step: the one it will
+        start on, the default's first or the size given)."""
+        pool = self._pool
+        if pool is not None:
+            return int(pool.capacity)
+        return self._pools.first_capacity()
+
+    @property
     def grows_in_ram(self) -> bool:
         """Whether what this context takes now stays in host RAM, in a default pool that grows
         for it (no size given): the host tier, or tier auto while its pool can still grow

@@ -196,6 +196,11 @@ class SimContext(DriveModel):
         return self.cap
 
     @property
+    def pool_mapped(self) -> int:
+        """As ``OffloadContext.pool_mapped``."""
+        return int(self.capacity)
+
+    @property
     def grows_in_ram(self) -> bool:
         """As ``OffloadContext.grows_in_ram``: a default pool, packing to RAM."""
         return not self.fixed and not self._drive

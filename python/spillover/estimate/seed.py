@@ -99,7 +99,7 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
 
     from ..activations import current_context
     from ..planner import Planner
-    from ..planner.records import _sim_link
+    from ..planner.records import _sim_link, region_offload_info
     from ..recompute.ops import device_of
     from ..recompute.policies import _Auto
     from .fakes import fake_inputs, fake_like, storage_keys
@@ -147,6 +147,11 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
                          learns_order=getattr(ctx, "steps", 0) > 1,
                          resolved="nvme" if ctx.nvme else "host")
         tracker.on_op = sim.poll
+    # a CPU host's pool is the step's memory: charged as the records charge it (the cap, or
+    # the pool mapped where the context keeps in place what it would take: Note [a CPU host
+    # ships nothing] in planner/records.py)
+    info = region_offload_info(ctx, device)
+    pool_charge = int(info["pool_bytes"]) if info is not None else 0
     saved = (state.policy, state.records, state.step_records, state.loss_scope)
     region = state.loss_region
     calls = getattr(region, "calls", None)  # the trace's calls are not the model's
@@ -164,8 +169,7 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
                                  around=sim.step if sim is not None else None, base=base)
                 if sim is not None:
                     sim.end_step()
-                peak = trace.peak - trace.base + (ctx.pool_limit if ctx is not None
-                                                  and device == "cpu" else 0)
+                peak = trace.peak - trace.base + (pool_charge if device == "cpu" else 0)
             tmp.begin_step()  # close the last fake step (its peak feeds the tuning)
     except ValueError as e:
         if "loss" not in str(e):

@@ -58,6 +58,7 @@ from .records import (
     keeps_on_host,
     op_flops,
     output_tensors,
+    region_offload_info,
     storage_bytes,
 )
 from .search import (
@@ -101,6 +102,7 @@ __all__ = [
     "input_signature",
     "ctx_offload_info",
     "keeps_on_host",
+    "region_offload_info",
     "machine_for",
     "default_budget_text",
     "HIGH_WATER",

@@ -222,12 +222,28 @@ def host_is_device(rec: RegionRecord) -> bool:
 #:     4x256, seq 512, vocab 8192) learned with every saved tensor shipped, kept a 512 MiB pool
 #:     for a plan that ships 2 MiB, and peaked at 750 MiB with the pool counted, 1.93x no
 #:     checkpointing's 389 MiB. A tier that writes to the drive, or a pool of the user's size,
-#:     goes on as before.
+#:     goes on as before. Such a context frees nothing, and its pool stays the one mapped: the
+#:     records say so (``region_offload_info``: no NVMe, the pool mapped now), and the budget
+#:     charges that pool, not the cap a default pool may grow to (6 GiB on this 24 GiB host),
+#:     which had put every plan over any budget below it. Before, with budget 150 MiB (GPT
+#:     4x256 as above) auto ran plain-offload at 568 MiB with its pool; now full recomputation,
+#:     144 MiB.
 def keeps_on_host(ctx: Any, device: str) -> bool:
     """Note [a CPU host ships nothing]: whether what ``ctx`` would take from a region on
     ``device`` is kept in place."""
     return (ctx is not None and device == "cpu" and _sim_link(ctx) is None
             and bool(ctx.grows_in_ram))
+
+
+def region_offload_info(ctx: Any, device: str) -> Optional[Dict[str, Any]]:
+    """What a region's record says of its context (``ctx_offload_info``). Under Note [a CPU
+    host ships nothing] the context frees nothing (no NVMe) and its pool stays the one
+    mapped now, which is what the budget charges (not the cap a default pool could grow to:
+    a CPU host's default cap of several GiB put every plan over any smaller budget)."""
+    info = ctx_offload_info(ctx)
+    if info is not None and keeps_on_host(ctx, device):
+        info.update(pool_bytes=int(ctx.pool_mapped), nvme=False)
+    return info
 
 
 def input_signature(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:

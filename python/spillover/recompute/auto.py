@@ -39,11 +39,13 @@ class _Auto(RegionPolicy):
         device = device_of(args, kwargs)
         key = key if key is not None else key_of(fn)
         sig, rplan = pol.region_plan(key, args, kwargs, ctx)
+        kept_here = _planner.keeps_on_host(ctx, device)  # Note [a CPU host ships nothing]
+        offload = _planner.region_offload_info(ctx, device)
         if state is not None and state.counting is not None:
             state.counting.exclude(args)
         plan = pol.plan
         if (ctx is not None and rplan is not None and plan is not None and plan.keep_all
-                and rplan is plan.regions[0]) or _planner.keeps_on_host(ctx, device):
+                and rplan is plan.regions[0]) or kept_here:
             # Notes [everything kept] in planner/search.py, [a CPU host ships nothing] in
             # planner/records.py
             ctx.keep_rest()
@@ -67,7 +69,7 @@ class _Auto(RegionPolicy):
             # taking what autograd saves, while the save mode records every op.
             record = RegionRecord(key, name or str(key), sig, device, "plain-offload",
                                   input_bytes=input_bytes(args),
-                                  offload=_planner.ctx_offload_info(ctx))
+                                  offload=offload)
             pack, unpack = _context_hooks(state)
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
@@ -77,7 +79,7 @@ class _Auto(RegionPolicy):
         else:
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
                                   input_bytes=input_bytes(args),
-                                  offload=_planner.ctx_offload_info(ctx))
+                                  offload=offload)
             if rplan is None:
                 t0 = time.perf_counter()
                 out = _sac(fn, args, kwargs, _Run(_learning, ctx, record, pol.add_record).contexts)
