@@ -33,7 +33,9 @@ Note [growing pool]
     its blocks is leased. A size given by the user is a size taken: that pool is the process's
     cached one of that capacity, for ever, as before. The planner plans against
     ``ctx.pool_limit`` (the cap; the size given), as it planned against the old default: what
-    is mapped now is not what the pool can hold by the time it matters. Measured (2-layer MLP,
+    is mapped now is not what the pool can hold by the time it matters. (On a CPU host whose
+    context keeps in place what it would take, the pool does not grow, and the planner charges
+    the pool mapped: Note [a CPU host ships nothing] in planner/records.py.) Measured (2-layer MLP,
     12 MiB offloaded, 24 GiB host): RSS +6066 MiB after the first step of the old default,
     kept; about +104 MiB with the growing pool (given back by ``spillover.empty_cache()``).
 
