@@ -201,6 +201,8 @@ def test_a_larger_size_asked_while_one_is_made_is_made_next(small_first_pool, mo
     assert [m.capacity for m in made] == [2 * cap, 8 * cap]
     assert returned == [made[0]] and pools._next is made[1]
     pools._next = None  # not a real pool: nothing to give back
+    monkeypatch.undo()  # the context's real lease goes back to the process's owner, not to
+    pools.close()  # ``returned`` (a lease kept would be where the next test's context starts)
 
 
 @pytest.mark.parametrize("tier", ["auto", "host"])
