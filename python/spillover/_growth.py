@@ -355,13 +355,6 @@ class Pools:
         if nxt is not None and not isinstance(nxt, BaseException):
             _pools.return_pool(nxt)
 
-    def first_capacity(self) -> int:
-        """The capacity the first generation will have (``open`` has not run): the user's
-        size, else the largest default pool the process holds, else FIRST_POOL."""
-        if not self.growable:
-            return int(self.config.host_pool_bytes or 0)
-        return max(_pools.POOLS.largest_default(), FIRST_POOL)
-
     def limit(self) -> int:
         """The user's size, or the most a growing pool may reach (the default's cap)."""
         if not self.growable:

@@ -184,12 +184,6 @@ class HostPools:
                     return pool
         return self.lease(first)
 
-    def largest_default(self) -> int:
-        """The capacity of the largest default activation pool the process holds, leased or
-        idle (what a new context starts on: ``lease_first``); 0 when it holds none."""
-        with self._lease_lock:
-            return max([c for c in self.leased] + [p.capacity for p in self.idle], default=0)
-
     def largest_idle(self, above: int) -> Optional[int]:
         """The capacity of the largest idle pool above ``above``, if any (a growth takes it
         instead of mapping one)."""

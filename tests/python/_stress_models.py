@@ -414,6 +414,8 @@ def run_case(case: Case, log=None) -> Outcome:
         kw: Dict[str, Any] = {"min_offload_bytes": case.min_offload_bytes}
         if case.pool_bytes:
             kw["host_pool_bytes"] = case.pool_bytes
+        else:  # the default pool starts small and grows (Note [growing pool] in _growth.py):
+            spillover.empty_cache()  # not on a larger one an earlier run left idle
         if nvme_dir is not None:
             kw["nvme_path"] = nvme_dir
         if case.sim_link:

@@ -122,12 +122,10 @@ class OffloadContext(Hooks, Guardrails):
 
     @property
     def pool_mapped(self) -> int:
-        """The capacity of the host pool mapped now (before the first step: the one it will
-        start on, the default's first or the size given)."""
+        """The capacity of the host pool this context has mapped now (0 before its first
+        step)."""
         pool = self._pool
-        if pool is not None:
-            return int(pool.capacity)
-        return self._pools.first_capacity()
+        return int(pool.capacity) if pool is not None else 0
 
     @property
     def grows_in_ram(self) -> bool:

@@ -99,7 +99,7 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
 
     from ..activations import current_context
     from ..planner import Planner
-    from ..planner.records import _sim_link, region_offload_info
+    from ..planner.records import _sim_link, keeps_on_host, region_offload_info
     from ..recompute.ops import device_of
     from ..recompute.policies import _Auto
     from .fakes import fake_inputs, fake_like, storage_keys
@@ -150,7 +150,7 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
     # a CPU host's pool is the step's memory: charged as the records charge it (the cap, or
     # the pool mapped where the context keeps in place what it would take: Note [a CPU host
     # ships nothing] in planner/records.py)
-    info = region_offload_info(ctx, device)
+    info = region_offload_info(ctx, keeps_on_host(ctx, device))
     pool_charge = int(info["pool_bytes"]) if info is not None else 0
     saved = (state.policy, state.records, state.step_records, state.loss_scope)
     region = state.loss_region

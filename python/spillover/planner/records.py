@@ -235,13 +235,14 @@ def keeps_on_host(ctx: Any, device: str) -> bool:
             and bool(ctx.grows_in_ram))
 
 
-def region_offload_info(ctx: Any, device: str) -> Optional[Dict[str, Any]]:
-    """What a region's record says of its context (``ctx_offload_info``). Under Note [a CPU
-    host ships nothing] the context frees nothing (no NVMe) and its pool stays the one
-    mapped now, which is what the budget charges (not the cap a default pool could grow to:
-    a CPU host's default cap of several GiB put every plan over any smaller budget)."""
+def region_offload_info(ctx: Any, kept_here: bool) -> Optional[Dict[str, Any]]:
+    """What a region's record says of its context (``ctx_offload_info``). Where it keeps in
+    place what it would take (``kept_here``: :func:`keeps_on_host`) the context frees nothing
+    (no NVMe) and its pool stays the one mapped now, which is what the budget charges (not the
+    cap a default pool could grow to: a CPU host's default cap of several GiB put every plan
+    over any smaller budget)."""
     info = ctx_offload_info(ctx)
-    if info is not None and keeps_on_host(ctx, device):
+    if info is not None and kept_here:
         info.update(pool_bytes=int(ctx.pool_mapped), nvme=False)
     return info
 

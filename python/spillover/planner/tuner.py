@@ -64,7 +64,6 @@ from .records import (
     _ctx_signature,
     _sim_link,
     input_signature,
-    keeps_on_host,
     sim_of,
 )
 from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
@@ -196,12 +195,12 @@ class Planner(Trials, Metering):
         """True once the plan is final: planned, and no longer corrected by measured peaks."""
         return self.plan is not None and self.phase is Phase.SETTLED
 
-    def learns_plainly(self, ctx: Any, device: str = "") -> bool:
-        """Note [learning frugally]: whether a learning run of a region on ``device`` under
-        ``ctx`` runs plainly, the context taking what autograd saves, instead of recomputed in
-        full: under the NVMe tier, unless it is kept in place (Note [a CPU host ships nothing]
-        in records.py)."""
-        return ctx is not None and bool(ctx.nvme) and not keeps_on_host(ctx, device)
+    def learns_plainly(self, ctx: Any, kept_here: bool) -> bool:
+        """Note [learning frugally]: whether a learning run of a region under ``ctx`` runs
+        plainly, the context taking what autograd saves, instead of recomputed in full: under
+        the NVMe tier, unless the context keeps in place what it would take (``kept_here``:
+        Note [a CPU host ships nothing] in records.py)."""
+        return ctx is not None and bool(ctx.nvme) and not kept_here
 
     def begin_step(self) -> None:
         """Close the step that ran (plan from it if it was a learning step, correct the plan by

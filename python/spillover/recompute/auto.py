@@ -40,12 +40,11 @@ class _Auto(RegionPolicy):
         key = key if key is not None else key_of(fn)
         sig, rplan = pol.region_plan(key, args, kwargs, ctx)
         kept_here = _planner.keeps_on_host(ctx, device)  # Note [a CPU host ships nothing]
-        offload = _planner.region_offload_info(ctx, device)
         if state is not None and state.counting is not None:
             state.counting.exclude(args)
         plan = pol.plan
-        if (ctx is not None and rplan is not None and plan is not None and plan.keep_all
-                and rplan is plan.regions[0]) or kept_here:
+        if ctx is not None and (kept_here or (rplan is not None and plan is not None
+                                              and plan.keep_all and rplan is plan.regions[0])):
             # Notes [everything kept] in planner/search.py, [a CPU host ships nothing] in
             # planner/records.py
             ctx.keep_rest()
@@ -63,13 +62,13 @@ class _Auto(RegionPolicy):
             # record (the plan's records stand for it), as the plain ones do; its input
             # signature was matched above, and a change of its ops cannot make it save wrong.
             out = _tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        elif (rplan is None and pol.learns_plainly(ctx, device)
+        elif (rplan is None and pol.learns_plainly(ctx, kept_here)
               and _context_hooks(state) is not None):
             # Note [learning frugally] in planner/tuner.py: run plainly, the context's hooks
             # taking what autograd saves, while the save mode records every op.
             record = RegionRecord(key, name or str(key), sig, device, "plain-offload",
                                   input_bytes=input_bytes(args),
-                                  offload=offload)
+                                  offload=_planner.region_offload_info(ctx, kept_here))
             pack, unpack = _context_hooks(state)
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
@@ -79,7 +78,7 @@ class _Auto(RegionPolicy):
         else:
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
                                   input_bytes=input_bytes(args),
-                                  offload=offload)
+                                  offload=_planner.region_offload_info(ctx, kept_here))
             if rplan is None:
                 t0 = time.perf_counter()
                 out = _sac(fn, args, kwargs, _Run(_learning, ctx, record, pol.add_record).contexts)
