@@ -13,8 +13,12 @@ in planner/tuner.py).
   after those steps.
 - CPU: the kernel's RSS high-water mark (VmHWM, reset by writing "5" to
   /proc/self/clear_refs, Linux >= 4.0) over RSS at the step's start. Where that file cannot be
-  written the meter is unavailable and the planner plans from its model alone.
-- The simulated device (CPU tensors under a context with ``sim_link_bandwidth``): the live
+  written the meter is unavailable and the planner plans from its model alone. It reads low
+  in a process that ran steps before (freed heap stays resident and is reused uncounted)
+  unless glibc's mmap threshold is pinned low.
+- The simulated device (CPU tensors under a context with ``sim_link_bandwidth``), and a CPU
+  host whose context ships nothing (Note [a CPU step's peak is its storages'] in
+  planner/metering.py): the live
   tensor storages, the CPU allocator's events under torch's profiler (:class:`StorageMeter`),
   as ``benches/python/sim_h200.py`` measures the device's memory there; RSS would count the
   host pool the link copies into (Note [the simulated device is a device] in

@@ -245,14 +245,22 @@ def test_auto_policy_on_a_cpu_host_ships_nothing_and_grows_no_pool(tier, small_f
     assert all(s.bytes_kept_policy > 0 for s in rows)  # kept, counted as kept by a policy
 
 
-def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_first_pool):
+@pytest.mark.parametrize("measure", [False, True], ids=["modeled", "measured"])
+def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_first_pool,
+                                                                        measure):
     """Note [a CPU host ships nothing]: under the Quick start's default context a CPU host's
     plan charges the pool mapped now (the context keeps in place what it would take, so the
     pool does not grow), not the cap a default pool could grow to (several GiB here): a budget
     between full recomputation's peak (with the pool) and no checkpointing's is met, the whole
     step's live storages plus the pool measured, gradients bitwise. Before, every plan looked
     over any such budget by the cap, auto fell back to running plainly, and the step peaked at
-    1.21x the budget (GPT 4x128, seq 256, vocab 8192; the midpoint budget)."""
+    1.21x the budget (GPT 4x128, seq 256, vocab 8192; the midpoint budget).
+
+    measured: the tuning steps' peaks are read as the budget counts them (Note [a CPU step's
+    peak is its storages'] in planner/metering.py), the seeded first step's included: each
+    reading is the step's live storages plus the pool. Before, this host's RSS meter read the
+    steps low (a process's freed heap stays resident and is reused uncounted), and the plans it
+    kept peaked up to 1.9x their budget (GPT 4x256, seq 512: 279 MiB at 150)."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=8192, d_model=128, n_heads=4, n_layers=4, seq=256)
     base, batch = GPT(cfg), synthetic_batch(cfg, batch=4)
@@ -266,7 +274,7 @@ def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_fir
     floor = full_peak + small_first_pool
     assert floor < none_peak
     budget = (floor + none_peak) // 2
-    planner = spillover.Planner(budget_bytes=budget, measure_peak=False)
+    planner = spillover.Planner(budget_bytes=budget, measure_peak=measure)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = spillover.wrap(copy.deepcopy(base), policy=planner)
@@ -282,4 +290,9 @@ def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_fir
     assert s.bytes_offloaded == 0, s
     assert peak + s.pool_capacity <= budget, (peak, s.pool_capacity, budget,
                                               planner.plan.variant)
+    if measure:  # the settled plan was read, while tuning, as its step's storages and pool
+        assert planner.seeded is not None and planner.first_peaks, planner.seeded
+        reads = [m for p, m in planner.measured if p is planner.plan]
+        assert reads and all(abs(r - (peak + s.pool_capacity)) <= 0.02 * budget
+                             for r in reads), (reads, peak, s.pool_capacity)
     assert planner.plan.variant != "plain", planner.plan.variant  # it planned recomputation

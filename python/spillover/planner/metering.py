@@ -1,10 +1,33 @@
 """The step's peak, as the tuner measures it (Note [peak feedback] in tuner.py): from the
-wrapped model's forward to the first region of its backward, on the device's counters or, on
-the simulated device, its live tensor storages (:mod:`spillover._peak`)."""
+wrapped model's forward to the first region of its backward, on the device's counters or, on a
+CPU, its live tensor storages or its RSS (:mod:`spillover._peak`).
+
+Note [a CPU step's peak is its storages']
+    On a CPU the budget is the step's live tensor storages plus the offload context's pool
+    (this host's RAM: the way the benches and tests measure a step here, the whole step's
+    allocator events plus ``stats().pool_capacity``). A CPU host's tuning steps were read by
+    the kernel's RSS high-water mark, which reads low in a process that has run steps before:
+    the heap a step frees stays resident, and the next step reuses it uncounted. Under the
+    Quick start's loop (GPT 4x256, seq 512, vocab 8192, budget 150 MiB) it read a step of 279
+    MiB as 160, and auto kept that plan, 1.86x its budget. So where the context ships nothing
+    (it keeps in place what it would take: Note [a CPU host ships nothing] in records.py), a
+    CPU host's step is metered as the simulated device's always was, by its live storages
+    (``StorageMeter``: the CPU allocator's events under torch's profiler, the tuning steps
+    only). Where the context ships, RSS stays the meter: the tier's own buffers (a read that
+    finds no room in the pool takes a one-off mapping) are host memory outside torch's
+    allocator, which only RSS sees, and how many are live at once follows the step's timing,
+    which the profiler changes (under the NVMe tier with a 16 MiB pool, GPT 4x256, seq 512: 1.07
+    to 1.10x the budget in the profiled steps, 1.00x in the same plan's unprofiled ones). Either
+    way the pool charged is the one the step's context holds at the end of its backward
+    (``pool_mapped``), not the records' (a seeded plan's records carry the trace's pool). Where
+    a profiler already runs the storage meter is unavailable and the planner plans from its
+    model alone.
+"""
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
@@ -20,6 +43,8 @@ class Metering:
     _meter: Optional[Any]
     _metering: bool
     _step_peak: Optional[int]
+    _step_ctx: Optional[weakref.ref[Any]]  # the metered step's context
+    _step_pool: Optional[int]  # the pool it held at the end of backward
     last_peak: Optional[int]
 
     if TYPE_CHECKING:  # what the readings use of the Planner they are mixed into
@@ -44,23 +69,44 @@ class Metering:
             return None
         peak = self._step_peak if self._step_peak is not None else self._meter.read()
         self._step_peak = None
+        if self._step_pool is None:
+            self._read_pool()
         if peak is not None and recs:
-            peak += self._pool_charge(recs)
+            peak += self._pool_charge(recs, self._step_pool)
+        self._step_ctx = self._step_pool = None
         self.last_peak = peak
         return peak
 
     @staticmethod
-    def _pool_charge(recs: List[RegionRecord]) -> int:
-        """On a CPU host the offload context's pool is this same memory, faulted in when the
-        context opened (before the step): charged in full, as the budget counts it."""
+    def _pool_charge(recs: List[RegionRecord], held: Optional[int]) -> int:
+        """On a CPU host the offload context's pool is this same memory: charged in full, as
+        the budget counts it -- the pool the step's context held (``held``), else the one its
+        records name (Note [a CPU step's peak is its storages'])."""
         info = recs[0].offload
-        return int(info["pool_bytes"]) if info and host_is_device(recs[0]) else 0
+        if not info or not host_is_device(recs[0]):
+            return 0
+        return held if held is not None else int(info["pool_bytes"])
+
+    def _watch_pool(self, ctx: Any) -> None:
+        """Remember the metered step's context, without keeping it (and its pool) alive."""
+        self._step_pool = None
+        try:
+            self._step_ctx = weakref.ref(ctx) if ctx is not None else None
+        except TypeError:
+            self._step_ctx = None
+
+    def _read_pool(self) -> None:
+        ctx = self._step_ctx() if self._step_ctx is not None else None
+        mapped = getattr(ctx, "pool_mapped", None)
+        if mapped is not None:
+            self._step_pool = int(mapped)
 
     def end_of_backward(self) -> None:
         """The step's backward reached its first region: read the step's peak now (before the
-        optimizer allocates its state)."""
+        optimizer allocates its state), and the pool its context holds."""
         if self._metering and self._meter is not None and self._step_peak is None:
             self._step_peak = self._meter.read()
+            self._read_pool()
 
 
 def _device_of_args(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import psutil
@@ -64,6 +65,7 @@ from .records import (
     _ctx_signature,
     _sim_link,
     input_signature,
+    keeps_on_host,
     sim_of,
 )
 from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
@@ -145,6 +147,8 @@ class Planner(Trials, Metering):
         self.measure_peak = measure_peak
         self._meter: Optional[Any] = None
         self._step_peak: Optional[int] = None  # this step's, read at the end of its backward
+        self._step_ctx: Optional[weakref.ref[Any]] = None  # Note [a CPU step's peak is ...]
+        self._step_pool: Optional[int] = None
         self._metering = False
         #: measured peak - modeled peak per variant family ("learning": the learning step's)
         self.peak_offsets: Dict[str, int] = {}
@@ -373,15 +377,20 @@ class Planner(Trials, Metering):
 
     def _start_peak(self, device: str, ctx: Any) -> None:
         """Measure this step's peak if it learns or tunes the plan (on the simulated device,
-        its live tensor storages: Note [the simulated device is a device] in records.py)."""
+        and on a CPU host whose context ships nothing, its live tensor storages: Notes [the
+        simulated device is a device] in records.py, [a CPU step's peak is its storages'] in
+        metering.py). A meter given to the planner (the estimate's trace) is kept."""
         if not self.measure_peak or self._metering or self.phase is Phase.SETTLED:
             return
-        what = "storages" if _sim_link(ctx) and device == "cpu" else device
-        if self._meter is None or self._meter.device != what:
-            from .._peak import PeakMeter, StorageMeter
+        from .._peak import PeakMeter, StorageMeter
 
+        storages = device == "cpu" and (_sim_link(ctx) is not None or keeps_on_host(ctx, device))
+        what = "storages" if storages else device
+        if self._meter is None or (isinstance(self._meter, (PeakMeter, StorageMeter))
+                                   and self._meter.device != what):
             self._meter = StorageMeter() if what == "storages" else PeakMeter(device)
         self._step_peak = None
+        self._watch_pool(ctx)
         self._metering = self._meter.start()
 
     def _budget_for(self, device: str) -> int:
