@@ -92,6 +92,17 @@ class OffloadStats:
             for k, v in deltas.items():
                 setattr(self, k, getattr(self, k) + v)
 
+    def count_offload(self, nbytes: int, in_flight: Optional[int] = None) -> None:
+        """One tensor packed and offloaded (with the bytes now in flight, on a device): the
+        pack's ``add`` and ``raise_to`` in one, without their keyword dicts (a saved tensor's
+        pack is host time on the step's path: issue 40, item 5)."""
+        with self._lock:
+            self.tensors_packed += 1
+            self.bytes_packed += nbytes
+            self.tensors_offloaded += 1
+            if in_flight is not None and in_flight > self.bytes_in_flight_peak:
+                self.bytes_in_flight_peak = in_flight
+
     def raise_to(self, **values: Any) -> None:
         """Each named field becomes the larger of its value and the one given."""
         with self._lock:

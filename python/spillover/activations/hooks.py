@@ -182,17 +182,19 @@ class Hooks(Unpack):
             stats.add(tensors_packed=1, bytes_packed=nbytes, bytes_kept_pool_full=nbytes)
             return t
         stored.watch_source(storage, t._version)
-        rec.dedup[key] = weakref.ref(stored)
+        ref = weakref.ref(stored)
+        rec.dedup[key] = ref
         rec.stored.add(stored)
         rec.packs += nbytes
         if rec.packs * 8 >= self._pool.capacity:  # Note [growth off the critical path]
             rec.packs = 0
             self._pools.maybe_prepare()
         rec.devices.add(device)
-        stats.add(tensors_packed=1, bytes_packed=nbytes, tensors_offloaded=1)
-        if not tr.host_is_device:  # only a device's H2D copies are staged ahead
-            stats.raise_to(bytes_in_flight_peak=tr.bytes_in_flight)
-            rec.by_seq[stored.seq] = weakref.ref(stored)
+        if tr.host_is_device:
+            stats.count_offload(nbytes)
+        else:  # only a device's H2D copies are staged ahead
+            stats.count_offload(nbytes, tr.bytes_in_flight)
+            rec.by_seq[stored.seq] = ref
         return Packed(stored, t)
 
     def _kept_why(self, rec: StepRecord, t: torch.Tensor, storage: Any, nbytes: int,
@@ -241,13 +243,9 @@ class Hooks(Unpack):
         if self.config.verify:  # Note [verify on the device]
             what = (f"a saved tensor of shape {list(t.shape)} and dtype {t.dtype} in step "
                     f"{rec.index} on the {self.tier} tier")
-
-        def put() -> Tuple[Any, Any]:
+        try:
             return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors,
                            verify=what)
-
-        try:
-            return put()
         except PoolExhaustedError:
             if rec.pool_full:  # found full after waiting: waiting again frees nothing
                 raise
@@ -259,12 +257,14 @@ class Hooks(Unpack):
             tr.synchronize(rec.errors)
             rec.stats.add(stall_seconds=time.perf_counter() - t0)
             try:
-                return put()
+                return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t,
+                               errors=rec.errors, verify=what)
             except PoolExhaustedError:
                 if not self._room_for(rec, nbytes, grow):
                     self._full(rec)
                     raise
-        return put()
+        return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors,
+                       verify=what)
 
     @staticmethod
     def _full(rec: StepRecord) -> None:

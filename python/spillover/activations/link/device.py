@@ -341,6 +341,8 @@ class DeviceLink:
         self._raise(errors)
 
     def _raise(self, errors: Optional[List[BaseException]]) -> None:
+        if not self._errors and not errors:  # the common case, without the lock: an error
+            return  # appended meanwhile is raised at the next reap
         with self._lock:
             error = self._errors.pop(0) if self._errors else None
             if error is None and errors:

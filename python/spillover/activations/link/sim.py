@@ -319,10 +319,10 @@ class SimDevice:
 
     def track(self, t: torch.Tensor, stream: Any = _HOST) -> None:
         """Count ``t``'s storage as device memory of ``stream``'s pool while it lives."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         if not self._probe:
             return
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         st = t.untyped_storage()
         with self._probe_lock:
             old = self._live.get(st.data_ptr())
