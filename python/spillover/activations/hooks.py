@@ -186,7 +186,7 @@ class Hooks(Unpack):
         rec.dedup[key] = ref
         rec.stored.add(stored)
         rec.packs += nbytes
-        if rec.packs * 8 >= self._pool.capacity:  # Note [growth off the critical path]
+        if rec.packs * 8 >= rec.stats.pool_capacity:  # Note [growth off the critical path]
             rec.packs = 0
             self._pools.maybe_prepare()
         rec.devices.add(device)
@@ -216,8 +216,9 @@ class Hooks(Unpack):
         if not offload:
             rec.kept[key] = StorageWeakRef(storage)
             return "bytes_kept_policy"
-        if kind == "cpu" and self._in_pool(key[2]):
-            # Already a view of a pool block (e.g. an unpacked tensor saved again).
+        if kind == "cpu" and not self.config.sim_link_bandwidth and self._in_pool(key[2]):
+            # Already a view of a pool block (e.g. an unpacked tensor saved again); not on the
+            # simulated device, whose unpacks are new tensors, as a GPU's are
             return "bytes_kept_unsupported"
         hit = rec.dedup.get(key)
         if hit is not None:

@@ -102,7 +102,13 @@ def current_context() -> Optional[OffloadContext]:
 
 def active_record(ctx: OffloadContext) -> Optional[StepRecord]:
     """``ctx``'s step active on this thread, or None."""
-    for a in reversed(stack()):
+    st = getattr(_tls, "stack", None)
+    if not st:
+        return None
+    top = st[-1]  # the innermost: every pack asks (issue 40, item 5)
+    if top.ctx is ctx:
+        return top.rec
+    for a in reversed(st):
         if a.ctx is ctx:
             return a.rec
     return None
