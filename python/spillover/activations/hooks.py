@@ -165,32 +165,35 @@ class Hooks(Unpack):
                 counts["storages_deduplicated"] = 1
             stats.add(tensors_packed=1, bytes_packed=nbytes, **counts)
             return t
-        if self._chunk_above and nbytes > self._chunk_above and rec.tier.defers_writes:
+        pieces = bool(self._chunk_above) and nbytes > self._chunk_above
+        if pieces and rec.tier.defers_writes:
             # Note [writes wait for growth] (rust/tier/room.rs): pieces are one tier step's,
             # so a pool that may grow grows before them, not between them
             self._grow(rec, nbytes)
         tr = self._transfer(device)
-        if tr.host_is_device:  # Note [host link]: one call into the tier, no copy in flight
+        on_host = tr.host_is_device
+        if on_host:  # Note [host link]: one call into the tier, no copy in flight
             stored = self._pack_host(rec, storage, t, nbytes)
         else:
             tr.reap(rec.errors)
-            if self._chunk_above and nbytes > self._chunk_above:
+            if pieces:
                 stored = self._pack_pieces(rec, tr, storage, t, nbytes)
             else:
                 stored = self._pack_whole(rec, tr, storage, t, nbytes)
         if stored is None:
             stats.add(tensors_packed=1, bytes_packed=nbytes, bytes_kept_pool_full=nbytes)
             return t
-        stored.watch_source(storage, t._version)
+        # a weak reference to the source storage (Note [storage identity] in stored.py)
+        stored.src_weak, stored.src_version = storage._weak_ref(), t._version
         ref = weakref.ref(stored)
         rec.dedup[key] = ref
-        rec.stored.add(stored)
+        rec.stored.add(ref)
         rec.packs += nbytes
         if rec.packs * 8 >= rec.stats.pool_capacity:  # Note [growth off the critical path]
             rec.packs = 0
             self._pools.maybe_prepare()
         rec.devices.add(device)
-        if tr.host_is_device:
+        if on_host:
             stats.count_offload(nbytes)
         else:  # only a device's H2D copies are staged ahead
             stats.count_offload(nbytes, tr.bytes_in_flight)
@@ -201,9 +204,10 @@ class Hooks(Unpack):
                   key: Tuple[str, int, int], offload: bool) -> Any:
         """Why ``t`` is not offloaded: the stats field its bytes count in, or the handle of the
         storage this step already offloaded that it views; None when it is to be offloaded."""
-        if nbytes < self._min_bytes(key[0]) or nbytes == 0:
-            return "bytes_kept_small"
         kind = key[0]
+        least = self.config.min_offload_bytes if kind != "cuda" else self._min_bytes(kind)
+        if nbytes < least or nbytes == 0:
+            return "bytes_kept_small"
         if kind == "cuda" and capturing(t.device):
             return "bytes_kept_unsupported"
         if is_param(rec, t, storage):

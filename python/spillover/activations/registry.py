@@ -58,7 +58,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -182,7 +182,9 @@ def note_module(rec: StepRecord, module: torch.nn.Module) -> None:
 
 def is_param(rec: StepRecord, t: torch.Tensor, storage: Any) -> bool:
     """Note [parameters by identity]."""
-    base = t._base if t._base is not None else t
+    base = t._base
+    if base is None:
+        base = t
     if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
         return True  # (a Parameter is a leaf: activations skip the slow isinstance)
     ref = rec.params.get(storage._cdata)
@@ -227,6 +229,32 @@ def install_module_hook() -> None:
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
 
 
+class LiveRefs:
+    """The live objects of weak references added to it: iterated and counted as a
+    ``WeakSet`` is, but an ``add`` appends a reference the caller made already (a pack makes
+    one for its dedup table), without the set's own weak reference and callback (issue 40,
+    item 5: a saved tensor's pack is host time on the step's path). Its references are those
+    of one step's packs, kept until the step goes (a list only appended to: a pack on another
+    thread is never lost to a pruning)."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: List[Any] = []
+
+    def add(self, ref: Any) -> None:
+        self._refs.append(ref)
+
+    def _live(self) -> List[Any]:
+        return [o for o in (r() for r in list(self._refs)) if o is not None]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+
 class StepRecord:
     """One step of a context (Note [one context, many steps]): its tier step and counters,
     what its forward deduplicated and marked, and what its guardrails found."""
@@ -241,7 +269,7 @@ class StepRecord:
         self.index = index
         self.begin(tier)
         self.stats = OffloadStats(steps=1)
-        self.stored: Any = weakref.WeakSet()  # live Stored of this step
+        self.stored = LiveRefs()  # live Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
         self.dedup: Dict[Tuple[str, int, int], Any] = {}  # -> weakref(Stored)
         self.marked: set = set()

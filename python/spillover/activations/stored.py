@@ -56,10 +56,6 @@ class Stored:
         self._cached_uses = 0
         self._cached_stream: Any = None  # the stream it was brought back on
 
-    def watch_source(self, storage: Any, version: int) -> None:
-        """Hold a weak reference to the source ``storage`` (Note [storage identity])."""
-        self.src_weak, self.src_version = storage._weak_ref(), version
-
     def source_alive(self) -> bool:
         return bool(self.src_weak) and not _EXPIRED(self.src_weak)
 
