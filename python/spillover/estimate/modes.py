@@ -116,14 +116,25 @@ class _TraceMeter:
         # allocates it): counted here too, or a plan the planner saw fit is reported over
         self.workspace = workspace
 
+    #: Note [a traced step is timed] in planner/tuner.py: the seconds of the step it read
+    #: (the later of the device's and the host's clocks, from its start to the read)
+    seconds: Optional[float] = None
+
     def start(self) -> bool:
         self.tracker.reset_peak()
         self.base = self.tracker.live
+        self._t0 = self._now()
+        self.seconds = None
         return True
+
+    def _now(self) -> float:
+        return max(self.tracker.clock, self.tracker.host_clock)
 
     def read(self) -> Optional[int]:
         if self.base is None:
             return None
+        if self.seconds is None:
+            self.seconds = self._now() - self._t0
         return max(0, self.tracker.peak - self.base) + self.workspace
 
 

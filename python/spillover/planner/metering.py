@@ -46,6 +46,7 @@ class Metering:
     _step_ctx: Optional[weakref.ref[Any]]  # the metered step's context
     _step_pool: Optional[int]  # the pool it held at the end of backward
     last_peak: Optional[int]
+    last_seconds: Optional[float]
 
     if TYPE_CHECKING:  # what the readings use of the Planner they are mixed into
 
@@ -69,6 +70,8 @@ class Metering:
             return None
         peak = self._step_peak if self._step_peak is not None else self._meter.read()
         self._step_peak = None
+        # Note [a traced step is timed] in tuner.py: a meter that times its step (the trace's)
+        self.last_seconds = getattr(self._meter, "seconds", None) if peak is not None else None
         if self._step_pool is None:
             self._read_pool()
         if peak is not None and recs:

@@ -88,6 +88,7 @@ class Trials:
     loss_min_bytes: int
     tail_bytes: int
     measured: List[Tuple[Plan, int]]
+    _meter: Any  # the peak meter (Note [a traced step is timed] in tuner.py)
 
     if TYPE_CHECKING:  # what the trials use of the Planner they are mixed into
 
@@ -155,8 +156,11 @@ class Trials:
                           loss_bytes=self.loss_bytes, tail_bytes=self.tail_bytes)
         worst = peak + max(0, trial.model_peak - plan.model_peak)
         room = device_room(recs[0].device)
-        if (trial.keep_all and trial.recompute_seconds + trial.transfer_seconds
-                < plan.recompute_seconds + plan.transfer_seconds
+        # Note [a traced step is timed] (tuner.py): where the steps are timed, the trial's
+        # step says whether it is faster, not the model
+        timed = getattr(self._meter, "seconds", None) is not None
+        if (trial.keep_all and (timed or trial.recompute_seconds + trial.transfer_seconds
+                                < plan.recompute_seconds + plan.transfer_seconds)
                 and (room is None or worst <= room)):
             trial.budget, trial.note = budget, EXPLORING_KEPT
             self.plan = trial

@@ -40,6 +40,20 @@ Note [the learning step is a candidate]
     94, 120 and 140 MiB (link-bound copies and staging the model does not see), and auto
     settled on the least of those, 30 % over a budget a step had already met.
 
+Note [a traced step is timed]
+    The settling keeps the fastest measured plan within the budget by the plans' modeled
+    seconds, and the kept trial (Note [a kept trial] in trials.py) runs only where the kept
+    plan is modeled faster. On a trace (``spillover.estimate``, the seeded plan) the meter
+    also times each step it reads, on the same clocks the estimate reports, and those
+    seconds decide instead: the settling takes the fastest step, and the kept trial runs where
+    its worst case fits whatever the model says. The model counts an offload hidden while the
+    forward's total compute covers the link's total time; the trace sees the copy cap's
+    back-pressure and copies back arriving late. On the estimate of the H200 probe's 1B Llama
+    at full checkpointing's peak, with the device's host time per offload set to 0, auto had
+    settled on a plan shipping 112 MiB of norm and rotary outputs per layer, modeled with no
+    exposed transfer and traced at 18.8 ms of stalls a step: 1.13x full's time. A device's
+    meter times nothing, and a real run goes on as before.
+
 Note [planner step boundaries]
     ``wrap`` starts a step at each forward of the wrapped model. A standalone
     ``checkpoint(..., policy=planner)`` starts one when a region runs after a backward has
@@ -154,7 +168,11 @@ class Planner(Trials, Metering):
         self.peak_offsets: Dict[str, int] = {}
         self.tuning_left = 0  # measured steps left in Phase.TUNING
         self.measured: List[Tuple[Plan, int]] = []  # (plan, its measured peak), while tuning
+        #: id(plan) -> the seconds its step took, where the meter times steps (Note [a traced
+        #: step is timed])
+        self.measured_seconds: Dict[int, float] = {}
         self.last_peak: Optional[int] = None
+        self.last_seconds: Optional[float] = None
         #: Note [seeded plan] (spillover/estimate/seed.py): whether the first step traces the
         #: step on fake tensors and follows the plan made there; what that gave (or why not)
         self.seed_from_trace = seed_from_trace
@@ -238,6 +256,9 @@ class Planner(Trials, Metering):
                 self.tuning_left = self.TUNING_STEPS if self.peak_offsets else 0
                 self.phase = Phase.TUNING if self.tuning_left else Phase.SETTLED
                 self.measured = [ran] if ran is not None else []
+                self.measured_seconds = {}
+                if self.measured and self.last_seconds is not None:
+                    self.measured_seconds[id(self.measured[0][0])] = self.last_seconds
             elif ran and self._dirty:  # part of the step followed a plan that no longer fits
                 self.phase = Phase.LEARNING
                 self.plan = None
@@ -278,6 +299,8 @@ class Planner(Trials, Metering):
         plan = self.plan
         assert plan is not None
         self.measured.append((plan, peak))
+        if self.last_seconds is not None:
+            self.measured_seconds[id(plan)] = self.last_seconds
         self.tuning_left -= 1
         budget = self._budget_for(self.planned_records[0].device)
         if plan.note == EXPLORING_TAIL:  # Note [a tail's trial] (trials.py): its peak decides
@@ -324,7 +347,10 @@ class Planner(Trials, Metering):
         if not self.measured:
             return
         fits = [(p, m) for p, m in self.measured if m <= budget]
-        if fits:
+        timed = self.measured_seconds
+        if fits and all(id(p) in timed for p, _ in fits):  # Note [a traced step is timed]
+            best = min(fits, key=lambda pm: (timed[id(pm[0])], pm[1]))
+        elif fits:
             best = min(fits, key=lambda pm: (pm[0].recompute_seconds + pm[0].transfer_seconds,
                                              pm[1]))
         else:
@@ -361,6 +387,7 @@ class Planner(Trials, Metering):
             self.loss_min_bytes = loss_min_bytes
             self.tail_bytes = tail_bytes
             self.measured = []
+            self.measured_seconds = {}
             self.tuning_left = self.TUNING_STEPS if self.measure_peak else 0
             self.phase = Phase.TUNING if self.tuning_left else Phase.SETTLED
             self.seeded = {"predicted_peak": predicted_peak, "variant": plan.variant, **about}
