@@ -23,6 +23,14 @@ in planner/tuner.py).
   as ``benches/python/sim_h200.py`` measures the device's memory there; RSS would count the
   host pool the link copies into (Note [the simulated device is a device] in
   planner/records.py). Where a profiler is already running the meter is unavailable.
+
+Note [a stale profiler]
+    A storage meter's profiler runs from a metered step's start until the step is read outside
+    backward, which is at the next step's start. A planner whose last metered step has no step
+    after it (a run ending in its tuning steps, a test, a loop that evaluates without the
+    wrapped model's training forward) left torch's profiler running in the process, recording
+    every later op and allocation. So a meter that starts, ``allocator_events`` and
+    ``spillover.empty_cache()`` first stop every other meter's profiler (:func:`stop_stale`).
 """
 
 from __future__ import annotations
@@ -30,11 +38,12 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["PeakMeter", "StorageMeter", "rss", "high_water", "reset_high_water",
+__all__ = ["PeakMeter", "StorageMeter", "stop_stale", "rss", "high_water", "reset_high_water",
            "memory_events", "peak_of"]
 
 
@@ -115,6 +124,21 @@ def peak_of(events: Iterable[Tuple[int, int]]) -> int:
     return peak
 
 
+#: Note [a stale profiler]: the storage meters whose profiler runs now
+_RUNNING: weakref.WeakSet[StorageMeter] = weakref.WeakSet()
+
+
+def stop_stale(keep: Optional[StorageMeter] = None) -> None:
+    """Note [a stale profiler]: stop the profiler of every storage meter whose step was never
+    read to its end (a planner whose last metered step had no step after it), outside
+    backward, before another profiler starts."""
+    if torch._C._current_autograd_node() is not None:
+        return
+    for m in list(_RUNNING):
+        if m is not keep:
+            m._stop()
+
+
 class StorageMeter:
     """:class:`PeakMeter`'s protocol for the simulated device: the most the live CPU tensor
     storages grew between ``start()`` and ``read()``, from the allocator's events under torch's
@@ -135,6 +159,7 @@ class StorageMeter:
 
     def start(self) -> bool:
         self._stop()
+        stop_stale(self)
         if not self.available:
             return False
         from torch.profiler import ProfilerActivity, profile
@@ -148,10 +173,12 @@ class StorageMeter:
             self.available = False
             return False
         self._prof, self._end = prof, None
+        _RUNNING.add(self)
         return True
 
     def _stop(self) -> Optional[int]:
         prof, self._prof = self._prof, None
+        _RUNNING.discard(self)
         if prof is None:
             return None
         try:

@@ -465,6 +465,11 @@ def empty_cache() -> int:
     """Give back the host memory of the activation pools no context uses (Note [the pool lives
     for the process]): unregistered from CUDA, unmapped. Returns the bytes given back. Call it
     before a phase that needs the host memory (loading another model, a long CPU-side job);
-    the next ``offload_context`` maps and registers its pool again (seconds for GiBs)."""
+    the next ``offload_context`` maps and registers its pool again (seconds for GiBs). A
+    planner's peak meter left running by a step that had no step after it stops too (Note [a
+    stale profiler] in _peak.py)."""
+    from ._peak import stop_stale
+
+    stop_stale()
     return POOLS.release_idle()
 

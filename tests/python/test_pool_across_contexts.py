@@ -296,3 +296,28 @@ def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_fir
         assert reads and all(abs(r - (peak + s.pool_capacity)) <= 0.02 * budget
                              for r in reads), (reads, peak, s.pool_capacity)
     assert planner.plan.variant != "plain", planner.plan.variant  # it planned recomputation
+
+
+def test_a_planners_meter_left_running_is_stopped(small_first_pool):
+    """Note [a stale profiler] (spillover/_peak.py): the first step of auto under the Quick
+    start's default context on a CPU host follows the seeded plan and is metered by torch's
+    profiler until the next step reads it; with no next step the profiler went on running in
+    the process. ``spillover.empty_cache()`` (and any later meter or ``allocator_events``)
+    stops it."""
+    from spillover import _peak
+
+    def _is_profiler_enabled():
+        return torch._C._autograd._profiler_enabled()
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, d_model=64, n_heads=4, n_layers=2, seq=64)
+    base, batch = GPT(cfg), synthetic_batch(cfg, batch=2)
+    planner = spillover.Planner(budget_bytes=1 << 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    gpt_step(model, batch, spillover.offload_context())
+    assert planner.seeded is not None and planner.phase.value == "tuning"
+    assert _is_profiler_enabled() and list(_peak._RUNNING)  # metered, not read yet
+    spillover.empty_cache()
+    assert not _is_profiler_enabled() and not list(_peak._RUNNING)

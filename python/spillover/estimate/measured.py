@@ -33,8 +33,13 @@ def storages_bytes(tensors: Iterable[Any]) -> int:
 
 def allocator_events(fn: Callable[[], Any]) -> List[Tuple[int, int]]:
     """Run ``fn`` under the profiler; the CPU allocator's events, (wall-clock ns, bytes: + for
-    an allocation, - for a free), in time order. The profiler's own warnings are silenced."""
+    an allocation, - for a free), in time order. The profiler's own warnings are silenced; a
+    planner's profiler left running is stopped first (Note [a stale profiler] in _peak.py)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from .._peak import stop_stale
+
+    stop_stale()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
