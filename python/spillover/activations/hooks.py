@@ -64,7 +64,7 @@ import bisect
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -205,8 +205,7 @@ class Hooks(Unpack):
         """Why ``t`` is not offloaded: the stats field its bytes count in, or the handle of the
         storage this step already offloaded that it views; None when it is to be offloaded."""
         kind = key[0]
-        least = self.config.min_offload_bytes if kind != "cuda" else self._min_bytes(kind)
-        if nbytes < least or nbytes == 0:
+        if nbytes < self._min_bytes(kind) or nbytes == 0:
             return "bytes_kept_small"
         if kind == "cuda" and capturing(t.device):
             return "bytes_kept_unsupported"
@@ -248,28 +247,39 @@ class Hooks(Unpack):
         if self.config.verify:  # Note [verify on the device]
             what = (f"a saved tensor of shape {list(t.shape)} and dtype {t.dtype} in step "
                     f"{rec.index} on the {self.tier} tier")
-        try:
+        try:  # the common case: no closure, no second frame
             return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors,
                            verify=what)
-        except PoolExhaustedError:
-            if rec.pool_full:  # found full after waiting: waiting again frees nothing
-                raise
-            if not tr.bytes_in_flight and not self._room_for(rec, nbytes, grow):
-                self._full(rec)
-                raise
+        except PoolExhaustedError as e:
+            full = e
+
+        def put() -> Tuple[Any, Any]:
+            return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors,
+                           verify=what)
+
+        return self._put_again(rec, tr, nbytes, grow, put, full)
+
+    def _put_again(self, rec: StepRecord, tr: Any, nbytes: int, grow: bool,
+                   put: Callable[[], Tuple[Any, Any]],
+                   full: PoolExhaustedError) -> Tuple[Any, Any]:
+        """:meth:`_put` after ``put`` found the pool full (``full``): wait for the copies in
+        flight, grow, or raise ``full``."""
+        if rec.pool_full:  # found full after waiting: waiting again frees nothing
+            raise full
+        if not tr.bytes_in_flight and not self._room_for(rec, nbytes, grow):
+            self._full(rec)
+            raise full
         if tr.bytes_in_flight:
             t0 = time.perf_counter()
             tr.synchronize(rec.errors)
             rec.stats.add(stall_seconds=time.perf_counter() - t0)
             try:
-                return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t,
-                               errors=rec.errors, verify=what)
+                return put()
             except PoolExhaustedError:
                 if not self._room_for(rec, nbytes, grow):
                     self._full(rec)
                     raise
-        return tr.pack(rec.step, storage, nbytes, offset=offset, watch=t, errors=rec.errors,
-                       verify=what)
+        return put()
 
     @staticmethod
     def _full(rec: StepRecord) -> None:

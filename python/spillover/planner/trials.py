@@ -88,7 +88,7 @@ class Trials:
     loss_min_bytes: int
     tail_bytes: int
     measured: List[Tuple[Plan, int]]
-    _meter: Any  # the peak meter (Note [a traced step is timed] in tuner.py)
+    last_seconds: Optional[float]  # the last measured step's, where steps are timed
 
     if TYPE_CHECKING:  # what the trials use of the Planner they are mixed into
 
@@ -158,7 +158,7 @@ class Trials:
         room = device_room(recs[0].device)
         # Note [a traced step is timed] (tuner.py): where the steps are timed, the trial's
         # step says whether it is faster, not the model
-        timed = getattr(self._meter, "seconds", None) is not None
+        timed = self.last_seconds is not None
         if (trial.keep_all and (timed or trial.recompute_seconds + trial.transfer_seconds
                                 < plan.recompute_seconds + plan.transfer_seconds)
                 and (room is None or worst <= room)):

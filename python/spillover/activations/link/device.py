@@ -236,7 +236,7 @@ class DeviceLink:
         at ``offset``: one call into Rust. Returns (tier handle, copy). Raises
         PoolExhaustedError when the tier has no room now. ``verify``: what the copy is (its
         tensor's shape, dtype, step, tier), to check it (Note [verify on the device])."""
-        stream = 0 if self.sim else self.stream()
+        stream = self.stream()
         checksum = None
         if verify:
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
