@@ -229,6 +229,9 @@ _FIELDS: Dict[str, Tuple[Callable[[Any, str], Any], Any, str]] = {
                          "NVMe tier, CPU tensors: bytes being written to disk past which a pack "
                          "waits for the oldest write (default: the host pool's capacity plus "
                          "the largest storage written from its tensor so far)"),
+    "rederive": (_bool, True,
+                 "make a saved tensor again at unpack, instead of offloading it, where a cheap "
+                 "op made it from tensors autograd holds anyway (SiLU, GELU, products)"),
     "verify": (_bool, False, "checksum every offloaded tensor and check it on reload"),
     "log": (_level, "WARNING", "log level of the 'spillover' logger"),
 }
@@ -257,6 +260,7 @@ class Config:
     sim_call_cost: float = 0.0
     write_from_tensor: bool = True
     write_hold_bytes: Optional[int] = None
+    rederive: bool = True
     verify: bool = False
     log: str = "WARNING"
     #: field -> "keyword", "env" or "default": where each value came from (for `doctor`).

@@ -49,6 +49,12 @@ class OffloadStats:
     bytes_kept_policy: int = 0
     bytes_kept_pool_full: int = 0
     bytes_kept_unsupported: int = 0
+    #: Saved tensors not offloaded but made again at unpack from what their own op saved
+    #: (Note [made again at unpack] in activations/rederive.py), and how many times backward
+    #: made one.
+    tensors_rederived: int = 0
+    bytes_rederived: int = 0
+    rederive_runs: int = 0
     tensors_unpacked: int = 0
     bytes_unpacked: int = 0
     #: NVMe tier: unpacks of entries that had gone to disk and were back in host memory in
@@ -232,8 +238,9 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
     kept = s.bytes_kept
     # the three shares add up to the whole: what a saved view's storage counts for is in
     # bytes_packed once per view saved (offloaded once, kept once, then deduplicated)
-    whole = s.bytes_offloaded + kept + s.bytes_deduplicated
-    off_pc, kept_pc, dedup_pc = _shares([s.bytes_offloaded, kept, s.bytes_deduplicated])
+    whole = s.bytes_offloaded + kept + s.bytes_deduplicated + s.bytes_rederived
+    off_pc, kept_pc, dedup_pc, re_pc = _shares(
+        [s.bytes_offloaded, kept, s.bytes_deduplicated, s.bytes_rederived])
     lines = [
         title,
         f"  saved for backward: {s.tensors_packed} tensors, {format_size(whole)} of storage "
@@ -242,8 +249,13 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
         f"in {s.tensors_offloaded} storages -- host {format_size(s.bytes_offloaded_host)}, "
         f"nvme {format_size(s.bytes_offloaded_nvme)}"
         + (f"; {s.tensors_chunked} in pieces" if s.tensors_chunked else ""),
-        f"  kept on the device: {format_size(kept)} ({kept_pc}), by reason:",
     ]
+    if s.tensors_rederived:
+        lines.append(
+            f"  made again at unpack: {format_size(s.bytes_rederived)} ({re_pc}) in "
+            f"{s.tensors_rederived} storages, {s.rederive_runs} made in backward "
+            "(cheap ops whose inputs autograd holds anyway; rederive=False ships them)")
+    lines.append(f"  kept on the device: {format_size(kept)} ({kept_pc}), by reason:")
     reasons = [
         ("small", s.bytes_kept_small,
          f"under min_offload_bytes ({format_size(min_offload_bytes)}, "

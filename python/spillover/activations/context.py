@@ -214,6 +214,7 @@ class OffloadContext(Hooks, Guardrails):
         self._pools.note_forward_end(prepare=not registry.capturing(),
                                      offloaded=sum(st.nbytes for st in list(rec.stored)))
         rec.dedup.clear()
+        rec.rederived.clear()
         rec.marked.clear()
         rec.kept.clear()
         if registry.capturing():

@@ -69,7 +69,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import PoolExhaustedError
+from . import rederive
 from .link import link_for
+from .rederive import REDERIVE_MIN_BYTES, Rederived, Remade, recipe
 from .registry import StepRecord, StorageWeakRef, capturing, is_param
 from .stored import Packed, Stored
 from .unpack import Unpack
@@ -165,6 +167,10 @@ class Hooks(Unpack):
                 counts["storages_deduplicated"] = 1
             stats.add(tensors_packed=1, bytes_packed=nbytes, **counts)
             return t
+        if nbytes >= REDERIVE_MIN_BYTES and self.config.rederive:
+            made = self._rederive(rec, t, key, nbytes)  # Note [made again at unpack]
+            if made is not None:
+                return made
         pieces = bool(self._chunk_above) and nbytes > self._chunk_above
         if pieces and rec.tier.defers_writes:
             # Note [writes wait for growth] (rust/tier/room.rs): pieces are one tier step's,
@@ -199,6 +205,25 @@ class Hooks(Unpack):
             stats.count_offload(nbytes, tr.bytes_in_flight)
             rec.by_seq[stored.seq] = ref
         return Packed(stored, t)
+
+    def _rederive(self, rec: StepRecord, t: torch.Tensor, key: Tuple[str, int, int],
+                  nbytes: int) -> Optional[Remade]:
+        """Note [made again at unpack] in rederive.py: the handle that makes ``t`` again at
+        unpack, or None where it is to be shipped."""
+        found = recipe(t)
+        if found is None:
+            return None
+        node, make, base = found
+        h = rederive.find(rec.rederived, key, node)
+        if h is not None:  # another save of the same storage
+            rec.stats.add(tensors_packed=1, bytes_packed=nbytes, storages_deduplicated=1,
+                          bytes_deduplicated=nbytes)
+            return Remade(h, t)
+        h = Rederived(node, make, base, rec, nbytes)
+        rederive.remember(rec.rederived, key, h)
+        rec.stats.add(tensors_packed=1, bytes_packed=nbytes, tensors_rederived=1,
+                      bytes_rederived=nbytes)
+        return Remade(h, t)
 
     def _kept_why(self, rec: StepRecord, t: torch.Tensor, storage: Any, nbytes: int,
                   key: Tuple[str, int, int], offload: bool) -> Any:

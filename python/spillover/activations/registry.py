@@ -262,7 +262,7 @@ class StepRecord:
     __slots__ = ("index", "tier", "step", "steps", "stats", "stored", "by_seq", "dedup", "marked",
                  "kept", "params", "param_numels", "modules", "active", "tr_base", "tr_end",
                  "devices", "others", "node", "compiled", "checked", "findings", "errors",
-                 "pool_full", "packs", "pools_base", "pools_end", "keep_rest", "lock",
+                 "pool_full", "packs", "pools_base", "pools_end", "keep_rest", "lock", "rederived",
                  "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
@@ -272,6 +272,8 @@ class StepRecord:
         self.stored = LiveRefs()  # live Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
         self.dedup: Dict[Tuple[str, int, int], Any] = {}  # -> weakref(Stored)
+        #: -> weakref(Rederived): Note [made again at unpack] in rederive.py
+        self.rederived: Dict[Tuple[str, int, int], Any] = {}
         self.marked: set = set()
         self.kept: Dict[Tuple[str, int, int], Any] = {}  # Note [kept by a policy]: weak refs
         #: Note [parameters by identity]: storage (StorageImpl address) -> its weak reference,

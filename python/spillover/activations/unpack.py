@@ -33,6 +33,7 @@ from .. import _runtime
 from ..config import Config, format_size
 from ..errors import IntegrityError
 from .link import block_tensor
+from .rederive import Remade, making
 from .registry import StepRecord, capturing
 from .stored import Packed, Stored
 
@@ -76,6 +77,8 @@ class Unpack:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if type(packed) is Remade:  # Note [made again at unpack] in rederive.py
+            return self._remake(packed)
         s = packed.stored
         if s.device.type == "cuda" and capturing(s.device):  # Note [graph capture]
             raise RuntimeError(
@@ -94,6 +97,15 @@ class Unpack:
         out = torch.empty(0, dtype=packed.dtype, device=s.device)
         out.set_(raw.untyped_storage(), packed.offset, packed.size, packed.stride)
         rec.stats.add(tensors_unpacked=1, bytes_unpacked=s.nbytes)
+        return out
+
+    def _remake(self, r: Remade) -> torch.Tensor:
+        rec = r.of.record
+        rec.keep_rest = False
+        self._note_backward(rec)
+        made = r.of.held is None
+        out = r.get()
+        rec.stats.add(tensors_unpacked=1, rederive_runs=int(made))
         return out
 
     def _note_backward(self, rec: StepRecord) -> Any:
@@ -163,9 +175,10 @@ class Unpack:
                 for c in s.copies:
                     self._checks.returned(raw[off : off + c.nbytes], c.packed_sum, c.what)
                     off += c.nbytes
-            if s.views > 1 and (not tr.host_is_device or s.chunked):
+            again = making()  # Note [made again at unpack]: its own node unpacks it next
+            if (s.views > 1 or again) and (not tr.host_is_device or s.chunked):
                 # Note [views share one return]
-                s._cached, s._cached_uses = raw, 1
+                s._cached, s._cached_uses = raw, 0 if again else 1
                 s._cached_stream = None if tr.host_is_device else tr.stream()
         self._stage_ahead(tr, s)
         return raw

@@ -43,6 +43,7 @@ def estimate(model: nn.Module, *args: Any,
              min_offload_bytes: Optional[Union[int, str]] = None,
              chunked_loss: bool = True,
              dtype: Optional[torch.dtype] = None,
+             rederive: Optional[bool] = None,
              **kwargs: Any) -> Estimate:
     """Predict one training step of ``model(*args, **kwargs)`` in each mode, without running it.
 
@@ -66,6 +67,9 @@ def estimate(model: nn.Module, *args: Any,
             SPILLOVER_MIN_OFFLOAD_BYTES, 1 MiB).
         chunked_loss: what ``wrap`` does with a causal LM's head and loss.
         dtype: trace the model's floating parameters in this dtype (e.g. a config's bf16).
+        rederive: whether the offload context makes cheap saved tensors again at unpack
+            instead of shipping them (default SPILLOVER_REDERIVE, on; Note [made again at
+            unpack] in spillover/activations/rederive.py).
 
     Returns:
         An :class:`Estimate`: ``est["full"].device_peak_bytes``, ``est.table()``,
@@ -105,7 +109,8 @@ def estimate(model: nn.Module, *args: Any,
     opts: Dict[str, Any] = dict(loss_fn=loss_fn, optimizer=optimizer, world_size=int(world_size),
                                 sharding=sharding, budget=bud, host_pool_bytes=pool,
                                 min_offload_bytes=int(mob), chunked_loss=chunked_loss,
-                                dtype=dtype)
+                                dtype=dtype,
+                                rederive=cfg.rederive if rederive is None else bool(rederive))
 
     def make(a: Any, kw: Dict[str, Any]) -> Runner:
         return Runner(model, a, kw, dev, **opts)

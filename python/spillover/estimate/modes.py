@@ -170,7 +170,7 @@ class Runner:
                  optimizer: str = "adamw", world_size: int = 1, sharding: str = "none",
                  budget: Optional[int] = None, host_pool_bytes: Optional[int] = None,
                  min_offload_bytes: int = 1 << 20, chunked_loss: bool = True,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, rederive: bool = True):
         self.model = model
         self.device = device
         self.loss_fn = loss_fn
@@ -180,6 +180,7 @@ class Runner:
         self.budget = budget
         self.host_pool_bytes = host_pool_bytes
         self.min_offload_bytes = min_offload_bytes
+        self.rederive = rederive
         self.chunked_loss = chunked_loss
         self.dtype = dtype
         self.fm = FakeTensorMode(allow_non_fake_inputs=True)
@@ -260,7 +261,7 @@ class Runner:
             tier = mode  # auto: Note [RAM before the drive] in _growth.py
             ctx = SimContext(tier, dev, tracker, self.host_pool_bytes, self.pool_cap,
                              storage_keys(params + list(model.buffers())),
-                             self.min_offload_bytes)
+                             self.min_offload_bytes, rederive=self.rederive)
             tracker.on_op = ctx.poll
             tracker.on_sync = ctx.copies_landed
         steps = 2 if mode in ("selective", "nvme") else 1  # Note [modes as run]: 1st learns

@@ -55,7 +55,8 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from .. import _runtime
-from ..activations import registry
+from ..activations import rederive, registry
+from ..activations.rederive import REDERIVE_MIN_BYTES, Rederived, Remade, recipe
 from ..planner.cost import HIGH_WATER
 from .devices import Device
 from .drive import DriveModel, _blocks
@@ -80,13 +81,14 @@ class OffloadFigures:
     pool_capacity: int = 0
     pool_peak: int = 0
     link_bytes: int = 0  # device <-> host, both ways (GPU)
+    bytes_rederived: int = 0  # Note [made again at unpack] in activations/rederive.py
     stall_seconds: float = 0.0
 
 
 class _Entry:
     __slots__ = ("seq", "nbytes", "source", "staged", "views", "chunked", "on_disk",
                  "in_pool", "write_done", "read_done", "unpacked", "cached", "pieces",
-                 "copied", "back", "__weakref__")
+                 "copied", "back", "held", "__weakref__")
 
     def __init__(self, seq: int, nbytes: int, chunked: bool):
         self.seq = seq
@@ -94,6 +96,9 @@ class _Entry:
         self.source: Optional[torch.Tensor] = None
         self.staged: Optional[torch.Tensor] = None
         self.cached: Any = None  # weakref to the storage-shaped tensor views share
+        #: brought back for a tensor made again, held for its own node's unpack (Note [made
+        #: again at unpack] in activations/rederive.py)
+        self.held: Optional[torch.Tensor] = None
         self.views = 0
         self.chunked = chunked
         self.on_disk = False
@@ -134,7 +139,8 @@ class SimContext(DriveModel):
 
     def __init__(self, tier: str, device: Device, tracker: Tracker, pool_bytes: Optional[int],
                  pool_cap: int, params: set, min_offload_bytes: int = 1 << 20,
-                 learns_order: bool = True, resolved: Optional[str] = None):
+                 learns_order: bool = True, resolved: Optional[str] = None,
+                 rederive: bool = True):
         if tier not in ("host", "nvme", "auto"):
             raise ValueError(f"tier={tier!r}: expected host, nvme or auto")
         drive = bool(device.nvme_write_bytes_per_s)
@@ -154,6 +160,9 @@ class SimContext(DriveModel):
             _runtime.MIN_POOL, self.cap)
         self.params = params
         self.min_offload_bytes = min_offload_bytes
+        #: Note [made again at unpack] in activations/rederive.py: as the context's option
+        self.rederive = rederive
+        self._rederived: Dict[int, Any] = {}  # storage key -> weakref(Rederived)
         #: False: every step is the tier's first (no learned order), as a new context's is
         self.learns_order = learns_order
         self.figures = OffloadFigures()
@@ -309,6 +318,16 @@ class SimContext(DriveModel):
         if self._keep_rest:
             self._kept_keys.add(k)
             return t
+        if self.rederive and nbytes >= REDERIVE_MIN_BYTES:
+            found = recipe(t)
+            if found is not None:  # Note [made again at unpack]: nothing crosses the link
+                node, make, base = found
+                h = rederive.find(self._rederived, k, node)
+                if h is None:
+                    h = Rederived(node, make, base, None, nbytes)
+                    rederive.remember(self._rederived, k, h)
+                    self.figures.bytes_rederived += nbytes
+                return Remade(h, t)
         entry = self._new_entry(t, nbytes)
         if entry is None:
             self.figures.bytes_kept += nbytes
@@ -391,12 +410,20 @@ class SimContext(DriveModel):
     # -- unpack --
 
     def _unpack(self, h: Any) -> torch.Tensor:
+        if type(h) is Remade:
+            self._keep_rest = False
+            return h.get()
         if not isinstance(h, _Handle):
             return h
         self._keep_rest = False  # backward started
         e = h.entry
         e.unpacked += 1
-        base = self._bring_back(e, h)
+        if e.held is not None:  # brought back for a tensor made again: once more, no copy
+            base, e.held = e.held, None
+        else:
+            base = self._bring_back(e, h)
+            if rederive.making():
+                e.held = base
         self._stage_ahead(e)
         if e.unpacked >= e.views:  # views share one return (Note [views share one return])
             e.cached = None

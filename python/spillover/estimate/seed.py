@@ -145,7 +145,8 @@ def _seed(model: nn.Module, state: Any, args: Tuple[Any, ...],
                          ctx.pool_limit, storage_keys(list(made.values())),
                          ctx.config.min_offload_bytes,
                          learns_order=getattr(ctx, "steps", 0) > 1,
-                         resolved="nvme" if ctx.nvme else "host")
+                         resolved="nvme" if ctx.nvme else "host",
+                         rederive=ctx.config.rederive)
         tracker.on_op = sim.poll
     # a CPU host's pool is the step's memory: charged as the records charge it (the cap, or
     # the pool mapped where the context keeps in place what it would take: Note [a CPU host

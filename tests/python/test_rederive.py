@@ -1,0 +1,143 @@
+"""Note [made again at unpack] (activations/rederive.py): saved tensors a cheap op made from
+tensors autograd holds anyway are not shipped but made again at unpack, bitwise."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_bitwise, clone_model, grads
+
+import spillover
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 32000
+BATCH, SEQ = 2, 256  # hidden 512: a norm's output is 1 MiB in fp32, the MLP's 2 MiB
+
+
+def _model(family, attn):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
+                  num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=SEQ)
+    if family == "llama":  # SiLU MLP, RMSNorm (weight * x)
+        cfg = transformers.LlamaConfig(num_key_value_heads=4, **common)
+        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+    cfg = transformers.GPTNeoXConfig(hidden_act="gelu", **common)  # GELU MLP, LayerNorm
+    return transformers.GPTNeoXForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def _where(where):
+    if where == "cpu host":
+        return dict(host_pool_bytes="128MiB")
+    # the simulated device: copies that take bytes / bandwidth, a compute stream behind the host
+    return dict(host_pool_bytes="128MiB", sim_link_bandwidth=2e9, sim_compute_lag=0.002)
+
+
+@pytest.mark.parametrize("where", ["cpu host", "simulated device"])
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"),
+                                         ("neox", "sdpa")])
+def test_steps_with_tensors_made_again_are_bitwise(family, attn, where):
+    """The Quick start's loop (a new context each step), three steps with an optimizer: the
+    gradients and weights are bitwise those of steps without spillover, while the MLP's
+    activations and products (Llama), its GELU outputs (NeoX) and the RMSNorms' outputs
+    (Llama) are made again at unpack instead of shipped."""
+    base = _model(family, attn)
+    model = clone_model(base)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (base, model)]
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    layers = 2
+    for step in range(3):
+        for m, opt in zip((base, model), opts):
+            opt.zero_grad(set_to_none=True)
+            if m is base:
+                m(input_ids=ids, labels=ids).loss.backward()
+                continue
+            with spillover.offload_context("host", **_where(where)) as ctx:
+                m(input_ids=ids, labels=ids).loss.backward()
+            s = ctx.stats()
+        assert_bitwise(grads(base), grads(model))
+        for opt in opts:
+            opt.step()
+        # Llama: per RMSNorm its two products (x * rsqrt(var), fp32 here, and weight * that),
+        # two norms a layer and the final one, and the MLP's SiLU and product; NeoX: a GELU a
+        # layer (LayerNorm is not made again)
+        expected = 6 * layers + 2 if family == "llama" else layers
+        assert s.tensors_rederived == expected, (step, s)
+        assert s.rederive_runs >= expected
+        assert s.bytes_rederived >= expected * BATCH * SEQ * 512 * 4
+    assert_bitwise(list(base.parameters()), list(model.parameters()))
+
+
+def test_what_is_made_again_is_not_shipped():
+    """The same step with ``rederive=False`` ships what the default made again: the offloaded
+    bytes differ by exactly the bytes made again, and the report says where they went."""
+    model = _model("llama", "sdpa")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    seen = {}
+    for rederive in (True, False):
+        model.zero_grad(set_to_none=True)
+        with spillover.offload_context("host", host_pool_bytes="128MiB",
+                                       rederive=rederive) as ctx:
+            model(input_ids=ids, labels=ids).loss.backward()
+        seen[rederive] = ctx.stats()
+        report = ctx.report()
+        assert ("made again at unpack" in report) == rederive, report
+    on, off = seen[True], seen[False]
+    assert off.tensors_rederived == 0
+    assert on.bytes_rederived > 0
+    assert on.bytes_offloaded + on.bytes_rederived == off.bytes_offloaded
+    assert on.tensors_packed == off.tensors_packed
+
+
+def _silu_mlp(g, u, w):
+    return (F.silu(g) * u) @ w
+
+
+def _leaves():
+    torch.manual_seed(0)
+    return [torch.randn(256, 1024, requires_grad=True) for _ in range(2)] + [
+        torch.randn(1024, 64, requires_grad=True)]
+
+
+@pytest.mark.parametrize("written", ["output", "input"])
+def test_written_in_place_after_the_save_raises_autograds_error(written):
+    """A tensor written in place after autograd saved it raises autograd's error at backward,
+    whether it is the tensor made again or an input it is made from: never gradients from
+    bytes that are not the ones saved."""
+    g, u, w = _leaves()
+    with spillover.offload_context("host", host_pool_bytes="64MiB") as ctx:
+        a = F.silu(g * 1.0)
+        y = a * u  # saved by the matmul: made again from a and u
+        out = y @ w
+        (y if written == "output" else a).mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    assert ctx.stats().tensors_rederived >= 1
+
+
+def test_a_second_backward_makes_them_again():
+    """``retain_graph=True``: the second backward makes the tensors again and gets the same
+    gradients as without spillover."""
+    g, u, w = _leaves()
+    _silu_mlp(g, u, w).sum().backward(retain_graph=False)
+    ref = [t.grad.clone() * 2 for t in (g, u, w)]
+    for t in (g, u, w):
+        t.grad = None
+    with spillover.offload_context("host", host_pool_bytes="64MiB") as ctx:
+        out = _silu_mlp(g, u, w).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+    s = ctx.stats()
+    assert s.tensors_rederived == 2 and s.rederive_runs >= 4
+    assert_bitwise(ref, [t.grad for t in (g, u, w)])
+
+
+def test_not_made_again_where_an_input_needs_no_gradient():
+    """A product whose factor needs no gradient (a dropout mask, a rotary table) does not save
+    that factor's partner: it is shipped as before."""
+    g, u, w = _leaves()
+    mask = torch.rand(256, 1024) > 0.5
+    with spillover.offload_context("host", host_pool_bytes="64MiB") as ctx:
+        y = (g * 1.0) * mask
+        (y @ w).sum().backward()
+    s = ctx.stats()
+    assert s.tensors_rederived == 0 and s.tensors_offloaded >= 1
