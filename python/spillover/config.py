@@ -320,3 +320,17 @@ class Config:
             f"SPILLOVER_{f.upper()}": (f, getattr(self, f), self.sources.get(f, "default"), h)
             for f, (_p, _d, h) in _FIELDS.items()
         }
+
+
+_REDERIVE: Dict[Optional[str], bool] = {}
+
+
+def rederive_enabled() -> bool:
+    """``SPILLOVER_REDERIVE`` where no context says (the planner, and regions run without an
+    offload context: Note [made again at unpack] in activations/rederive.py), parsed once per
+    value."""
+    raw = os.environ.get("SPILLOVER_REDERIVE")
+    hit = _REDERIVE.get(raw)
+    if hit is None:
+        hit = _REDERIVE[raw] = True if raw is None else _bool(raw, "SPILLOVER_REDERIVE")
+    return hit

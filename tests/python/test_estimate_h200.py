@@ -94,7 +94,9 @@ def test_h200_auto_at_full_budget_checkpoints(est):
     # settled on the shipping plan at 1.02x full's time (the context's 16 input packs and
     # staging), and before Note [a replay's host time is the region's] (planner/machine.py)
     # on one that offloaded the rotary outputs to skip ops whose dispatch the replay pays.
-    assert au.plan.variant == "checkpoint, all kept" and au.plan.keep_all, au.note
+    # (Note [a plain tail makes its cheap saves again] in planner/search.py may add a last
+    # layer run plainly with its cheap saves made again, where its peak measured within)
+    assert au.plan.variant.startswith("checkpoint, all kept") and au.plan.keep_all, au.note
     assert "kept" in au.planner.peak_offsets
     assert au.step_seconds <= full.step_seconds, (au.step_seconds, au.note)
 
@@ -105,16 +107,20 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     the hooks' dispatch priced it checkpoints fewer layers, and it keeps the tail (Note [the
     tail stays] in planner/search.py): under 1.28x none's predicted time (1.45x before the
     hooks were priced, 1.32x before the tail stayed; 1.24x since a replay's kept ops pay
-    their dispatch, Note [a replay's host time is the region's] in planner/machine.py; the
-    issue's goal, 1.01x, is not met: every checkpointed layer adds its hooks' dispatch to a
-    host-bound forward and its replay's to backward), and faster than the fixed modes that
-    fit (full and selective)."""
+    their dispatch, Note [a replay's host time is the region's] in planner/machine.py; 1.13x
+    since a plain tail makes its cheap saves again at unpack, Note [a plain tail makes its
+    cheap saves again] in planner/search.py: 11 layers plain instead of 8, and 1.16x with 10
+    in some runs, a run-to-run variation of the estimate not traced yet; the issue's goal,
+    1.01x, is not met: every checkpointed layer adds its hooks' dispatch to a host-bound
+    forward and its replay's to backward), and faster than the fixed modes that fit (full and
+    selective)."""
     none = est["none"]
     peak = int(0.7 * none.device_peak_bytes)
     budget = peak - none.trace.base
     au = _estimate(["auto"], budget=budget)["auto"]
     assert au.device_peak_bytes <= peak, au.note
-    assert au.step_seconds <= 1.28 * none.step_seconds, (au.step_seconds, au.note)
+    assert au.step_seconds <= 1.2 * none.step_seconds, (au.step_seconds, au.note)
+    assert "made again" in au.note, au.note
     # never slower than the fastest fixed mode that fits (issue 40): full and selective do
     fixed = _estimate(["full", "selective"], pool=None)
     # Note [a replay's host time is the region's]: selective's replay dispatches every op

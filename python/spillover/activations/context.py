@@ -322,6 +322,13 @@ class OffloadContext(Hooks, Guardrails):
         saved tensors themselves. Counted in the step active on this thread, else the latest."""
         return self._pack(tensor, offload=False)
 
+    def remade_or_kept(self, tensor: torch.Tensor) -> Any:
+        """As :meth:`kept`, except for a tensor this context would make again at unpack (Note
+        [made again at unpack] in rederive.py): its handle for :meth:`unpack`, holding nothing.
+        The pack hook of a region ``policy="auto"`` runs plainly with its cheap saves made
+        again (Note [a plain tail makes its cheap saves again] in planner/search.py)."""
+        return self._pack(tensor, offload=False, remake=True)
+
     def keep_rest(self, on: bool = True) -> None:
         """Keep on the device, counted as kept by a policy, every tensor saved from now until
         this step's backward starts (or until ``keep_rest(False)``): what a model saves after

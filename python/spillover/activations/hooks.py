@@ -140,7 +140,7 @@ class Hooks(Unpack):
         return cached
 
     @torch._dynamo.disable  # type: ignore[misc]
-    def _pack(self, t: torch.Tensor, offload: bool = True) -> Any:
+    def _pack(self, t: torch.Tensor, offload: bool = True, remake: bool = False) -> Any:
         rec = self._current()
         stats = rec.stats
         device = t.device
@@ -157,6 +157,12 @@ class Hooks(Unpack):
         nbytes = storage.nbytes()
         key = (kind, device.index or 0, storage.data_ptr())
         why = self._kept_why(rec, t, storage, nbytes, key, offload)
+        if (remake and why == "bytes_kept_policy" and nbytes >= REDERIVE_MIN_BYTES
+                and self.config.rederive):
+            made = self._rederive(rec, t, key, nbytes)  # Note [made again at unpack]
+            if made is not None:
+                rec.kept.pop(key, None)  # not held after all
+                return made
         if why is not None:
             if type(why) is Packed:  # a view of a storage this step offloaded already
                 stats.add(tensors_packed=1, bytes_packed=nbytes, storages_deduplicated=1,

@@ -45,6 +45,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..config import rederive_enabled
+
 __all__ = ["REDERIVE_MIN_BYTES", "Rederived", "Remade", "recipe", "rederivable"]
 
 #: Note [made again at unpack]: smaller saved tensors are shipped (or kept) as before
@@ -74,6 +76,10 @@ _OPS: Dict[str, Callable[[Any], torch.Tensor]] = {
     "MulBackward0": lambda node: _aten.mul.Tensor(node._saved_self, node._saved_other),
     "GeluBackward0": _gelu,
 }
+
+#: the ops of ``_OPS``, as a region's record sees them (Note [made again at unpack]: a region
+#: run plainly need not hold their saved outputs, where every input needs a gradient)
+FUNCS = frozenset({_aten.silu.default, _aten.mul.Tensor, _aten.gelu.default})
 
 #: node type -> its entry of ``_OPS`` (None: not one of them), filled as types are seen
 _BY_TYPE: Dict[type, Optional[Callable[[Any], torch.Tensor]]] = {}
@@ -108,6 +114,17 @@ def recipe(t: torch.Tensor) -> Optional[Tuple[Any, Callable[[Any], torch.Tensor]
 def rederivable(t: torch.Tensor) -> bool:
     """Whether a context would make ``t`` again at unpack rather than ship it (its size
     aside)."""
+    return recipe(t) is not None
+
+
+def worth(t: torch.Tensor) -> bool:
+    """Whether ``t`` is made again at unpack, its size included (a region's record: Note [made
+    again at unpack])."""
+    try:
+        if t.untyped_storage().nbytes() < REDERIVE_MIN_BYTES:
+            return False
+    except (RuntimeError, NotImplementedError):  # storage-less subclasses
+        return False
     return recipe(t) is not None
 
 
@@ -190,3 +207,42 @@ def find(table: Dict[Any, Any], key: Any, node: Any) -> Optional[Rederived]:
 
 def remember(table: Dict[Any, Any], key: Any, h: Rederived) -> None:
     table[key] = weakref.ref(h)
+
+
+# ---- without a context: Note [a plain tail makes its cheap saves again] (planner/search.py) ----
+
+_TABLE = threading.local()
+
+
+def pack(t: torch.Tensor) -> Any:
+    """A saved-tensor pack hook for a region ``policy="auto"`` runs plainly with no offload
+    context: the tensor itself, or the handle that makes it again at unpack (with
+    ``SPILLOVER_REDERIVE=0``, always the tensor)."""
+    if not rederive_enabled():
+        return t
+    try:
+        key = (t.device, t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return t
+    if not worth(t):
+        return t
+    found = recipe(t)
+    if found is None:  # pragma: no cover -- worth() checked it
+        return t
+    node, make, base = found
+    table = _table()  # the saves of one storage share its handle while it lives
+    h = table.get(key)
+    if h is None or h.node is not node:
+        h = table[key] = Rederived(node, make, base, None, t.untyped_storage().nbytes())
+    return Remade(h, t)
+
+
+def unpack(x: Any) -> Any:
+    return x.get() if type(x) is Remade else x
+
+
+def _table() -> Any:
+    table = getattr(_TABLE, "table", None)
+    if table is None:
+        table = _TABLE.table = weakref.WeakValueDictionary()
+    return table

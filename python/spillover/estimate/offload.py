@@ -291,6 +291,15 @@ class SimContext(DriveModel):
         self._kept_keys.add(_key(t))
         return t
 
+    def remade_or_kept(self, t: torch.Tensor) -> Any:
+        """``OffloadContext.remade_or_kept``."""
+        if (self.rederive and isinstance(t, torch.Tensor) and t.layout == torch.strided
+                and t.untyped_storage().nbytes() >= REDERIVE_MIN_BYTES):
+            made = self._remade(t, t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+            if made is not None:
+                return made
+        return self.kept(t)
+
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         self._kept_keys.add(_key(t))
         return t
@@ -319,15 +328,9 @@ class SimContext(DriveModel):
             self._kept_keys.add(k)
             return t
         if self.rederive and nbytes >= REDERIVE_MIN_BYTES:
-            found = recipe(t)
-            if found is not None:  # Note [made again at unpack]: nothing crosses the link
-                node, make, base = found
-                h = rederive.find(self._rederived, k, node)
-                if h is None:
-                    h = Rederived(node, make, base, None, nbytes)
-                    rederive.remember(self._rederived, k, h)
-                    self.figures.bytes_rederived += nbytes
-                return Remade(h, t)
+            made = self._remade(t, k, nbytes)  # Note [made again at unpack]: no copy
+            if made is not None:
+                return made
         entry = self._new_entry(t, nbytes)
         if entry is None:
             self.figures.bytes_kept += nbytes
@@ -335,6 +338,18 @@ class SimContext(DriveModel):
         self._dedup[k] = (weakref.ref(st), entry)
         entry.views = 1
         return _Handle(entry, t)
+
+    def _remade(self, t: torch.Tensor, k: int, nbytes: int) -> Optional[Remade]:
+        found = recipe(t)
+        if found is None:
+            return None
+        node, make, base = found
+        h = rederive.find(self._rederived, k, node)
+        if h is None:
+            h = Rederived(node, make, base, None, nbytes)
+            rederive.remember(self._rederived, k, h)
+            self.figures.bytes_rederived += nbytes
+        return Remade(h, t)
 
     def _new_entry(self, t: torch.Tensor, nbytes: int) -> Optional[_Entry]:
         now = self.tracker.clock

@@ -211,6 +211,9 @@ class Costs:
         # (longer) backward; the last region's is never hidden (backward needs it first).
         self.hide_seconds = sum(self.fwd[: self.last])
         self.per_byte_cpu = 1.0 / machine.link_bytes_per_s if device_is_host else 0.0
+        #: regions of the plain tail that make their cheap saves again at unpack (Note [a
+        #: plain tail makes its cheap saves again] in search.py)
+        self.remade: set = set()
         self.keep_tail = False  # Note [the tail stays] in search.py
         self.keep_all = False  # Note [everything kept] in search.py
         #: Note [a kept backward frees as it goes] in search.py: the backward term counts each

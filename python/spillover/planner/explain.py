@@ -70,8 +70,9 @@ def explain_records(
         for o in r.ops:
             if o.bytes == 0 and o.forced == "view":
                 continue  # views hold nothing and cost nothing
-            if r.mode == "plain-keep":
-                decision = "keep" if o.needed else "not held"
+            if r.mode == "plain-keep":  # (Note [a plain tail makes its cheap saves again])
+                decision = ("made again" if o.action == "recompute" else "keep") \
+                    if o.needed else "not held"
             elif r.mode == "plain-offload":
                 decision = (f"offload-{o.tier or 'host'}" if o.needed and o.bytes
                             else "not held")

@@ -114,6 +114,9 @@ class OpRecord:
     #: always saved ("effect"); None when the policy or planner decides.
     forced: Optional[str] = None
     needed: bool = False  # autograd saved (a view of) its output
+    #: ... and can make it again at unpack from what the op saved (Note [made again at
+    #: unpack] in activations/rederive.py): a region run plainly need not hold it
+    rederived: bool = False
     #: never rerun: recomputation stops before it, or only saved ops read its output
     after_stop: bool = False
     #: ops of the region that read its output, views seen through (for Note [outputs only
@@ -147,6 +150,12 @@ class RegionRecord:
     #: Note [measured compute]: the forward's wall-clock seconds, where they are its compute's
     #: (a recording run on real CPU tensors); 0 where not measured
     forward_seconds: float = 0.0
+
+    @property
+    def rederived_bytes(self) -> int:
+        """What of ``needed_bytes`` can be made again at unpack (Note [made again at
+        unpack])."""
+        return sum(o.bytes for o in self.ops if o.needed and o.rederived)
 
     @property
     def held_bytes(self) -> int:
@@ -183,6 +192,8 @@ def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
         "pool_bytes": ctx.pool_limit,
         "nvme": ctx.nvme,
         "sim": _sim_link(ctx),
+        # Note [made again at unpack] in activations/rederive.py
+        "rederive": bool(getattr(getattr(ctx, "config", ctx), "rederive", True)),
     }
 
 

@@ -65,6 +65,20 @@ Note [everything kept]
     the settling kept the shipping one, whose peak then moved 7 % over with its copies'
     timing.
 
+Note [a plain tail makes its cheap saves again]
+    A region run plainly holds everything autograd saves in it, also what a cheap op made from
+    tensors autograd holds anyway (Note [made again at unpack] in activations/rederive.py: a
+    Llama block's SiLU output and product, its norms' outputs; ``OpRecord.rederived``). The
+    regions run plainly at the end are also tried with those made again at unpack (", made
+    again"): their bytes are not held, and each such op costs its recomputation. On the H200
+    probe's 1B Llama that is 120 of the 440 MiB a layer holds, for four elementwise kernels,
+    where checkpointing a layer frees 424 MiB for a replay of all its ops: on its estimate at
+    0.7x no checkpointing's peak auto runs 10-11 layers plainly instead of 8, at 1.13-1.16x
+    none's time instead of 1.24x. A region's record marks such ops (``OpRecord.rederived``:
+    SiLU, GELU, a product whose inputs all need gradients, of at least ``REDERIVE_MIN_BYTES``),
+    and the context decides at pack, from the autograd node. Only where the context makes them
+    again (``rederive``, on by default), or with no context (``SPILLOVER_REDERIVE``).
+
 Note [a kept backward frees as it goes]
     The other families' model holds everything a plan keeps until the largest region is
     rebuilt. A kept plan's bytes do not wait that long: backward runs the regions last to
@@ -93,7 +107,7 @@ import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..config import format_size
+from ..config import format_size, rederive_enabled
 from .cost import Costs
 from .machine import Machine
 from .records import RegionRecord, host_is_device
@@ -110,6 +124,9 @@ class RegionPlan:
     #: the recorded run it was planned from (its ops' names, readers and forced reasons):
     #: Note [a forward that follows its record] in recompute/follow.py
     record: Optional[RegionRecord] = dataclasses.field(default=None, compare=False, repr=False)
+    #: Note [a plain tail makes its cheap saves again]: a "plain-keep" region whose saves that
+    #: can be made again at unpack are not held
+    remake: bool = False
 
     @functools.cached_property
     def recomputes_all(self) -> bool:
@@ -260,10 +277,16 @@ def make_plan(
     tails: Tuple[bool, ...] = (False,)
     if tail_bytes and ctx is not None and not device_is_host:
         tails = (False, True) if keep_tail is None else (keep_tail,)
-    for k in range(n):
-        plain_tail = sum(r.input_bytes + r.needed_bytes for r in regions[n - k:])
+    # Note [a plain tail makes its cheap saves again]: each tail also with them made again
+    remakes = (False, True) if (any(r.rederived_bytes for r in regions)
+                                and (ctx.get("rederive", True) if ctx is not None
+                                     else rederive_enabled())) else (False,)
+    for k, remake in ((j, rm) for j in range(n) for rm in (remakes if j else (False,))):
+        plain_tail = sum(r.input_bytes + r.needed_bytes - (r.rederived_bytes if remake else 0)
+                         for r in regions[n - k:])
         if k and plain_tail + off("checkpoint") > budget:
-            break
+            continue
+        tail_name = (f", last {k} plain" + (", made again" if remake else "")) if k else ""
         head = regions[: n - k]
         tail_grad = grad_of(regions[n - k:])
         tried = [("checkpoint", False)] if "checkpoint" in kinds else []
@@ -289,10 +312,10 @@ def make_plan(
                 g.staged, g.budget, g.start_grad = True, budget - off(kind), tail_bytes
                 g.pre_held = held + max(tail_grad, tail_bytes)
             g.run()
-            g.add_plain_tail(regions[n - k:], held, tail_grad)
+            g.add_plain_tail(regions[n - k:], held, tail_grad, remake=remake)
             if kind == KEPT:
                 g.keep_tail = g.keep_all = True
-                g.kind = kind + (f", last {k} plain" if k else "")
+                g.kind = kind + tail_name
                 variants.append(g)
                 continue
             if tails != (False,) and not keep:
@@ -303,7 +326,7 @@ def make_plan(
                 g.transfer += machine.host_seconds_per_offload * sum(
                     1 for r in head if r.input_bytes)
             g.keep_tail = keep
-            g.kind = kind + (f", last {k} plain" if k else "") + (", tail kept" if keep else "")
+            g.kind = kind + tail_name + (", tail kept" if keep else "")
             variants.append(g)
     if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
         return make_plan(regions, machine, budget, outside_bytes, peak_offset,
@@ -341,8 +364,8 @@ def make_plan(
                      "host's memory and counts in full: a smaller pool leaves the step more")
     plans = [
         RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops},
-                   record=r)
-        for r in regions
+                   record=r, remake=ri in best.remade)
+        for ri, r in enumerate(regions)
     ]
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
                 bool(fitting), note, model_peak=best.peak,

@@ -404,14 +404,16 @@ class Planner(Trials, Metering):
 
     def _start_peak(self, device: str, ctx: Any) -> None:
         """Measure this step's peak if it learns or tunes the plan (on the simulated device,
-        and on a CPU host whose context ships nothing, its live tensor storages: Notes [the
+        and on a CPU host with no context or one that ships nothing, its live tensor storages:
+        Notes [the
         simulated device is a device] in records.py, [a CPU step's peak is its storages'] in
         metering.py). A meter given to the planner (the estimate's trace) is kept."""
         if not self.measure_peak or self._metering or self.phase is Phase.SETTLED:
             return
         from .._peak import PeakMeter, StorageMeter
 
-        storages = device == "cpu" and (_sim_link(ctx) is not None or keeps_on_host(ctx, device))
+        storages = device == "cpu" and (ctx is None or _sim_link(ctx) is not None
+                                        or keeps_on_host(ctx, device))
         what = "storages" if storages else device
         if self._meter is None or (isinstance(self._meter, (PeakMeter, StorageMeter))
                                    and self._meter.device != what):

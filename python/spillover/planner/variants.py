@@ -114,13 +114,24 @@ class Greedy(Costs):
             self._take_offload(it, cost, f"saving it spares rerunning {len(gained)} ops "
                                f"before it ({ms(saved_s)} > {ms(cost)})")
 
-    def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int, grad: int = 0) -> None:
+    def add_plain_tail(self, tail: List[RegionRecord], tail_bytes: int, grad: int = 0,
+                       remake: bool = False) -> None:
         """Append regions that run plainly and keep everything (after planning the rest);
-        ``grad``: what their backward adds (Note [plain backward])."""
+        ``grad``: what their backward adds (Note [plain backward]); ``remake``: but what can be
+        made again at unpack (Note [a plain tail makes its cheap saves again] in search.py),
+        whose ops' time is charged."""
         base = len(self.modes)
         for i, r in enumerate(tail):
             self.modes.append("plain-keep")
+            if remake:
+                self.remade.add(base + i)
             for o in r.ops:
+                if remake and o.needed and o.rederived:
+                    self.ops[(base + i, o.index)] = (
+                        "recompute", "", "region runs plainly: made again at unpack from what "
+                        "its op saved")
+                    self.recompute += self.machine.rerun_seconds(o)
+                    continue
                 self.ops[(base + i, o.index)] = (
                     "keep", "", "region runs plainly: backward needs it first and it fits")
         self.tail_bytes += tail_bytes

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import planner as _planner
 from ..activations import current_context
+from ..activations import rederive as _rederive
 from ..config import format_size
 from ..planner import Explanation, Machine, Planner, RegionRecord, output_tensors
 from . import follow as _follow
@@ -48,7 +49,14 @@ class _Auto(RegionPolicy):
             # Notes [everything kept] in planner/search.py, [a CPU host ships nothing] in
             # planner/records.py
             ctx.keep_rest()
-        if rplan is not None and rplan.mode == "plain-keep":
+        if rplan is not None and rplan.mode == "plain-keep" and rplan.remake:
+            # Note [a plain tail makes its cheap saves again] in planner/search.py: kept, but
+            # what can be made again at unpack
+            hooks = ((ctx.remade_or_kept, ctx.unpack) if ctx is not None
+                     else (_rederive.pack, _rederive.unpack))
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                out = fn(*args, **kwargs)
+        elif rplan is not None and rplan.mode == "plain-keep":
             if ctx is not None:  # keep everything: the context counts them, offloads none
                 with torch.autograd.graph.saved_tensors_hooks(ctx.kept, _identity):
                     out = fn(*args, **kwargs)

@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import planner as _planner
+from ..activations import rederive as _rederive
 from ..planner import OpRecord, RegionRecord, op_flops, output_tensors
 from .ops import (
     _INFO,
@@ -156,6 +157,9 @@ class _SaveMode(TorchDispatchMode):
         # its storage is freed, and a save or an in-place write refers to the live one.
         self.producer: Dict[Tuple[Any, int], int] = {}
         self.needed_ops: set = set()  # ops whose output (or a view of it) autograd saved
+        #: ... of those, ops whose saved output can be made again at unpack (Note [made again
+        #: at unpack] in activations/rederive.py)
+        self.rederived_ops: set = set()
         # Note [outputs only saved ops read]: which ops read each op's output (through views
         # too: a view has its base's storage), and the recomputed ops that could be skipped.
         self.consumers: Dict[int, set] = collections.defaultdict(set)
@@ -259,6 +263,9 @@ class _SaveMode(TorchDispatchMode):
                 for k in seen:
                     producer[k] = n
         rec = self._record(n, func, info, args, kwargs, out, outs, why, nbytes)
+        if (func in _rederive.FUNCS and nbytes >= _rederive.REDERIVE_MIN_BYTES
+                and all(a.requires_grad for a in info.tensors(args, kwargs))):
+            self.rederived_ops.add(n)  # Note [made again at unpack], if autograd saves it
         if why == "view":
             self.view_ops.add(n)
             action = "recompute"
@@ -357,6 +364,7 @@ class _SaveMode(TorchDispatchMode):
                 op.action = "recompute"
             if op.index in self.needed_ops:
                 op.needed = True
+                op.rederived = op.index in self.rederived_ops
                 needed += op.bytes
         rec.needed_bytes = needed
         self._close()
