@@ -33,7 +33,11 @@ Note [a stale profiler]
     ``spillover.empty_cache()`` first stop every other meter's profiler (:func:`stop_stale`).
     A profiler still running when the interpreter exits crashed it (a segmentation fault after
     torch's "Requested callback is not found", the exit status 139: the whole test suite's,
-    once CPU runs without a context were metered this way), so one more stop runs at exit.
+    once CPU runs without a context were metered this way), so one more stop runs at exit. The
+    meters were held weakly: a planner dropped with its meter running (a test's model) left a
+    profiler no one could stop, recording every later test's allocations (one allocator-
+    dependent test failed under it) until the exit crashed. Now the running meters are held,
+    and a planner's meter is stopped when the planner goes (:func:`release`).
 """
 
 from __future__ import annotations
@@ -42,8 +46,7 @@ import atexit
 import os
 import time
 import warnings
-import weakref
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -128,8 +131,17 @@ def peak_of(events: Iterable[Tuple[int, int]]) -> int:
     return peak
 
 
-#: Note [a stale profiler]: the storage meters whose profiler runs now
-_RUNNING: weakref.WeakSet[StorageMeter] = weakref.WeakSet()
+#: Note [a stale profiler]: the storage meters whose profiler runs now (held: a meter whose
+#: owner is gone still has its profiler stopped)
+_RUNNING: Set[StorageMeter] = set()
+
+
+def release(meter: Any) -> None:
+    """Note [a stale profiler]: ``meter``'s owner is gone; stop its profiler now, outside
+    backward (inside, the next :func:`stop_stale` or the interpreter's exit does)."""
+    if getattr(meter, "_prof", None) is not None \
+            and torch._C._current_autograd_node() is None:
+        meter._stop()
 
 
 def stop_stale(keep: Optional[StorageMeter] = None) -> None:

@@ -323,6 +323,26 @@ def test_a_planners_meter_left_running_is_stopped(small_first_pool):
     assert not _is_profiler_enabled() and not list(_peak._RUNNING)
 
 
+def test_a_dropped_planners_meter_is_stopped():
+    """Note [a stale profiler]: auto without a context on a CPU host meters its tuning steps
+    by torch's profiler; a model dropped after such a step (a test's, an evaluation's) left a
+    profiler no one could stop, recording every later allocation, until the exit crashed."""
+    from spillover import _peak
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, d_model=64, n_heads=4, n_layers=2, seq=64)
+    base, batch = GPT(cfg), synthetic_batch(cfg, batch=2)
+    planner = spillover.Planner(budget_bytes=1 << 30, seed_from_trace=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = spillover.wrap(copy.deepcopy(base), policy=planner)
+    gpt_step(model, batch)
+    assert torch._C._autograd._profiler_enabled() and list(_peak._RUNNING)
+    del model, planner
+    gc.collect()
+    assert not torch._C._autograd._profiler_enabled() and not list(_peak._RUNNING)
+
+
 def test_a_process_exits_cleanly_with_a_meter_running():
     """Note [a stale profiler]: a planner's last metered step with nothing after it, then the
     interpreter's exit: a profiler still running there crashed it (status 139, after torch's

@@ -31,10 +31,12 @@ Note [made again at unpack]
     a second backward (``retain_graph=True``) makes it again.
 
     Only tensors the context would ship are made again: kept ones (small, parameters, marked,
-    kept by a policy or the planner) stay as they are, and a tensor smaller than
-    ``REDERIVE_MIN_BYTES`` is not worth an autograd node's Python object per pack (Note
-    [survivors of a pack] in hooks.py). ``rederive=False`` (``SPILLOVER_REDERIVE=0``) ships
-    them all.
+    kept by a policy or the planner) stay as they are, except in the regions ``policy="auto"``
+    runs plainly with their cheap saves made again (``OffloadContext.remade_or_kept``, or
+    :func:`pack` without a context: Note [a plain tail makes its cheap saves again] in
+    planner/search.py). A tensor smaller than ``REDERIVE_MIN_BYTES`` is not worth an autograd
+    node's Python object per pack (Note [survivors of a pack] in hooks.py).
+    ``rederive=False`` (``SPILLOVER_REDERIVE=0``) ships them all.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ import torch
 
 from ..config import rederive_enabled
 
-__all__ = ["REDERIVE_MIN_BYTES", "Rederived", "Remade", "recipe", "rederivable"]
+__all__ = ["FUNCS", "REDERIVE_MIN_BYTES", "Rederived", "Remade", "pack", "recipe", "unpack",
+           "worth"]
 
 #: Note [made again at unpack]: smaller saved tensors are shipped (or kept) as before
 REDERIVE_MIN_BYTES = 1 << 20
@@ -109,12 +112,6 @@ def recipe(t: torch.Tensor) -> Optional[Tuple[Any, Callable[[Any], torch.Tensor]
     if not all(fn is not None for fn, _ in node.next_functions):
         return None
     return node, make, base
-
-
-def rederivable(t: torch.Tensor) -> bool:
-    """Whether a context would make ``t`` again at unpack rather than ship it (its size
-    aside)."""
-    return recipe(t) is not None
 
 
 def worth(t: torch.Tensor) -> bool:

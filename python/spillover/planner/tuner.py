@@ -410,6 +410,7 @@ class Planner(Trials, Metering):
         metering.py). A meter given to the planner (the estimate's trace) is kept."""
         if not self.measure_peak or self._metering or self.phase is Phase.SETTLED:
             return
+        from .. import _peak
         from .._peak import PeakMeter, StorageMeter
 
         storages = device == "cpu" and (ctx is None or _sim_link(ctx) is not None
@@ -418,6 +419,8 @@ class Planner(Trials, Metering):
         if self._meter is None or (isinstance(self._meter, (PeakMeter, StorageMeter))
                                    and self._meter.device != what):
             self._meter = StorageMeter() if what == "storages" else PeakMeter(device)
+            if what == "storages":  # Note [a stale profiler] in _peak.py
+                weakref.finalize(self, _peak.release, self._meter)
         self._step_peak = None
         self._watch_pool(ctx)
         self._metering = self._meter.start()
