@@ -69,9 +69,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import PoolExhaustedError
-from . import rederive
 from .link import link_for
-from .rederive import REDERIVE_MIN_BYTES, Rederived, Remade, recipe
+from .rederive import REDERIVE_MIN_BYTES, Remade, remade
 from .registry import StepRecord, StorageWeakRef, capturing, is_param
 from .stored import Packed, Stored
 from .unpack import Unpack
@@ -216,20 +215,15 @@ class Hooks(Unpack):
                   nbytes: int) -> Optional[Remade]:
         """Note [made again at unpack] in rederive.py: the handle that makes ``t`` again at
         unpack, or None where it is to be shipped."""
-        found = recipe(t)
-        if found is None:
-            return None
-        node, make, base = found
-        h = rederive.find(rec.rederived, key, node)
-        if h is not None:  # another save of the same storage
-            rec.stats.add(tensors_packed=1, bytes_packed=nbytes, storages_deduplicated=1,
-                          bytes_deduplicated=nbytes)
-            return Remade(h, t)
-        h = Rederived(node, make, base, rec, nbytes)
-        rederive.remember(rec.rederived, key, h)
-        rec.stats.add(tensors_packed=1, bytes_packed=nbytes, tensors_rederived=1,
-                      bytes_rederived=nbytes)
-        return Remade(h, t)
+        made, first = remade(rec.rederived, key, t, rec, nbytes)
+        if made is not None:
+            if first:
+                rec.stats.add(tensors_packed=1, bytes_packed=nbytes, tensors_rederived=1,
+                              bytes_rederived=nbytes)
+            else:  # another save of the same storage
+                rec.stats.add(tensors_packed=1, bytes_packed=nbytes, storages_deduplicated=1,
+                              bytes_deduplicated=nbytes)
+        return made
 
     def _kept_why(self, rec: StepRecord, t: torch.Tensor, storage: Any, nbytes: int,
                   key: Tuple[str, int, int], offload: bool) -> Any:

@@ -49,8 +49,8 @@ import torch
 
 from ..config import rederive_enabled
 
-__all__ = ["FUNCS", "REDERIVE_MIN_BYTES", "Rederived", "Remade", "pack", "recipe", "unpack",
-           "worth"]
+__all__ = ["FUNCS", "REDERIVE_MIN_BYTES", "Rederived", "Remade", "pack", "recipe", "remade",
+           "unpack"]
 
 #: Note [made again at unpack]: smaller saved tensors are shipped (or kept) as before
 REDERIVE_MIN_BYTES = 1 << 20
@@ -112,17 +112,6 @@ def recipe(t: torch.Tensor) -> Optional[Tuple[Any, Callable[[Any], torch.Tensor]
     if not all(fn is not None for fn, _ in node.next_functions):
         return None
     return node, make, base
-
-
-def worth(t: torch.Tensor) -> bool:
-    """Whether ``t`` is made again at unpack, its size included (a region's record: Note [made
-    again at unpack])."""
-    try:
-        if t.untyped_storage().nbytes() < REDERIVE_MIN_BYTES:
-            return False
-    except (RuntimeError, NotImplementedError):  # storage-less subclasses
-        return False
-    return recipe(t) is not None
 
 
 class Rederived:
@@ -193,17 +182,20 @@ class Remade:
         return base.as_strided(self.size, self.stride, self.offset)
 
 
-def find(table: Dict[Any, Any], key: Any, node: Any) -> Optional[Rederived]:
-    """The handle this step made for the tensor at ``key``, if it is still that node's."""
-    ref = table.get(key)
-    h = ref() if ref is not None else None
+def remade(table: Any, key: Any, t: torch.Tensor, record: Any,
+           nbytes: int) -> Tuple[Optional[Remade], bool]:
+    """Note [made again at unpack]: the handle of ``t`` (None where it is not made again) and
+    whether it is its storage's first save; ``table`` (a ``WeakValueDictionary``: storage key
+    -> :class:`Rederived`) shares one storage's handle among its saves."""
+    found = recipe(t)
+    if found is None:
+        return None, False
+    node, make, base = found
+    h = table.get(key)
     if h is not None and h.node is node:
-        return h
-    return None
-
-
-def remember(table: Dict[Any, Any], key: Any, h: Rederived) -> None:
-    table[key] = weakref.ref(h)
+        return Remade(h, t), False
+    h = table[key] = Rederived(node, make, base, record, nbytes)
+    return Remade(h, t), True
 
 
 # ---- without a context: Note [a plain tail makes its cheap saves again] (planner/search.py) ----
@@ -218,20 +210,14 @@ def pack(t: torch.Tensor) -> Any:
     if not rederive_enabled():
         return t
     try:
-        key = (t.device, t.untyped_storage()._cdata)
+        st = t.untyped_storage()
+        key, nbytes = (t.device, st._cdata), st.nbytes()
     except (RuntimeError, NotImplementedError):
         return t
-    if not worth(t):
+    if nbytes < REDERIVE_MIN_BYTES:
         return t
-    found = recipe(t)
-    if found is None:  # pragma: no cover -- worth() checked it
-        return t
-    node, make, base = found
-    table = _table()  # the saves of one storage share its handle while it lives
-    h = table.get(key)
-    if h is None or h.node is not node:
-        h = table[key] = Rederived(node, make, base, None, t.untyped_storage().nbytes())
-    return Remade(h, t)
+    made, _ = remade(_table(), key, t, None, nbytes)  # one storage's saves share its handle
+    return t if made is None else made
 
 
 def unpack(x: Any) -> Any:

@@ -272,8 +272,8 @@ class StepRecord:
         self.stored = LiveRefs()  # live Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
         self.dedup: Dict[Tuple[str, int, int], Any] = {}  # -> weakref(Stored)
-        #: -> weakref(Rederived): Note [made again at unpack] in rederive.py
-        self.rederived: Dict[Tuple[str, int, int], Any] = {}
+        #: -> Rederived, while it lives: Note [made again at unpack] in rederive.py
+        self.rederived: Any = weakref.WeakValueDictionary()
         self.marked: set = set()
         self.kept: Dict[Tuple[str, int, int], Any] = {}  # Note [kept by a policy]: weak refs
         #: Note [parameters by identity]: storage (StorageImpl address) -> its weak reference,

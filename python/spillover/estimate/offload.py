@@ -55,8 +55,8 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from .. import _runtime
-from ..activations import rederive, registry
-from ..activations.rederive import REDERIVE_MIN_BYTES, Rederived, Remade, recipe
+from ..activations import registry
+from ..activations.rederive import REDERIVE_MIN_BYTES, Remade, making, remade
 from ..planner.cost import HIGH_WATER
 from .devices import Device
 from .drive import DriveModel, _blocks
@@ -162,7 +162,7 @@ class SimContext(DriveModel):
         self.min_offload_bytes = min_offload_bytes
         #: Note [made again at unpack] in activations/rederive.py: as the context's option
         self.rederive = rederive
-        self._rederived: Dict[int, Any] = {}  # storage key -> weakref(Rederived)
+        self._rederived: Any = weakref.WeakValueDictionary()  # storage key -> Rederived
         #: False: every step is the tier's first (no learned order), as a new context's is
         self.learns_order = learns_order
         self.figures = OffloadFigures()
@@ -340,16 +340,10 @@ class SimContext(DriveModel):
         return _Handle(entry, t)
 
     def _remade(self, t: torch.Tensor, k: int, nbytes: int) -> Optional[Remade]:
-        found = recipe(t)
-        if found is None:
-            return None
-        node, make, base = found
-        h = rederive.find(self._rederived, k, node)
-        if h is None:
-            h = Rederived(node, make, base, None, nbytes)
-            rederive.remember(self._rederived, k, h)
+        made, first = remade(self._rederived, k, t, None, nbytes)
+        if first:
             self.figures.bytes_rederived += nbytes
-        return Remade(h, t)
+        return made
 
     def _new_entry(self, t: torch.Tensor, nbytes: int) -> Optional[_Entry]:
         now = self.tracker.clock
@@ -437,7 +431,7 @@ class SimContext(DriveModel):
             base, e.held = e.held, None
         else:
             base = self._bring_back(e, h)
-            if rederive.making():
+            if making():
                 e.held = base
         self._stage_ahead(e)
         if e.unpacked >= e.views:  # views share one return (Note [views share one return])
