@@ -70,6 +70,10 @@ class OffloadStats:
     #: Unpacks served by the tensor itself, its device->host copy not done yet (Note [source
     #: returned] in context.py): no bytes came back over the link.
     unpacks_from_source: int = 0
+    #: Unpacks served by a copy back started ahead of them (Note [staging distance] in
+    #: activations/unpack.py; a plan's regions shipped whole, Note [regions shipped whole]
+    #: in planner/search.py).
+    unpacks_staged: int = 0
     #: Packs that made the compute stream wait for an older copy because the bytes of copies in
     #: flight passed SPILLOVER_COPY_INFLIGHT_BYTES (Note [back-pressure] in
     #: rust/link/mod.rs).
@@ -284,6 +288,7 @@ def format_report(s: OffloadStats, *, title: str, min_offload_bytes: int,
     lines.append(
         f"  unpacked: {s.tensors_unpacked} ({format_size(s.bytes_unpacked)}); "
         f"{s.unpacks_from_source} served by the tensor still on the device, "
+        f"{s.unpacks_staged} by a copy back started ahead, "
         f"{s.host_cache_hits} from the pool"
         + (f", {s.prefetch_hits} prefetch hits / {s.prefetch_misses} misses from disk "
            f"({_share(s.prefetch_hits, reads)})" if reads else "")

@@ -110,17 +110,19 @@ def test_h200_auto_at_0_7_of_none_fits_and_prices_its_hooks(est):
     their dispatch, Note [a replay's host time is the region's] in planner/machine.py; 1.13x
     since a plain tail makes its cheap saves again at unpack, Note [a plain tail makes its
     cheap saves again] in planner/search.py: 11 layers plain instead of 8, and 1.16x with 10
-    in some runs, a run-to-run variation of the estimate not traced yet; the issue's goal,
-    1.01x, is not met: every checkpointed layer adds its hooks' dispatch to a host-bound
-    forward and its replay's to backward), and faster than the fixed modes that fit (full and
-    selective)."""
+    in some runs; 1.11x since every fourth layer is shipped whole, Note [regions shipped whole]
+    there: 4 layers neither held nor recomputed, where shipping the first 4 stalled the link
+    to 1.15x; the issue's goal, 1.01x, is not met: every checkpointed layer adds its hooks'
+    dispatch to a host-bound forward and its replay's to backward, every layer made again
+    four kernels, every layer shipped 107 us of host time per tensor), and faster than the
+    fixed modes that fit (full and selective)."""
     none = est["none"]
     peak = int(0.7 * none.device_peak_bytes)
     budget = peak - none.trace.base
     au = _estimate(["auto"], budget=budget)["auto"]
     assert au.device_peak_bytes <= peak, au.note
-    assert au.step_seconds <= 1.2 * none.step_seconds, (au.step_seconds, au.note)
-    assert "made again" in au.note, au.note
+    assert au.step_seconds <= 1.14 * none.step_seconds, (au.step_seconds, au.note)
+    assert "made again" in au.note and "shipped whole" in au.note, au.note
     # never slower than the fastest fixed mode that fits (issue 40): full and selective do
     fixed = _estimate(["full", "selective"], pool=None)
     # Note [a replay's host time is the region's]: selective's replay dispatches every op

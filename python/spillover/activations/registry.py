@@ -263,6 +263,7 @@ class StepRecord:
                  "kept", "params", "param_numels", "modules", "active", "tr_base", "tr_end",
                  "devices", "others", "node", "compiled", "checked", "findings", "errors",
                  "pool_full", "packs", "pools_base", "pools_end", "keep_rest", "lock", "rederived",
+                 "low_unpacked",
                  "__weakref__")
 
     def __init__(self, index: int, tier: Any, others: int, tr_base: Dict[Any, Tuple]):
@@ -271,6 +272,8 @@ class StepRecord:
         self.stats = OffloadStats(steps=1)
         self.stored = LiveRefs()  # live Stored of this step
         self.by_seq: Dict[int, Any] = {}  # tier seq -> weakref(_Stored), for H2D staging
+        #: the lowest seq unpacked so far (None: none), where ``stage_next`` looks below
+        self.low_unpacked: Optional[int] = None
         self.dedup: Dict[Tuple[str, int, int], Any] = {}  # -> weakref(Stored)
         #: -> Rederived, while it lives: Note [made again at unpack] in rederive.py
         self.rederived: Any = weakref.WeakValueDictionary()

@@ -25,7 +25,7 @@ Note [staging distance]
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -53,6 +53,7 @@ class Unpack:
         _transfers: Dict[Any, Any]
         _in_backward: bool
         _bwd_records: Dict[int, StepRecord]
+        _last: Optional[StepRecord]
         _checks: Any
 
         @property
@@ -89,6 +90,8 @@ class Unpack:
                 "eagerly")
         rec = s.record
         rec.keep_rest = False  # backward started (Note [the tail stays], planner/search.py)
+        if rec.low_unpacked is None or s.seq < rec.low_unpacked:
+            rec.low_unpacked = s.seq
         node = self._note_backward(rec)
         if node is not None:
             self._note_node(rec, node, s)
@@ -167,6 +170,7 @@ class Unpack:
             staged, s.staged = s.staged, None
             if staged is not None and staged is not True:
                 s.entry.note_used()
+                stats.add(unpacks_staged=1)
                 raw = tr.use(staged)
             else:
                 raw = self._bring_back(tr, s, packed)
@@ -230,14 +234,42 @@ class Unpack:
         if tr.host_is_device or ref is None or ref() is not s:
             return  # nothing staged on a CPU host; an entry of a pool grown past: not ahead
         ahead_entries, ahead_bytes = self._staging_distance()
+        self._stage(tr, rec, s.device, rec.step.expected_after(s.seq, 4 * ahead_entries),
+                    ahead_entries, ahead_bytes, refill=True)
+
+    def stage_next(self, nbytes: int) -> None:
+        """Start the H2D copies of what backward is expected to unpack next, up to ``nbytes``
+        (Note [regions shipped whole] in planner/search.py: a region a plan shipped whole,
+        brought back while the backward of the regions after it runs); the entries below the
+        lowest this backward unpacked, next first."""
+        rec = self._last  # the latest step: the one whose backward runs
+        if rec is None:
+            return
+        low = rec.low_unpacked
+        last = max((q for q in list(rec.by_seq) if low is None or q < low), default=None)
+        ref = rec.by_seq.get(last) if last is not None else None
+        s = ref() if ref is not None else None
+        if s is None:
+            return
+        tr = self._transfer(s.device)
+        if tr.host_is_device:
+            return
+        seqs = [last] + list(rec.step.expected_after(last, len(rec.by_seq)))
+        self._stage(tr, rec, s.device, seqs, len(seqs), nbytes, refill=False)
+
+    def _stage(self, tr: Any, rec: StepRecord, device: Any, seqs: Any, ahead_entries: int,
+               ahead_bytes: int, refill: bool) -> None:
+        """Stage the entries ``seqs`` in order, up to ``ahead_entries`` and ``ahead_bytes``
+        (those staged already count), in one batch; ``refill``: only once half the distance
+        was used (Note [staging distance])."""
         staged, nbytes = 0, 0
         todo: List[Tuple[Stored, List[Tuple[Any, Any]]]] = []
-        for seq in rec.step.expected_after(s.seq, 4 * ahead_entries):
+        for seq in seqs:
             if staged >= ahead_entries or nbytes >= ahead_bytes:
                 break
             ref = rec.by_seq.get(seq)
             c = ref() if ref is not None else None
-            if c is None or c.device != s.device:
+            if c is None or c.device != device:
                 continue
             with c._lock:
                 if c.staged is not None:  # staged at an earlier unpack: within the distance
@@ -254,7 +286,7 @@ class Unpack:
             todo.append((c, list(zip(views, c.copies))))
             staged += 1
             nbytes += c.nbytes
-        if not todo or (staged - len(todo)) * 2 >= ahead_entries:
+        if not todo or (refill and (staged - len(todo)) * 2 >= ahead_entries):
             # Note [staging distance]: refill only once half the distance is used, in one
             # batch (one ordering of the H2D stream after the compute stream for all of it)
             for c, _ in todo:

@@ -304,6 +304,12 @@ class SimContext(DriveModel):
         self._kept_keys.add(_key(t))
         return t
 
+    @property
+    def copy_inflight_bytes(self) -> int:
+        """The sources in flight the device holds before it waits (Note [simulated
+        offload])."""
+        return int(self.device.copy_inflight_bytes)
+
     def keep_rest(self, on: bool = True) -> None:
         """``OffloadContext.keep_rest``: what is saved from now until backward stays."""
         self._keep_rest = on
@@ -515,6 +521,24 @@ class SimContext(DriveModel):
                 e.read_done = self._disk_free
                 self.figures.bytes_read += e.nbytes
             if not self.host_is_device and e.source is None and e.staged is None:
+                e.staged = torch.empty(e.nbytes, dtype=torch.uint8)
+                e.back = self._copy_back(e)
+
+    def stage_next(self, nbytes: int) -> None:
+        """``OffloadContext.stage_next``: the entries backward needs next (descending pack
+        order), staged onto the device now, up to ``nbytes`` (Note [regions shipped whole] in
+        planner/search.py)."""
+        if self.host_is_device:
+            return
+        left = nbytes
+        for seq in reversed(self._entries):
+            e = self._entries[seq]()
+            if e is None or e.unpacked:
+                continue
+            if e.nbytes > left:
+                break
+            left -= e.nbytes
+            if e.source is None and e.staged is None:
                 e.staged = torch.empty(e.nbytes, dtype=torch.uint8)
                 e.back = self._copy_back(e)
 

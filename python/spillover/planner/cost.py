@@ -157,6 +157,7 @@ class Costs:
         # device memory) the whole pool is charged.
         self.resident = self.pool if device_is_host or not self.nvme else int(
             self.pool * HIGH_WATER)
+        self.outside_bytes = outside_bytes
         self.fixed_in = outside_bytes + sum(r.input_bytes for r in regions)
         # Offloading op outputs frees device memory on a GPU, and on a CPU host only through
         # the NVMe tier.
@@ -224,6 +225,15 @@ class Costs:
         self._rebuilt: Optional[List[int]] = None
         #: ... and what backward adds at its start beside ``tail_grad`` (staged only)
         self.start_grad = 0
+        #: Note [regions shipped whole] in search.py: the most the forward holds while their
+        #: copies are in flight (0: none shipped; a forward term, which the measured offsets of
+        #: the backward's model do not correct), what backward holds while they come back (a
+        #: term of the peak), and region index -> bytes its backward's start brings back
+        self.floor = 0
+        self.ret_term = 0
+        self.returns: Dict[int, int] = {}
+        #: the plain tail's records (add_plain_tail), for ``floor``
+        self.tail_regions: List[RegionRecord] = []
 
     def unkeep(self, it: Item) -> None:
         """``it`` is no longer kept (recomputed or offloaded)."""
@@ -298,7 +308,7 @@ class Costs:
         region's transient or the plain tail's gradients), or, once the plain tail's backward
         freed it, what the rest holds + the largest region rebuilt."""
         start = max(self.tail_grad, self.start_grad)
-        return max(self.mem + start, self.mem - self.tail_bytes + self.bwd_now())
+        return max(self.mem + start, self.mem - self.tail_bytes + self.bwd_now(), self.ret_term)
 
     def rebuilt_bytes(self) -> int:
         """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds

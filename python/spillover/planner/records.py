@@ -194,7 +194,23 @@ def ctx_offload_info(ctx: Any) -> Optional[Dict[str, Any]]:
         "sim": _sim_link(ctx),
         # Note [made again at unpack] in activations/rederive.py
         "rederive": bool(getattr(getattr(ctx, "config", ctx), "rederive", True)),
+        # Note [regions shipped whole] in planner/search.py: the sources in flight it holds
+        "inflight_bytes": _inflight_cap(ctx),
     }
+
+
+def _inflight_cap(ctx: Any) -> int:
+    """The bytes of copies in flight the context's device link holds before the device waits
+    (Note [back-pressure] in rust/link/mod.rs)."""
+    cap = getattr(ctx, "copy_inflight_bytes", None)  # the estimate's simulated context
+    if cap is None:
+        cap = getattr(getattr(ctx, "config", None), "copy_inflight_bytes", None)
+    if cap is None:
+        from ..activations.link.common import default_cap_bytes
+
+        sim = _sim_link(ctx)
+        cap = default_cap_bytes(sim[0] if sim else None)
+    return int(cap)
 
 
 #: Note [the simulated device is a device]

@@ -79,6 +79,36 @@ Note [a plain tail makes its cheap saves again]
     and the context decides at pack, from the autograd node. Only where the context makes them
     again (``rederive``, on by default), or with no context (``SPILLOVER_REDERIVE``).
 
+Note [regions shipped whole]
+    On a device a region can also run plainly with the offload context taking everything it
+    saves ("plain-offload"): nothing rebuilt in backward, nothing held on the device, its
+    cheap saves made again at unpack (Note [made again at unpack]), for the host's time per
+    tensor and the link's bytes. All regions at once is link-bound (the probe's 1B Llama: 8.7
+    GB each way at 54 GB/s against a 33 ms forward), and so is a run of them: the device
+    holds the sources of copies in flight up to the link's cap (``copy_inflight_bytes``, 320
+    MB by default) and then waits for them (Note [back-pressure] in rust/link/mod.rs). On the
+    H200 estimate at 0.7x none's peak, its first 4 layers shipped whole (1.3 GB made in 8 ms)
+    stalled the forward 15 ms, and their copies back, staged 4 entries ahead of each unpack,
+    stalled the backward: the step ran 1.148x none, no faster than recomputing them.
+    So the checkpoint variants are also tried with sets of regions shipped whole, chosen by
+    the link's pace: for each count, the earliest regions such that what is still in flight
+    at each region's end (each region drains the link for its forward's seconds) stays
+    within the cap -- on the 1B Llama every fourth layer, up to 4. Their copies back start at
+    the backward of a later region (``Plan.returns``: the nearest whose backward, with those
+    between, outlasts the copies; a region's backward counted as ``BACKWARD_PER_FORWARD``
+    times its forward), which stages them ahead (``OffloadContext.stage_next``), so they wait
+    on the device no longer than the model says. The rest is planned as before around them,
+    the plain tail made of the regions left. Charged: the host's time per shipped tensor, the
+    remade ops, what the copies back cannot hide; held: the copies in flight beside what the
+    forward holds (``Costs.floor``, checked against the budget without the backward's
+    offset), and the returns beside what backward holds from where they start
+    (``Costs.ret_term``). Only where the bytes stay in RAM: a device's host tier, or tier
+    auto's growing pool (Note [RAM before the drive] in _growth.py). On the H200 estimate at
+    0.7x none's peak: 'checkpoint, shipped whole: 0 4 8 12, last 11 plain, made again, tail
+    kept', 1.11x none's time within the budget, where the best plan without it ran 1.13-1.16x.
+    At full checkpointing's peak none fits: the gradients of every weight are alive at the
+    end of backward, where the returns would land.
+
 Note [a kept backward frees as it goes]
     The other families' model holds everything a plan keeps until the largest region is
     rebuilt. A kept plan's bytes do not wait that long: backward runs the regions last to
@@ -107,6 +137,7 @@ import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..activations.link.common import default_cap_bytes
 from ..config import format_size, rederive_enabled
 from .cost import Costs
 from .machine import Machine
@@ -161,6 +192,9 @@ class Plan:
     keep_tail: bool = False
     #: Note [everything kept]: ... and everything it saves from its first region on
     keep_all: bool = False
+    #: Note [regions shipped whole]: region index -> bytes its backward's start brings back
+    #: (the saves of a region shipped whole before it)
+    returns: Dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 
@@ -278,19 +312,86 @@ def make_plan(
     if tail_bytes and ctx is not None and not device_is_host:
         tails = (False, True) if keep_tail is None else (keep_tail,)
     # Note [a plain tail makes its cheap saves again]: each tail also with them made again
+    rederive = ctx.get("rederive", True) if ctx is not None else rederive_enabled()
     remakes = (False, True) if (any(r.rederived_bytes for r in regions)
-                                and (ctx.get("rederive", True) if ctx is not None
-                                     else rederive_enabled())) else (False,)
-    for k, remake in ((j, rm) for j in range(n) for rm in (remakes if j else (False,))):
+                                and rederive) else (False,)
+    # Note [regions shipped whole]: each set of regions the link can take whole, beside none
+    for shipped in _shipped_sets(regions, machine, ctx, device_is_host, rederive,
+                                 "checkpoint" in kinds):
+        rest = [i for i in range(n) if i not in shipped]
+        _vary(variants, regions, rest, shipped, machine, kinds, ctx, device_is_host, tails,
+              remakes, rederive, budget, outside_bytes, tail_bytes, peak, off, grad_of)
+    if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
+        return make_plan(regions, machine, budget, outside_bytes, peak_offset,
+                         loss_bytes=loss_bytes, tail_bytes=tail_bytes, keep_tail=keep_tail)
+    def at_peak(v: Greedy) -> int:
+        return max(v.peak + off(v.kind), v.floor)
+
+    fitting = [v for v in variants if at_peak(v) <= budget]
+    if fitting:  # Note [near ties go to memory]: on a CPU host
+        fastest = min(v.recompute + v.transfer for v in fitting)
+        slack = TIME_SLACK * 3 * sum(machine.op_seconds(o) for r in regions
+                                     for o in r.ops) if device_is_host else 0.0
+        near = [v for v in fitting if v.recompute + v.transfer <= fastest + slack]
+        best = min(near, key=lambda v: (at_peak(v), v.recompute + v.transfer))
+        if family(best.kind) == "plain-offload":  # Note [plain tails are not near ties]
+            best = min((v for v in fitting if family(v.kind) == "plain-offload"),
+                       key=lambda v: (v.recompute + v.transfer, at_peak(v)))
+    else:
+        best = min(variants, key=at_peak)
+    least = plain + host_pool + grad_of(regions) + off("plain")
+    if not fitting and least < at_peak(best):
+        # Nothing fits, and the measured offsets say running plainly peaks least.
+        return all_plain(False, f"the budget ({format_size(budget)}) is below the least peak "
+                         f"there is ({format_size(least)})")
+    for ri, r in enumerate(regions):
+        r.mode = best.modes[ri]
+        for o in r.ops:
+            o.action, o.tier, o.reason = best.ops[(ri, o.index)]
+    note = ""
+    if not fitting:
+        what = "peak" if peak else "least this plan can hold"
+        note = (
+            f"the budget ({format_size(budget)}) is below the {what} this plan reaches "
+            f"({format_size(at_peak(best))}): everything that can be freed is"
+        )
+        if ctx is not None and device_is_host:
+            note += (f"; the offload context's {format_size(ctx['pool_bytes'])} pool is this "
+                     "host's memory and counts in full: a smaller pool leaves the step more")
+    plans = [
+        RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops},
+                   record=r, remake=ri in best.remade)
+        for ri, r in enumerate(regions)
+    ]
+    return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
+                bool(fitting), note, model_peak=best.peak,
+                peak_offset=off(best.kind) if peak else None,
+                variant=best.kind, keep_tail=best.keep_tail, keep_all=best.keep_all,
+                returns=dict(best.returns))
+
+
+def _vary(variants: List[Greedy], regions: List[RegionRecord], rest: List[int],
+          shipped: Tuple[int, ...], machine: Machine, kinds: Sequence[str],
+          ctx: Optional[Dict[str, Any]], device_is_host: bool, tails: Tuple[bool, ...],
+          remakes: Tuple[bool, ...], rederive: bool, budget: int, outside_bytes: int,
+          tail_bytes: int, peak: bool, off: Any, grad_of: Any) -> None:
+    """The variants of :func:`make_plan` over the regions ``rest`` (indices, in call order),
+    the regions ``shipped`` run plainly under the context (Note [regions shipped whole]): the
+    last k of ``rest`` run plainly (each k, with and without their cheap saves made again),
+    the others planned by each kind."""
+    m = len(rest)
+    ks = range(m + 1) if shipped else range(m)  # (without shipped regions: all plain fits)
+    for k, remake in ((j, rm) for j in ks for rm in (remakes if j else (False,))):
+        tail = [regions[i] for i in rest[m - k:]]
         plain_tail = sum(r.input_bytes + r.needed_bytes - (r.rederived_bytes if remake else 0)
-                         for r in regions[n - k:])
+                         for r in tail)
         if k and plain_tail + off("checkpoint") > budget:
             continue
         tail_name = (f", last {k} plain" + (", made again" if remake else "")) if k else ""
-        head = regions[: n - k]
-        tail_grad = grad_of(regions[n - k:])
+        head = [regions[i] for i in rest[: m - k]]
+        tail_grad = grad_of(tail)
         tried = [("checkpoint", False)] if "checkpoint" in kinds else []
-        if ctx is not None:
+        if ctx is not None and not shipped:
             tried += [(kd, True) for kd in ("checkpoint+offload", "plain-offload") if kd in kinds]
             if not device_is_host and ("checkpoint" in kinds or KEPT in kinds):
                 tried.append((KEPT, False))  # Note [everything kept]
@@ -312,12 +413,16 @@ def make_plan(
                 g.staged, g.budget, g.start_grad = True, budget - off(kind), tail_bytes
                 g.pre_held = held + max(tail_grad, tail_bytes)
             g.run()
-            g.add_plain_tail(regions[n - k:], held, tail_grad, remake=remake)
+            g.add_plain_tail(tail, held, tail_grad, remake=remake)
             if kind == KEPT:
                 g.keep_tail = g.keep_all = True
                 g.kind = kind + tail_name
                 variants.append(g)
                 continue
+            g.kind = kind
+            if shipped:
+                g.place_shipped(shipped, regions, rest, rederive)
+                g.kind += ", shipped whole: " + " ".join(map(str, shipped))
             if tails != (False,) and not keep:
                 g.transfer += g.tail_seconds(tail_bytes)
             if ctx is not None and not device_is_host:
@@ -326,52 +431,45 @@ def make_plan(
                 g.transfer += machine.host_seconds_per_offload * sum(
                     1 for r in head if r.input_bytes)
             g.keep_tail = keep
-            g.kind = kind + tail_name + (", tail kept" if keep else "")
+            g.kind += tail_name + (", tail kept" if keep else "")
             variants.append(g)
-    if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
-        return make_plan(regions, machine, budget, outside_bytes, peak_offset,
-                         loss_bytes=loss_bytes, tail_bytes=tail_bytes, keep_tail=keep_tail)
-    fitting = [v for v in variants if v.peak + off(v.kind) <= budget]
-    if fitting:  # Note [near ties go to memory]: on a CPU host
-        fastest = min(v.recompute + v.transfer for v in fitting)
-        slack = TIME_SLACK * 3 * sum(machine.op_seconds(o) for r in regions
-                                     for o in r.ops) if device_is_host else 0.0
-        near = [v for v in fitting if v.recompute + v.transfer <= fastest + slack]
-        best = min(near, key=lambda v: (v.peak + off(v.kind), v.recompute + v.transfer))
-        if family(best.kind) == "plain-offload":  # Note [plain tails are not near ties]
-            best = min((v for v in fitting if family(v.kind) == "plain-offload"),
-                       key=lambda v: (v.recompute + v.transfer, v.peak + off(v.kind)))
-    else:
-        best = min(variants, key=lambda v: v.peak + off(v.kind))
-    least = plain + host_pool + grad_of(regions) + off("plain")
-    if not fitting and least < best.peak + off(best.kind):
-        # Nothing fits, and the measured offsets say running plainly peaks least.
-        return all_plain(False, f"the budget ({format_size(budget)}) is below the least peak "
-                         f"there is ({format_size(least)})")
-    for ri, r in enumerate(regions):
-        r.mode = best.modes[ri]
-        for o in r.ops:
-            o.action, o.tier, o.reason = best.ops[(ri, o.index)]
-    note = ""
-    if not fitting:
-        what = "peak" if peak else "least this plan can hold"
-        note = (
-            f"the budget ({format_size(budget)}) is below the {what} this plan reaches "
-            f"({format_size(best.peak + off(best.kind))}): everything that can be freed is"
-        )
-        if ctx is not None and device_is_host:
-            note += (f"; the offload context's {format_size(ctx['pool_bytes'])} pool is this "
-                     "host's memory and counts in full: a smaller pool leaves the step more")
-    plans = [
-        RegionPlan(r.signature, r.mode, {o.index: (o.name, o.action, o.tier) for o in r.ops},
-                   record=r, remake=ri in best.remade)
-        for ri, r in enumerate(regions)
-    ]
-    return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
-                bool(fitting), note, model_peak=best.peak,
-                peak_offset=off(best.kind) if peak else None,
-                variant=best.kind, keep_tail=best.keep_tail, keep_all=best.keep_all)
 
+
+def shipped_bytes(r: RegionRecord, rederive: bool) -> int:
+    """What the context takes of a region run plainly under it: its input and what autograd
+    saves, less what it makes again at unpack (Note [made again at unpack])."""
+    return r.input_bytes + r.needed_bytes - (r.rederived_bytes if rederive else 0)
+
+
+def _shipped_sets(regions: List[RegionRecord], machine: Machine,
+                  ctx: Optional[Dict[str, Any]], device_is_host: bool, rederive: bool,
+                  checkpoint: bool) -> List[Tuple[int, ...]]:
+    """Note [regions shipped whole]: no region, then for each count the earliest regions whose
+    copies out the link keeps pace with (what is still in flight at each region's end within
+    the context's cap), within its pool; on a device's host tier, or tier auto's RAM."""
+    out: List[Tuple[int, ...]] = [()]
+    if (ctx is None or device_is_host or not checkpoint or len(regions) < 2
+            or (ctx.get("nvme") and ctx.get("tier") != "auto")):
+        return out
+    cap = ctx.get("inflight_bytes")
+    cap = int(cap if cap is not None else default_cap_bytes(None))
+    pool = int(ctx.get("pool_bytes") or 0)
+    rate = machine.link_bytes_per_s
+    fwd = [machine.forward_seconds(r.ops) for r in regions]
+    ship = [shipped_bytes(r, rederive) for r in regions]
+    for count in range(1, len(regions)):
+        chosen: List[int] = []
+        backlog = 0.0
+        for i in range(len(regions) - 1):  # the last: backward needs it first
+            take = len(chosen) < count and ship[i] > 0 and \
+                backlog + ship[i] - rate * fwd[i] <= cap
+            if take:
+                chosen.append(i)
+            backlog = max(0.0, backlog + (ship[i] if take else 0) - rate * fwd[i])
+        if len(chosen) < count or sum(ship[i] for i in chosen) > pool:
+            break
+        out.append(tuple(chosen))
+    return out
 
 
 def _fit_loss(regions: List[RegionRecord], machine: Machine, budget: int, outside_bytes: int,

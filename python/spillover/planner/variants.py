@@ -5,13 +5,17 @@ taking what autograd saves. Both keep their costs in :class:`~.cost.Costs`."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Sequence
 
 from ..config import format_size
-from .cost import Costs, Item, ms
+from .cost import Costs, Item, ms, transient_bytes
 from .records import RegionRecord
 
 __all__ = ["Greedy", "PlainOffload"]
+
+#: Note [regions shipped whole] in search.py: a region's backward runs about twice its
+#: forward (its matmuls' gradients with respect to the input and to the weight)
+BACKWARD_PER_FORWARD = 2.0
 
 
 class Greedy(Costs):
@@ -121,6 +125,7 @@ class Greedy(Costs):
         made again at unpack (Note [a plain tail makes its cheap saves again] in search.py),
         whose ops' time is charged."""
         base = len(self.modes)
+        self.tail_regions = list(tail)
         for i, r in enumerate(tail):
             self.modes.append("plain-keep")
             if remake:
@@ -137,6 +142,87 @@ class Greedy(Costs):
         self.tail_bytes += tail_bytes
         self.tail_grad = grad
         self.budget += tail_bytes
+
+    def place_shipped(self, shipped: Sequence[int], regions: List[RegionRecord],
+                      rest: List[int], rederive: bool) -> None:
+        """Note [regions shipped whole] in search.py: this pass planned ``rest`` (indices into
+        ``regions``, with its plain tail); put the regions ``shipped`` among them, run plainly
+        with the context taking what they save, and renumber its decisions as ``regions``.
+        Charged: the host's time per tensor they ship, their cheap saves made again
+        (``rederive``), and what of their copies back the backward after them cannot hide;
+        the forward holds their copies in flight (``floor``), backward their returns
+        (``ret_term``), each started at a later region's backward (``returns``)."""
+        m = self.machine
+        n = len(regions)
+        ship = set(shipped)
+        self.ops = {(rest[ri], oi): v for (ri, oi), v in self.ops.items()}
+        self.remade = {rest[i] for i in self.remade}
+        modes = dict(zip(rest, self.modes))
+        self.modes = [modes.get(i, "plain-offload") for i in range(n)]
+        why = ("region runs plainly: the context takes what autograd saves, its copies within "
+               "what the link keeps pace with")
+        out: Dict[int, int] = {}
+        tensors = 0
+        for i in shipped:
+            out[i] = regions[i].input_bytes
+            tensors += 1 if regions[i].input_bytes else 0
+            for o in regions[i].ops:
+                if not (o.needed and o.bytes):
+                    self.ops[(i, o.index)] = ("recompute", "", "region runs plainly: not held")
+                elif rederive and o.rederived:
+                    self.ops[(i, o.index)] = ("recompute", "", "made again at unpack from what "
+                                              "its op saved")
+                    self.recompute += m.rerun_seconds(o)
+                else:
+                    self.ops[(i, o.index)] = ("offload", "host", why)
+                    out[i] += o.bytes
+                    tensors += 1
+        total = sum(out.values())
+        self.transfer += tensors * m.host_seconds_per_offload
+        self.link_used += self.transfer_seconds(total)
+        self.offloaded += total
+        # what each region holds once its forward ran; the copies in flight beside it
+        local = {g: li for li, g in enumerate(rest)}
+        n_mid = len(rest) - len(self.tail_regions)
+        own = [0] * n
+        for i in range(n):
+            li = local.get(i)
+            if li is None:
+                continue
+            r = regions[i]
+            if li < n_mid:  # inputs stay where the context keeps them (kept: ``charge``)
+                own[i] = (r.input_bytes if self.charge == "device" else 0) + self.region_kept[li]
+            else:
+                own[i] = r.input_bytes + r.needed_bytes - (
+                    r.rederived_bytes if i in self.remade else 0)
+        fwd = [m.forward_seconds(r.ops) for r in regions]
+        rate = m.link_bytes_per_s
+        backlog = 0.0
+        held = 0
+        for i in range(n):
+            held += own[i]
+            backlog = max(0.0, backlog + out.get(i, 0) - rate * fwd[i])
+            self.floor = max(self.floor, self.outside_bytes + held + int(backlog))
+        # Note [regions shipped whole]: each comes back from the start of the backward of the
+        # nearest region after it whose backward (with those between) outlasts the copies
+        bwd = [BACKWARD_PER_FORWARD * f for f in fwd]
+        for i in shipped:
+            need = out[i] / rate
+            at, room = i + 1, bwd[i + 1]
+            while room < need and at < n - 1:
+                at += 1
+                room += bwd[at]
+            self.transfer += max(0.0, need - room)
+            # what else backward reads back first from there: the inputs it ships
+            ahead = sum(regions[x].input_bytes for x in range(i + 1, at + 1)
+                        if x not in ship and self.charge != "device"
+                        and self.modes[x] == "checkpoint")
+            self.returns[at] = self.returns.get(at, 0) + out[i] + ahead
+            self.ret_term = max(self.ret_term, max(
+                self.outside_bytes + sum(own[:x]) + own[x] + out[i]
+                + (regions[x].needed_bytes + transient_bytes(regions[x])
+                   if self.modes[x] == "checkpoint" else 0)
+                for x in range(i + 1, at + 1)))
 
     def _label_tiers(self) -> None:
         """The NVMe tier writes out the earliest packed first: what was packed last stays in

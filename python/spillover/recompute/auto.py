@@ -106,6 +106,11 @@ class _Auto(RegionPolicy):
         if (ctx is not None and rplan is not None and plan is not None and plan.keep_tail
                 and rplan is plan.regions[-1]):
             ctx.keep_rest()  # Note [the tail stays] in planner/search.py
+        if ctx is not None and rplan is not None and plan is not None and plan.returns:
+            back = next((nb for at, nb in plan.returns.items()
+                         if at < len(plan.regions) and plan.regions[at] is rplan), 0)
+            if back:  # Note [regions shipped whole] in planner/search.py
+                _on_backward(out, lambda: ctx.stage_next(back))
         if not pol.explicit_steps:
             _note_backward_on(out, pol)
         return out
@@ -224,9 +229,14 @@ def _planned(planner: Planner, rplan: Any) -> Decider:
 
 
 def _note_backward_on(out: Any, planner: Planner) -> None:
+    _on_backward(out, planner.note_backward)
+
+
+def _on_backward(out: Any, fn: Callable[[], None]) -> None:
+    """Run ``fn`` when backward reaches the region that returned ``out``."""
     for t in output_tensors(out) if not isinstance(out, dict) else list(out.values()):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-            t.grad_fn.register_prehook(lambda grads: planner.note_backward())
+            t.grad_fn.register_prehook(lambda grads: fn())
             return
 
 
