@@ -95,14 +95,6 @@ def test_a_budget_below_none_ships_whole_regions_and_brings_them_back_ahead():
             after.record.input_bytes if after.mode == "checkpoint" else 0)
 
 
-def _sim_model():
-    from spillover.models import GPT, GPTConfig, synthetic_batch
-
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab=512, d_model=128, n_heads=4, n_layers=4, seq=256)
-    return GPT(cfg), synthetic_batch(cfg, batch=4)
-
-
 def _shipping_plan(plan, returns):
     """``plan`` with its first block shipped whole and the others run plainly."""
     regions = [dataclasses.replace(r, mode="plain-offload" if i == 0 else "plain-keep",
@@ -111,27 +103,78 @@ def _shipping_plan(plan, returns):
                                keep_tail=False, variant="test: first shipped whole")
 
 
-def test_a_region_shipped_whole_comes_back_ahead_on_the_simulated_device():
-    """The built-in GPT on the simulated H200, the Quick start's loop, a plan that ships its
-    first block whole and runs the others plainly: bitwise to no checkpointing at every step,
-    and its saves come back staged ahead of backward -- every one of them when the plan
-    starts their copies at the second block's backward, fewer without."""
+def _gpt():
+    from spillover.models import GPT, GPTConfig, synthetic_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, d_model=128, n_heads=4, n_layers=4, seq=256)
+    model, batch = GPT(cfg), synthetic_batch(cfg, batch=4)
+
+    def step(m, ctx=None):
+        if ctx is None:
+            return gpt_step(m, batch)
+        return gpt_step(m, batch, ctx)
+    return model, step
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    from conftest import grads
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    ids = torch.randint(0, 32000, (2, 256))
+
+    def step(m, ctx=None):
+        m.zero_grad(set_to_none=True)
+        if ctx is None:
+            m(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with ctx:
+                m(input_ids=ids, labels=ids).loss.backward()
+        return grads(m)
+    return model, step
+
+
+@pytest.mark.parametrize("family", ["gpt", "hf llama"])
+def test_a_region_shipped_whole_comes_back_ahead_on_the_simulated_device(family, monkeypatch):
+    """The built-in GPT and an HF Llama (SDPA, RMSNorm, SiLU MLP, vocabulary 32000) on the
+    simulated H200, the Quick start's loop, a plan that ships the first block whole and runs
+    the others plainly: bitwise to no checkpointing at every step, and more of its unpacks are
+    started ahead from the third block's backward (``stage_next``, once a step, copies started),
+    not without the plan's ``returns``."""
     from test_sim_device_plans import _ctx, _quiet_wrap
 
-    base, batch = _sim_model()
-    ref = gpt_step(base, batch)
+    from spillover.activations.context import OffloadContext
+
+    started = []
+    stage_next = OffloadContext.stage_next
+
+    def counted(self, nbytes):
+        started.append(stage_next(self, nbytes))
+        return started[-1]
+
+    monkeypatch.setattr(OffloadContext, "stage_next", counted)
+    base, step = _gpt() if family == "gpt" else _llama()
+    ref = step(base)
     planner = Planner(budget_bytes=1 << 40, seed_from_trace=False)
     model = _quiet_wrap(copy.deepcopy(base), policy=planner)
     for _ in range(2):  # learn (everything fits: all plain)
-        assert_bitwise(ref, gpt_step(model, batch, _ctx()))
+        assert_bitwise(ref, step(model, _ctx()))
     learned = planner.plan
-    staged = {}
-    for name, returns in (("ahead", {1: 1 << 40}), ("at use", {})):
+    assert len(learned.regions) == 4
+    for returns in ({2: 1 << 40}, {}):
         planner.use_plan(_shipping_plan(learned, returns))
+        started.clear()
         for _ in range(3):
             ctx = _ctx()
-            assert_bitwise(ref, gpt_step(model, batch, ctx))
+            assert_bitwise(ref, step(model, ctx))
             s = ctx.stats()
-            assert s.tensors_offloaded > 0, s
-        staged[name] = (s.unpacks_staged, s.tensors_unpacked - s.unpacks_from_source)
-    assert staged["ahead"][0] > staged["at use"][0], staged
+            assert s.tensors_offloaded > 0 and s.unpacks_staged > 0, s
+        if returns:  # the first block's saves: all but those its sources still answer
+            assert len(started) == 3 and min(started) > 0, started
+        else:
+            assert started == []

@@ -237,31 +237,31 @@ class Unpack:
         self._stage(tr, rec, s.device, rec.step.expected_after(s.seq, 4 * ahead_entries),
                     ahead_entries, ahead_bytes, refill=True)
 
-    def stage_next(self, nbytes: int) -> None:
+    def stage_next(self, nbytes: int) -> int:
         """Start the H2D copies of what backward is expected to unpack next, up to ``nbytes``
         (Note [regions shipped whole] in planner/search.py: a region a plan shipped whole,
         brought back while the backward of the regions after it runs); the entries below the
-        lowest this backward unpacked, next first."""
+        lowest this backward unpacked, next first. Returns how many copies it started."""
         rec = self._last  # the latest step: the one whose backward runs
         if rec is None:
-            return
+            return 0
         low = rec.low_unpacked
         last = max((q for q in list(rec.by_seq) if low is None or q < low), default=None)
         ref = rec.by_seq.get(last) if last is not None else None
         s = ref() if ref is not None else None
         if s is None:
-            return
+            return 0
         tr = self._transfer(s.device)
         if tr.host_is_device:
-            return
+            return 0
         seqs = [last] + list(rec.step.expected_after(last, len(rec.by_seq)))
-        self._stage(tr, rec, s.device, seqs, len(seqs), nbytes, refill=False)
+        return self._stage(tr, rec, s.device, seqs, len(seqs), nbytes, refill=False)
 
     def _stage(self, tr: Any, rec: StepRecord, device: Any, seqs: Any, ahead_entries: int,
-               ahead_bytes: int, refill: bool) -> None:
+               ahead_bytes: int, refill: bool) -> int:
         """Stage the entries ``seqs`` in order, up to ``ahead_entries`` and ``ahead_bytes``
         (those staged already count), in one batch; ``refill``: only once half the distance
-        was used (Note [staging distance])."""
+        was used (Note [staging distance]). Returns how many it staged now."""
         staged, nbytes = 0, 0
         todo: List[Tuple[Stored, List[Tuple[Any, Any]]]] = []
         for seq in seqs:
@@ -292,10 +292,11 @@ class Unpack:
             for c, _ in todo:
                 with c._lock:
                     c.staged = None
-            return
+            return 0
         for (c, _), handed in zip(todo, tr.stage([parts for _, parts in todo])):
             with c._lock:
                 c.staged = handed
+        return len(todo)
 
     def _staging_distance(self) -> Tuple[int, int]:
         """Note [staging distance]: entries and bytes staged ahead of unpack -- 4 entries and

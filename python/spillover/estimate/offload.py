@@ -524,13 +524,13 @@ class SimContext(DriveModel):
                 e.staged = torch.empty(e.nbytes, dtype=torch.uint8)
                 e.back = self._copy_back(e)
 
-    def stage_next(self, nbytes: int) -> None:
+    def stage_next(self, nbytes: int) -> int:
         """``OffloadContext.stage_next``: the entries backward needs next (descending pack
         order), staged onto the device now, up to ``nbytes`` (Note [regions shipped whole] in
-        planner/search.py)."""
+        planner/search.py); how many copies it started."""
         if self.host_is_device:
-            return
-        left = nbytes
+            return 0
+        left, started = nbytes, 0
         for seq in reversed(self._entries):
             e = self._entries[seq]()
             if e is None or e.unpacked:
@@ -541,6 +541,8 @@ class SimContext(DriveModel):
             if e.source is None and e.staged is None:
                 e.staged = torch.empty(e.nbytes, dtype=torch.uint8)
                 e.back = self._copy_back(e)
+                started += 1
+        return started
 
     def _drop_held(self, e: _Entry) -> None:
         try:

@@ -232,11 +232,16 @@ def _note_backward_on(out: Any, planner: Planner) -> None:
     _on_backward(out, planner.note_backward)
 
 
-def _on_backward(out: Any, fn: Callable[[], None]) -> None:
-    """Run ``fn`` when backward reaches the region that returned ``out``."""
+def _on_backward(out: Any, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` when backward reaches the region that returned ``out`` (what it returns is
+    not a gradient: the hook returns None)."""
+
+    def hook(grads: Any) -> None:
+        fn()
+
     for t in output_tensors(out) if not isinstance(out, dict) else list(out.values()):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-            t.grad_fn.register_prehook(lambda grads: fn())
+            t.grad_fn.register_prehook(hook)
             return
 
 
