@@ -13,7 +13,7 @@ import torch
 from conftest import assert_bitwise, gpt_step
 from test_planner_search import MiB, _step
 
-from spillover.planner import Machine, Planner, make_plan
+from spillover.planner import Machine, Planner, explain_records, make_plan
 from spillover.planner.search import _shipped_sets, shipped_bytes
 
 #: a GPU-like machine: 8 ms per synthetic block's forward, a 20 GB/s link (160 MB a block)
@@ -78,6 +78,9 @@ def test_a_budget_below_none_ships_whole_regions_and_brings_them_back_ahead():
     assert plan.returns == {1: shipped_bytes(recs[0], True), 3: shipped_bytes(recs[2], True),
                             5: shipped_bytes(recs[4], True)}
     assert plan.model_peak <= budget
+    ex = explain_records(recs, "auto", GPU, plan, 16 * MiB, 0)
+    assert ex.summary["shipped whole"] == "; ".join(
+        f"blocks.{i}, back from blocks.{i + 1}'s backward" for i in (0, 2, 4))
     without = make_plan(_step(8, "cuda:0", _info(inflight_bytes=0)), GPU, budget, 16 * MiB,
                         peak_offset={"learning": 0})
     assert "shipped whole" not in without.variant

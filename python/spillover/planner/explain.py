@@ -130,6 +130,13 @@ def explain_records(
                 "" if plan.peak_offset is None else
                 f" (model {format_size(plan.model_peak)} + measured offset "
                 f"{format_size(plan.peak_offset)})")
+        if plan.returns:  # Note [regions shipped whole] in search.py
+            name = {i: (records[i].name if i < len(records) else str(i))
+                    for i in range(len(plan.regions))}
+            summary["shipped whole"] = "; ".join(
+                f"{name[i]}, back from {name[at]}'s backward"
+                for at in sorted(plan.returns) for i in [max(
+                    j for j in range(at) if plan.regions[j].mode == "plain-offload")])
         if loss_bytes:
             summary["loss region in the peak"] = format_size(
                 loss_bytes if plan.loss_cap is None else min(loss_bytes, plan.loss_cap))
