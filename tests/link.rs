@@ -164,16 +164,40 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     .unwrap();
     // the eighth completes the group: record (compute), wait (D2H), 8 copies, one event
     assert_eq!(dev.calls() - before, 11, "Note [device calls]");
-    let huge = vec![0u8; 8 << 20];
-    let huge_dst = vec![0u8; 8 << 20];
+    let huge = vec![0u8; 9 << 20];
+    let huge_dst = vec![0u8; 9 << 20];
     l.synchronize().unwrap(); // the group's event back in the link's pool
+    let before = dev.calls();
+    // two of 8 MiB make a group of 16 MiB: one record, one wait, one event for both
+    for _ in 0..2 {
+        // SAFETY: both buffers outlive the copy (synchronized below).
+        unsafe {
+            l.d2h(
+                addr(&huge),
+                addr(&huge_dst),
+                8 << 20,
+                COMPUTE,
+                None,
+                None,
+                None,
+                None,
+            )
+        }
+        .unwrap();
+    }
+    assert_eq!(
+        dev.calls() - before,
+        5,
+        "Note [grouped copies]: two of 8 MiB"
+    );
+    l.synchronize().unwrap();
     let before = dev.calls();
     // SAFETY: both buffers outlive the copy (synchronized below).
     unsafe {
         l.d2h(
             addr(&huge),
             addr(&huge_dst),
-            8 << 20,
+            9 << 20,
             COMPUTE,
             None,
             None,
@@ -185,7 +209,7 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     assert_eq!(
         dev.calls() - before,
         4,
-        "8 MiB goes at once, with its event"
+        "past 8 MiB a copy goes at once, with its event"
     );
     l.synchronize().unwrap();
     assert!(ids.iter().all(|&id| !l.in_flight(id)));

@@ -280,10 +280,12 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{f'[{us[0]:.1f}, {us[1]:.1f}]':>18}")
     out: Dict[str, Any] = {"rows": rows}
     if args.device == "cpu" and link_for is not None:
-        calls = device_calls(args.n, 4 << 10)
-        out["device_calls"] = calls
-        print(f"device calls: {calls['calls_per_pack']:.2f} per pack, "
-              f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4)")
+        out["device_calls"] = {}
+        for name, nbytes, n in (("4KiB", 4 << 10, args.n), ("1MiB", 1 << 20, args.n),
+                                ("8MiB", 8 << 20, min(args.n, 24))):
+            calls = out["device_calls"][name] = device_calls(n, nbytes)
+            print(f"device calls at {name}: {calls['calls_per_pack']:.2f} per pack, "
+                  f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4)")
     if args.device == "cpu" and args.gc_steps > 0:
         g_rows = gc_cost(links, args.n, args.gc_steps)
         out["gc"] = g_rows

@@ -7,9 +7,10 @@ use super::*;
 /// Checksum slots allocated at once (64 KiB of host memory).
 const SLOTS_PER_SLAB: u64 = 8192;
 
-/// Note [grouped copies]: copies below this many bytes are issued in groups of at most this
-/// many bytes ...
+/// Note [grouped copies]: copies of at most this many bytes are issued in groups ...
 pub const GROUP_BYTES: u64 = 8 << 20;
+/// ... of at most this many bytes ...
+pub const GROUP_FLUSH_BYTES: u64 = 16 << 20;
 /// ... and this many copies.
 pub const GROUP_COPIES: usize = 8;
 
@@ -92,8 +93,8 @@ impl Link {
         st.pending_bytes += nbytes;
         // a group holds at most an eighth of the cap: past the cap the oldest copies become
         // victims, which the compute stream waits for -- better long issued than just now
-        let limit = GROUP_BYTES.min(st.ledger.cap_bytes() / 8);
-        if st.pending.len() >= GROUP_COPIES || st.pending_bytes >= limit {
+        let limit = GROUP_FLUSH_BYTES.min(st.ledger.cap_bytes() / 8);
+        if st.pending.len() >= GROUP_COPIES || st.pending_bytes >= limit || nbytes > GROUP_BYTES {
             self.flush_pending(&mut st)?; // Note [grouped copies]
         }
         self.order_victims(&mut st, &issued.victims)?;

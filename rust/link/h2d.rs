@@ -5,7 +5,7 @@
 use super::*;
 
 /// Note [device calls]: consecutive staged copies share one event up to this many bytes.
-pub const SHARE_BYTES: u64 = 4 << 20;
+pub const SHARE_BYTES: u64 = 16 << 20;
 
 /// One copy of [`Link::stage`].
 pub struct StageItem {

@@ -39,34 +39,37 @@
 //! device memory. What the cap costs shows as `copy_waits_forced` and the stalls.
 //!
 //! # Note [device calls]
-//! What a pack costs the device API. Copies below [`GROUP_BYTES`] are issued in groups (Note
+//! What a pack costs the device API. Copies up to [`GROUP_BYTES`] are issued in groups (Note
 //! [grouped copies]): per group a record (compute) and a wait (D2H stream), per copy the copy,
 //! per group the record of the D2H event after it -- 1 + 3/k calls a copy for a group of k
-//! (8: 1.4). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
+//! (8: 1.4; two of 8 MiB: 2.5). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
 //! victims need past the cap and the queries of [`Link::poll`] (one when every copy in flight
 //! landed, else one per event landed and one for the first that has not). An urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
 //! complete). A staged unpack: per batch a record and a wait, per entry a copy, per run of
 //! entries up to [`SHARE_BYTES`] a record (their tensors wait for the run's last copy: at most
-//! ~75 us of the H200's link), and per run and using stream one wait at the first unpack,
+//! ~300 us of the H200's link; with 4 MiB, each 8 MiB entry had a run of its own and an unpack
+//! of 8 MiB took 4.4 calls), and per run and using stream one wait at the first unpack,
 //! and the using stream's wait at its unpack. `Device::calls` counts them; the link's
 //! `calls` property reads it.
 //!
 //! # Note [grouped copies]
 //! The H200 measured 3.2 device calls a pack of 4 KiB and 5.6 of 1 MiB (at ~1-5 us of host time
 //! each): a record and a wait per copy, to order the D2H stream after the compute stream's
-//! work so far, were half of them. A copy below [`GROUP_BYTES`] is therefore held back
+//! work so far, were half of them. A copy of at most [`GROUP_BYTES`] is therefore held back
 //! (`pending`, in the ledger from its pack: its source is held as any copy in flight) and
 //! issued with the next ones after one record and one wait: when [`GROUP_COPIES`] are held,
-//! or [`GROUP_BYTES`] (at most an eighth of the cap of Note [back-pressure]: a victim past the
-//! cap makes the compute stream wait for its copy, best issued long before), or a copy of another compute stream or a larger one comes (order is
-//! kept), or anything needs one of them (a victim's wait, a copy back ordered after it, a host
+//! or [`GROUP_FLUSH_BYTES`] (at most an eighth of the cap of Note [back-pressure]: a victim
+//! past the cap makes the compute stream wait for its copy, best issued long before), or a copy
+//! of another compute stream or a larger one comes (order is kept), or anything needs one of
+//! them (a victim's wait, a copy back ordered after it, a host
 //! wait, [`Link::release_all`], [`Link::synchronize`]), and at the end of forward
 //! ([`Link::flush`]). Ordering the group after the
 //! compute stream's work *at the flush* orders each copy after its source's producer, which
 //! was queued before its pack; the source cannot change meanwhile (autograd's saved tensor:
 //! an in-place write raises at unpack, Note [in-place after pack] in activations/link). What a
-//! group delays is at most 8 MiB of copies (~150 us of the H200's link), held while the host
+//! group delays is at most 16 MiB of copies (~300 us of the H200's link; with 8 MiB, a copy of
+//! 8 MiB went alone, 4.8 calls a pack), held while the host
 //! runs the ops that save the next ones -- on a GPU mostly ahead of the compute the copies
 //! wait for anyway; at worst (a long op after a few small saves) until forward ends.
 
@@ -81,7 +84,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-pub use d2h::{GROUP_BYTES, GROUP_COPIES};
+pub use d2h::{GROUP_BYTES, GROUP_COPIES, GROUP_FLUSH_BYTES};
 pub use device::{Device, Dir, Event, Keep, Stream};
 pub use h2d::{StageItem, SHARE_BYTES};
 
