@@ -521,3 +521,53 @@ fn verify_mode_catches_a_source_written_before_its_copy_read_it() {
         "{e}"
     );
 }
+
+#[test]
+fn a_poll_finds_the_copies_landed_by_halving() {
+    // Note [polls in order]: 16 groups of 8 copies of 4 KiB, 10 ms a group on the link
+    let dev = sim(SimOptions {
+        bandwidth: Some(3.2e6),
+        ..Default::default()
+    });
+    let l = link(&dev, u64::MAX);
+    let src = pattern(4096, 3);
+    let dst = vec![0u8; 4096];
+    let mut ids = Vec::new();
+    for _ in 0..16 * 8 {
+        // SAFETY: both buffers outlive the copies (synchronized below).
+        let id = unsafe {
+            l.d2h(
+                addr(&src),
+                addr(&dst),
+                4096,
+                COMPUTE,
+                None,
+                None,
+                None,
+                None,
+            )
+        }
+        .unwrap()
+        .id;
+        ids.push(id);
+    }
+    std::thread::sleep(Duration::from_millis(75));
+    let q0 = l.counters().1.queries;
+    let landed = l.poll().unwrap().len();
+    let asked = l.counters().1.queries - q0;
+    // the oldest, the newest, then at most four halvings of the 14 between: one query a group
+    // landed and one for the first that had not was 17 at the worst
+    assert!(asked <= 6, "{asked} queries for {landed} copies landed");
+    assert_eq!(landed % 8, 0, "a group lands whole");
+    assert!(ids[..landed].iter().all(|&id| !l.in_flight(id)));
+    assert!(ids[landed..].iter().all(|&id| l.in_flight(id)));
+    std::thread::sleep(Duration::from_millis(150));
+    let q0 = l.counters().1.queries;
+    let rest = l.poll().unwrap().len();
+    assert_eq!(
+        l.counters().1.queries - q0,
+        2,
+        "all landed: the oldest and the newest"
+    );
+    assert_eq!(landed + rest, ids.len());
+}

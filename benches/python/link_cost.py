@@ -136,7 +136,7 @@ def device_calls(n: int, nbytes: int) -> Dict[str, float]:
     tr = link_for("cpu", sim_bandwidth=bw, cap_bytes=1 << 40)
     x = torch.randn(nbytes // 4, requires_grad=True)
     chain_step(x, n, ctx)  # warm: the link's events are made and pooled
-    c0 = tr.calls
+    c0, q0 = tr.calls, tr.counters()["queries"]
     with ctx:
         h = x
         for _ in range(n):
@@ -144,10 +144,11 @@ def device_calls(n: int, nbytes: int) -> Dict[str, float]:
         loss = h.sum()
     ctx.synchronize()
     tr.release_sources()
-    c1 = tr.calls
+    c1, q1 = tr.calls, tr.counters()["queries"]
     loss.backward()
-    c2 = tr.calls
-    return {"calls_per_pack": (c1 - c0) / n, "calls_per_unpack": (c2 - c1) / n}
+    c2, q2 = tr.calls, tr.counters()["queries"]
+    return {"calls_per_pack": (c1 - c0) / n, "calls_per_unpack": (c2 - c1) / n,
+            "queries_per_pack": (q1 - q0) / n, "queries_per_unpack": (q2 - q1) / n}
 
 
 def tracked_per_pack(link: str, n: int) -> float:
@@ -285,7 +286,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 ("8MiB", 8 << 20, min(args.n, 24))):
             calls = out["device_calls"][name] = device_calls(n, nbytes)
             print(f"device calls at {name}: {calls['calls_per_pack']:.2f} per pack, "
-                  f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4)")
+                  f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4); of them "
+                  f"event queries {calls['queries_per_pack']:.2f} / "
+                  f"{calls['queries_per_unpack']:.2f}")
     if args.device == "cpu" and args.gc_steps > 0:
         g_rows = gc_cost(links, args.n, args.gc_steps)
         out["gc"] = g_rows

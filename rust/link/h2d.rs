@@ -158,16 +158,13 @@ impl Link {
         if !st.staged.values().any(|s| s.left == 0) {
             return;
         }
-        let all = st
-            .staged_order
-            .back()
-            .is_some_and(|&ev| matches!(self.dev.query(ev), Ok(true)));
+        // Note [polls in order]: one H2D stream runs them in order
+        let evs: Vec<Event> = st.staged_order.iter().copied().collect();
+        let ran = self.fired_prefix(st, &evs);
         let mut kept = VecDeque::with_capacity(st.staged_order.len());
-        let mut running = false;
-        while let Some(ev) = st.staged_order.pop_front() {
+        for (i, ev) in evs.into_iter().enumerate() {
             let settled = st.staged.get(&ev).is_some_and(|s| s.left == 0);
-            let done = all || (!running && matches!(self.dev.query(ev), Ok(true)));
-            running |= !done;
+            let done = i < ran;
             if done && settled {
                 if let Some(s) = st.staged.remove(&ev) {
                     drop(s.holds);

@@ -43,8 +43,8 @@
 //! [grouped copies]): per group a record (compute) and a wait (D2H stream), per copy the copy,
 //! per group the record of the D2H event after it -- 1 + 3/k calls a copy for a group of k
 //! (8: 1.4; two of 8 MiB: 2.5). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
-//! victims need past the cap and the queries of [`Link::poll`] (one when every copy in flight
-//! landed, else one per event landed and one for the first that has not). An urgent unpack: a
+//! victims need past the cap and the queries of [`Link::poll`] (Note [polls in order]). An
+//! urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
 //! complete). A staged unpack: per batch a record and a wait, per entry a copy, per run of
 //! entries up to [`SHARE_BYTES`] a record (their tensors wait for the run's last copy: at most
@@ -52,6 +52,19 @@
 //! of 8 MiB took 4.4 calls), and per run and using stream one wait at the first unpack,
 //! and the using stream's wait at its unpack. `Device::calls` counts them; the link's
 //! `calls` property reads it.
+//!
+//! # Note [polls in order]
+//! A stream runs its work in order, so the events of one stream that fired are a prefix of
+//! those recorded. A poll asks the oldest first (none fired: one query), then the newest (all
+//! fired: two), then finds the first that has not by halving: at most 2 + log2(k) queries for
+//! k events in flight. Between two polls a few events fire, so the oldest alone answers most
+//! (the newest first cost 1 + log2(k) whenever the copies lagged). It asked one query per
+//! event that fired and one for the first that had not (after the newest): at the end of a
+//! forward of 200 copies of 4 KiB, 25 queries in one poll; at 8 MiB a copy, 0.75-1.5 queries a
+//! pack, which put a pack's calls anywhere in 3.5-4.2 from one run to the next (the goal is 3;
+//! `link_cost.py` prints them). A copy that failed since the last poll makes it ask each event
+//! again, for each copy's error. Polls from packs and unpacks come at most every 1 ms and
+//! every `POLL_BYTES` packed or unpacked (Note [polls] in activations/link/device.py).
 //!
 //! # Note [grouped copies]
 //! The H200 measured 3.2 device calls a pack of 4 KiB and 5.6 of 1 MiB (at ~1-5 us of host time
@@ -154,6 +167,8 @@ pub struct LinkStats {
     pub urgent: u64,
     pub after_waits: u64,
     pub host_wait_seconds: f64,
+    /// Event queries (Note [polls in order]).
+    pub queries: u64,
 }
 
 struct State {
@@ -226,6 +241,37 @@ impl Link {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Ask the device whether `ev` fired, counted in [`LinkStats::queries`].
+    fn query(&self, st: &mut State, ev: Event) -> Result<bool> {
+        st.stats.queries += 1;
+        self.dev.query(ev)
+    }
+
+    /// How many of `evs` (recorded on one stream, oldest first) have fired: they fire in
+    /// order, so after the oldest (none fired: one query) and the newest (all fired: two) the
+    /// first that has not is found by halving (Note [polls in order]). An error counts as not
+    /// fired.
+    fn fired_prefix(&self, st: &mut State, evs: &[Event]) -> usize {
+        let Some(&oldest) = evs.first() else { return 0 };
+        if !matches!(self.query(st, oldest), Ok(true)) {
+            return 0;
+        }
+        let n = evs.len();
+        if n == 1 || matches!(self.query(st, evs[n - 1]), Ok(true)) {
+            return n;
+        }
+        let (mut lo, mut hi) = (1, n - 1);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if matches!(self.query(st, evs[mid]), Ok(true)) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
     fn event(&self, st: &mut State) -> Result<Event> {
         match st.free.pop() {
             Some(ev) => Ok(ev),
@@ -234,27 +280,40 @@ impl Link {
     }
 
     /// Observe the copies that have landed (oldest first, up to the first that has not: a
-    /// copy stream finishes in order; all of them with one query when the newest has and no
-    /// copy failed since the last poll), run their landings, let go of what finished
-    /// host-to-device copies held.
+    /// copy stream finishes in order; Note [polls in order]), run their landings, let go of
+    /// what finished host-to-device copies held.
     pub fn poll(&self) -> Result<Vec<Landed>> {
         self.dev.bind_thread()?;
         let mut st = self.lock();
         let mut done: Vec<(u64, D2h, Option<Error>)> = Vec::new();
-        // the newest landed, and no copy failed since the last poll: all landed, one query
+        // Note [polls in order]: when no copy failed since the last poll, the events that
+        // fired are a prefix of those in flight, found by halving
         let failed = self.dev.failed_copies();
-        let newest = st.d2h.values().rev().find_map(|c| c.ev);
-        let all = st.d2h.len() > 1
-            && failed == st.failed_seen
-            && newest.is_some_and(|ev| matches!(self.dev.query(ev), Ok(true)));
+        let clean = failed == st.failed_seen;
         st.failed_seen = failed;
+        let mut evs: Vec<Event> = Vec::new();
+        for c in st.d2h.values() {
+            let Some(ev) = c.ev else { break };
+            if evs.last() != Some(&ev) {
+                evs.push(ev);
+            }
+        }
+        let known = if clean {
+            Some(self.fired_prefix(&mut st, &evs))
+        } else {
+            None
+        };
+        let mut at = 0; // the index in `evs` of the event of the copy at hand
         let mut seen: Option<(Event, bool)> = None; // the last event queried, and its answer
         while let Some((&id, c)) = st.d2h.first_key_value() {
             let Some(ev) = c.ev else { break }; // no event after it yet: cannot be seen
-            let fired = match seen {
-                Some((e, f)) if e == ev => Ok(f),
-                _ if all => Ok(true),
-                _ => self.dev.query(ev),
+            if evs.get(at) != Some(&ev) {
+                at += 1; // the copies and `evs` go in the same order
+            }
+            let fired = match (seen, known) {
+                (Some((e, f)), _) if e == ev => Ok(f),
+                (_, Some(k)) => Ok(at < k),
+                _ => self.query(&mut st, ev),
             };
             let error = match fired {
                 Ok(false) => break,
@@ -285,10 +344,8 @@ impl Link {
     }
 
     fn poll_h2d(&self, st: &mut State) {
-        while let Some(h) = st.h2d.front() {
-            if !matches!(self.dev.query(h.ev), Ok(true)) {
-                break;
-            }
+        let evs: Vec<Event> = st.h2d.iter().map(|h| h.ev).collect();
+        for _ in 0..self.fired_prefix(st, &evs) {
             if let Some(h) = st.h2d.pop_front() {
                 st.free.push(h.ev);
                 drop(h.hold);

@@ -341,7 +341,7 @@ impl PyLink {
     /// Counters: cap_bytes, bytes_in_flight, peak_bytes_in_flight, bytes_held,
     /// peak_bytes_held, copies, forced_waits, sources_released, in_flight, staged (not yet
     /// used), copies_to_host, copies_to_device, staged_copies, urgent_copies, after_waits,
-    /// host_wait_seconds, calls.
+    /// host_wait_seconds, queries, calls.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (l, s) = self.link.counters();
         let d = PyDict::new(py);
@@ -361,6 +361,7 @@ impl PyLink {
         d.set_item("urgent_copies", s.urgent)?;
         d.set_item("after_waits", s.after_waits)?;
         d.set_item("host_wait_seconds", s.host_wait_seconds)?;
+        d.set_item("queries", s.queries)?;
         d.set_item("calls", self.link.device().calls())?;
         Ok(d)
     }

@@ -186,7 +186,7 @@ class Hooks(Unpack):
         if on_host:  # Note [host link]: one call into the tier, no copy in flight
             stored = self._pack_host(rec, storage, t, nbytes)
         else:
-            tr.reap(rec.errors)
+            tr.reap(rec.errors, nbytes)
             if pieces:
                 stored = self._pack_pieces(rec, tr, storage, t, nbytes)
             else:

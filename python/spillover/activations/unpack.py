@@ -150,7 +150,7 @@ class Unpack:
         if not tr.host_is_device:  # the host link holds no sources (Note [host link])
             # Copies seen complete drop their sources; the rest keep theirs (the next unpacks
             # may return them: Note [source returned]) -- no wait on a copy still in flight.
-            tr.reap(s.record.errors)
+            tr.reap(s.record.errors, s.nbytes)
         if src is not None:  # Note [source returned]
             stats.add(unpacks_from_source=1)
             s.entry.note_used()

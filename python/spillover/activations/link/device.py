@@ -37,17 +37,20 @@ Note [returned sources go with their use]
     link now holds them weakly.
 
 Note [polls]
-    Each poll queries the device for every copy that landed and for the first that has not (a
-    call each: Note [device calls] in rust/link). Pack and unpack poll at most every 1 ms:
-    what lands between two polls waits for the next one -- its source kept a little longer
-    (at 54 GB/s at most ~54 MB of landed copies, inside the cap of Note [back-pressure], which
-    only a link faster than the cap per millisecond could reach), its entry sealed a little
-    later (an unpack within that millisecond orders its copy back after the event instead),
-    its error raised a few packs later -- which costs nothing a step can see, where a poll per
-    pack doubled the device calls of a pack of small tensors. At 100 us a pack of 1 MiB still
-    polled at each pack on the simulated device (3.07 calls a pack; 1.88 at 1 ms), and one of
-    4 KiB made 1.60 calls (1.44); issue 40, item 5. ``synchronize``, ``wait`` and ``done()``
-    poll at once.
+    Each poll asks the device which copies landed (2 + log2(k) queries at most for k events:
+    Note [polls in order] in rust/link). Pack and unpack poll at most every 1 ms, and only
+    once ``POLL_BYTES`` (32 MiB, at most a quarter of the cap of Note [back-pressure]) were
+    packed or unpacked since the last poll: what lands between two polls waits for the next
+    one -- its source kept a little longer (at most the cap: past it the ledger's victims go
+    without a poll), its entry sealed a little later (an unpack before the seal orders its copy
+    back after the event instead), its error raised a few packs later -- which costs nothing a
+    step can see, where a poll per pack doubled the device calls of a pack of small tensors.
+    At 100 us a pack of 1 MiB still polled at each pack on the simulated device (3.07 calls a
+    pack; 1.88 at 1 ms), and one of 4 KiB made 1.60 calls (1.44). The bytes count because the
+    CPU's ops are slow: a pack of 8 MiB takes milliseconds here (tens of microseconds on the
+    H200), so 1 ms alone let each pack poll, 3.5-4.2 calls a pack from one run to the next;
+    issue 40, item 5. ``synchronize``, ``wait``, ``done()`` and the end of forward poll at
+    the time gate alone, or at once.
 
 Note [errors go to their owner]
     One link serves every context of the process. An error of a copy whose step was abandoned
@@ -90,8 +93,12 @@ from .common import default_cap_bytes, use_count
 
 __all__ = ["DeviceLink", "LinkCopy"]
 
-#: Note [polls]: the least time between two polls of the copies in flight from pack and unpack.
+#: Note [polls]: the least time between two polls of the copies in flight from pack and unpack
+#: ...
 POLL_SECONDS = 1e-3
+#: ... and, between two polls from packs and unpacks, the bytes they moved (at most a quarter
+#: of the cap).
+POLL_BYTES = 32 << 20
 
 
 class LinkCopy:
@@ -178,6 +185,7 @@ class DeviceLink:
         self._staged: List[list] = []  # [storage, stream made on, event]: not used yet
         self._stall = 0.0
         self._last_poll = 0.0
+        self._since_poll = 0  # bytes packed and unpacked since the last poll (Note [polls])
         #: urgent copies back of bytes whose D2H copy was not seen landing (ordered after it
         #: on the device: Note [unpack before the seal] in rust/tier)
         self.urgent_before_landing = 0
@@ -335,13 +343,23 @@ class DeviceLink:
             for errs in (self._errors, sink) if sink is not None else (self._errors,):
                 errs[:] = [e for e in errs if e is not error]
 
-    def reap(self, errors: Optional[List[BaseException]] = None) -> None:
-        """Poll (at most every ``POLL_SECONDS``: Note [polls]); raise the first error nobody
-        has seen yet of a copy started with this ``errors`` list, or of one without a list
-        (Note [errors go to their owner])."""
+    def reap(self, errors: Optional[List[BaseException]] = None,
+             nbytes: Optional[int] = None) -> None:
+        """Poll (Note [polls]: at most every ``POLL_SECONDS``; from a pack or an unpack of
+        ``nbytes``, once ``POLL_BYTES`` went by too); raise the first
+        error nobody has seen yet of a copy started with this ``errors`` list, or of one
+        without a list (Note [errors go to their owner])."""
         now = time.perf_counter()
-        if now - self._last_poll >= POLL_SECONDS:
+        since = now - self._last_poll
+        if nbytes is not None:
+            self._since_poll += nbytes
+            enough = self._since_poll >= min(POLL_BYTES, self.cap_bytes // 4)
+            due = since >= POLL_SECONDS and enough
+        else:
+            due = since >= POLL_SECONDS
+        if due:
             self._last_poll = now
+            self._since_poll = 0
             self.poll()
         self._raise(errors)
 
