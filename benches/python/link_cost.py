@@ -283,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.device == "cpu" and link_for is not None:
         out["device_calls"] = {}
         for name, nbytes, n in (("4KiB", 4 << 10, args.n), ("1MiB", 1 << 20, args.n),
-                                ("8MiB", 8 << 20, min(args.n, 24))):
+                                ("8MiB", 8 << 20, min(args.n, 48))):
             calls = out["device_calls"][name] = device_calls(n, nbytes)
             print(f"device calls at {name}: {calls['calls_per_pack']:.2f} per pack, "
                   f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4); of them "

@@ -309,13 +309,14 @@ def test_device_calls_per_tensor_at_8_mib():
     a pack before the polls. The polls (Note [polls] in activations/link/device.py: every 1 ms
     and 32 MiB; Note [polls in order] in rust/link) ask under one query a pack: with a poll
     per pack and a query per event landed, a pack took 3.5-4.2 calls from run to run, and CI
-    once saw 4.08. Counted as ``benches/python/link_cost.py`` counts them."""
+    once saw 4.08. Counted as ``benches/python/link_cost.py`` counts them, over 48 packs (the
+    end of forward's poll and synchronize are counted in: over 24, 3.04-3.46 a pack)."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "python"))
     import link_cost
 
-    got = link_cost.device_calls(24, 8 << 20)
+    got = link_cost.device_calls(48, 8 << 20)
     assert got["calls_per_pack"] <= 3.5 and got["calls_per_unpack"] <= 4, got
     assert got["queries_per_pack"] <= 1 and got["queries_per_unpack"] <= 1, got
