@@ -168,8 +168,15 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     let huge_dst = vec![0u8; 9 << 20];
     l.synchronize().unwrap(); // the group's event back in the link's pool
     let before = dev.calls();
-    // two of 8 MiB make a group of 16 MiB: one record, one wait, one event for both
-    for _ in 0..2 {
+    // four of 8 MiB make a group of 32 MiB: one record, one wait, one event for them all
+    for i in 0..4 {
+        if i == 3 {
+            assert_eq!(
+                dev.calls() - before,
+                0,
+                "three of 8 MiB held back for their group"
+            );
+        }
         // SAFETY: both buffers outlive the copy (synchronized below).
         unsafe {
             l.d2h(
@@ -187,8 +194,8 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     }
     assert_eq!(
         dev.calls() - before,
-        5,
-        "Note [grouped copies]: two of 8 MiB"
+        7,
+        "Note [grouped copies]: four of 8 MiB"
     );
     l.synchronize().unwrap();
     let before = dev.calls();

@@ -10,7 +10,7 @@ const SLOTS_PER_SLAB: u64 = 8192;
 /// Note [grouped copies]: copies of at most this many bytes are issued in groups ...
 pub const GROUP_BYTES: u64 = 8 << 20;
 /// ... of at most this many bytes ...
-pub const GROUP_FLUSH_BYTES: u64 = 16 << 20;
+pub const GROUP_FLUSH_BYTES: u64 = 32 << 20;
 /// ... and this many copies.
 pub const GROUP_COPIES: usize = 8;
 

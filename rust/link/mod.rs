@@ -42,7 +42,7 @@
 //! What a pack costs the device API. Copies up to [`GROUP_BYTES`] are issued in groups (Note
 //! [grouped copies]): per group a record (compute) and a wait (D2H stream), per copy the copy,
 //! per group the record of the D2H event after it -- 1 + 3/k calls a copy for a group of k
-//! (8: 1.4; two of 8 MiB: 2.5). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
+//! (8: 1.4; four of 8 MiB: 1.75). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
 //! victims need past the cap and the queries of [`Link::poll`] (Note [polls in order]). An
 //! urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
@@ -81,8 +81,9 @@
 //! compute stream's work *at the flush* orders each copy after its source's producer, which
 //! was queued before its pack; the source cannot change meanwhile (autograd's saved tensor:
 //! an in-place write raises at unpack, Note [in-place after pack] in activations/link). What a
-//! group delays is at most 16 MiB of copies (~300 us of the H200's link; with 8 MiB, a copy of
-//! 8 MiB went alone, 4.8 calls a pack), held while the host
+//! group delays is at most 32 MiB of copies (~600 us of the H200's link, filled in ~120 us of
+//! the probe's forward; with 8 MiB, a copy of 8 MiB went alone, 4.8 calls a pack; with 16, two
+//! went together, 2.5 calls a pack before the polls, now four: 1.75), held while the host
 //! runs the ops that save the next ones -- on a GPU mostly ahead of the compute the copies
 //! wait for anyway; at worst (a long op after a few small saves) until forward ends.
 

@@ -303,14 +303,15 @@ def test_device_calls_per_tensor_at_1_mib():
 
 
 def test_device_calls_per_tensor_at_8_mib():
-    """Note [grouped copies] in rust/link/mod.rs: two copies of 8 MiB share one group (one
+    """Note [grouped copies] in rust/link/mod.rs: four copies of 8 MiB share one group (one
     ordering after the compute stream, one event), and two staged copies back share one event
-    (Note [device calls]): 4.79 calls a pack and 4.38 an unpack when each went alone, now 2.5
-    a pack before the polls. The polls (Note [polls] in activations/link/device.py: every 1 ms
-    and 32 MiB; Note [polls in order] in rust/link) ask under one query a pack: with a poll
-    per pack and a query per event landed, a pack took 3.5-4.2 calls from run to run, and CI
-    once saw 4.08. Counted as ``benches/python/link_cost.py`` counts them, over 48 packs (the
-    end of forward's poll and synchronize are counted in: over 24, 3.04-3.46 a pack)."""
+    (Note [device calls]): 4.79 calls a pack and 4.38 an unpack when each went alone, 2.5 a
+    pack before the polls in groups of two, now 1.75. The polls (Note [polls] in
+    activations/link/device.py: every 1 ms and 32 MiB; Note [polls in order] in rust/link) ask
+    under one query a pack: with a poll per pack and a query per event landed, a pack took
+    3.5-4.2 calls from run to run, and CI once saw 4.08. Counted as
+    ``benches/python/link_cost.py`` counts them, over 48 packs (the end of forward's poll and
+    synchronize are counted in: over 24, 3.04-3.46 a pack in groups of two)."""
     import os
     import sys
 
@@ -318,5 +319,5 @@ def test_device_calls_per_tensor_at_8_mib():
     import link_cost
 
     got = link_cost.device_calls(48, 8 << 20)
-    assert got["calls_per_pack"] <= 3.5 and got["calls_per_unpack"] <= 4, got
+    assert got["calls_per_pack"] <= 3 and got["calls_per_unpack"] <= 4, got
     assert got["queries_per_pack"] <= 1 and got["queries_per_unpack"] <= 1, got
