@@ -186,6 +186,7 @@ class DeviceLink:
         self._stall = 0.0
         self._last_poll = 0.0
         self._since_poll = 0  # bytes packed and unpacked since the last poll (Note [polls])
+        self._poll_bytes = min(POLL_BYTES, cap // 4)
         #: urgent copies back of bytes whose D2H copy was not seen landing (ordered after it
         #: on the device: Note [unpack before the seal] in rust/tier)
         self.urgent_before_landing = 0
@@ -349,15 +350,13 @@ class DeviceLink:
         ``nbytes``, once ``POLL_BYTES`` went by too); raise the first
         error nobody has seen yet of a copy started with this ``errors`` list, or of one
         without a list (Note [errors go to their owner])."""
-        now = time.perf_counter()
-        since = now - self._last_poll
         if nbytes is not None:
             self._since_poll += nbytes
-            enough = self._since_poll >= min(POLL_BYTES, self.cap_bytes // 4)
-            due = since >= POLL_SECONDS and enough
-        else:
-            due = since >= POLL_SECONDS
-        if due:
+            if self._since_poll < self._poll_bytes:
+                self._raise(errors)
+                return
+        now = time.perf_counter()
+        if now - self._last_poll >= POLL_SECONDS:
             self._last_poll = now
             self._since_poll = 0
             self.poll()
