@@ -348,6 +348,10 @@ def check_steps(p: Probe) -> Dict[str, Any]:
     def link_calls(ctx: Any) -> int:
         return sum(int(getattr(tr, "calls", 0)) for tr in list(ctx._transfers.values()))
 
+    def link_queries(ctx: Any) -> int:  # of the calls, event queries (Note [polls in order])
+        return sum(int(tr.counters().get("queries", 0)) for tr in list(ctx._transfers.values())
+                   if hasattr(tr, "counters"))
+
     for mode, make in modes.items():
         model.ckpt = mode == "full"
         ctx = make() if make else None
@@ -356,6 +360,7 @@ def check_steps(p: Probe) -> Dict[str, Any]:
             if mode == "quickstart":
                 ctx = make()
             calls0 = link_calls(ctx) if ctx is not None else 0
+            queries0 = link_queries(ctx) if ctx is not None else 0
             model.zero_grad(set_to_none=True)
             sync(p)
             base = mem.now()
@@ -376,6 +381,7 @@ def check_steps(p: Probe) -> Dict[str, Any]:
                 per_step.append({"seconds": t2 - t0, "pool_maps": st.pool_maps,
                                  "pool_registrations": st.pool_registrations,
                                  "link_calls": link_calls(ctx) - calls0,
+                                 "link_queries": link_queries(ctx) - queries0,
                                  "stall_seconds": st.stall_seconds,
                                  "pool_capacity": st.pool_capacity})
             if s >= (2 if mode == "quickstart" else 1):
@@ -398,7 +404,8 @@ def check_steps(p: Probe) -> Dict[str, Any]:
         if per_step:
             p.say("  per step: " + "; ".join(
                 f"{x['seconds']:.3f} s, {x['pool_maps']} maps, {x['pool_registrations']} "
-                f"registrations, {x['link_calls']} link calls, stalls {x['stall_seconds']:.3f} s,"
+                f"registrations, {x['link_calls']} link calls ({x['link_queries']} queries), "
+                f"stalls {x['stall_seconds']:.3f} s,"
                 f" pool {x['pool_capacity'] / GiB:.2f} GiB" for x in per_step))
         if mode == "quickstart":
             late = per_step[2:]
