@@ -7,11 +7,10 @@ use super::*;
 /// Checksum slots allocated at once (64 KiB of host memory).
 const SLOTS_PER_SLAB: u64 = 8192;
 
-/// Note [grouped copies]: copies of at most this many bytes are issued in groups ...
-pub const GROUP_BYTES: u64 = 8 << 20;
-/// ... of at most this many bytes ...
+/// Note [grouped copies]: copies are issued in groups of two or more once they hold this
+/// many bytes (or, even alone, an eighth of the cap) ...
 pub const GROUP_FLUSH_BYTES: u64 = 32 << 20;
-/// ... and this many copies.
+/// ... and at most this many copies.
 pub const GROUP_COPIES: usize = 8;
 
 /// A copy held back for its group (Note [grouped copies]).
@@ -91,11 +90,16 @@ impl Link {
             checksum,
         });
         st.pending_bytes += nbytes;
-        // a group holds at most an eighth of the cap: past the cap the oldest copies become
-        // victims, which the compute stream waits for -- better long issued than just now
-        let limit = GROUP_FLUSH_BYTES.min(st.ledger.cap_bytes() / 8);
-        if st.pending.len() >= GROUP_COPIES || st.pending_bytes >= limit || nbytes > GROUP_BYTES {
-            self.flush_pending(&mut st)?; // Note [grouped copies]
+        // a group goes at an eighth of the cap, even of one copy: past the cap the oldest copies
+        // become victims, which the compute stream waits for -- better long issued than just
+        // now; below that, two or more go at GROUP_FLUSH_BYTES (Note [grouped copies])
+        let n = st.pending.len();
+        let bytes = st.pending_bytes;
+        if n >= GROUP_COPIES
+            || bytes >= st.ledger.cap_bytes() / 8
+            || (n >= 2 && bytes >= GROUP_FLUSH_BYTES)
+        {
+            self.flush_pending(&mut st)?;
         }
         self.order_victims(&mut st, &issued.victims)?;
         Ok(issued)

@@ -39,10 +39,10 @@
 //! device memory. What the cap costs shows as `copy_waits_forced` and the stalls.
 //!
 //! # Note [device calls]
-//! What a pack costs the device API. Copies up to [`GROUP_BYTES`] are issued in groups (Note
-//! [grouped copies]): per group a record (compute) and a wait (D2H stream), per copy the copy,
-//! per group the record of the D2H event after it -- 1 + 3/k calls a copy for a group of k
-//! (8: 1.4; four of 8 MiB: 1.75). A larger copy goes at once: record, wait, copy, event = 4. Then the waits its
+//! What a pack costs the device API. Copies are issued in groups (Note [grouped copies]): per
+//! group a record (compute) and a wait (D2H stream), per copy the copy, per group the record
+//! of the D2H event after it -- 1 + 3/k calls a copy for a group of k (8: 1.4; four of 8 MiB:
+//! 1.75; two of 32 MiB or more: 2.5). Then the waits its
 //! victims need past the cap and the queries of [`Link::poll`] (Note [polls in order]). An
 //! urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
@@ -69,23 +69,25 @@
 //! # Note [grouped copies]
 //! The H200 measured 3.2 device calls a pack of 4 KiB and 5.6 of 1 MiB (at ~1-5 us of host time
 //! each): a record and a wait per copy, to order the D2H stream after the compute stream's
-//! work so far, were half of them. A copy of at most [`GROUP_BYTES`] is therefore held back
-//! (`pending`, in the ledger from its pack: its source is held as any copy in flight) and
-//! issued with the next ones after one record and one wait: when [`GROUP_COPIES`] are held,
-//! or [`GROUP_FLUSH_BYTES`] (at most an eighth of the cap of Note [back-pressure]: a victim
-//! past the cap makes the compute stream wait for its copy, best issued long before), or a copy
-//! of another compute stream or a larger one comes (order is kept), or anything needs one of
-//! them (a victim's wait, a copy back ordered after it, a host
-//! wait, [`Link::release_all`], [`Link::synchronize`]), and at the end of forward
-//! ([`Link::flush`]). Ordering the group after the
-//! compute stream's work *at the flush* orders each copy after its source's producer, which
-//! was queued before its pack; the source cannot change meanwhile (autograd's saved tensor:
-//! an in-place write raises at unpack, Note [in-place after pack] in activations/link). What a
-//! group delays is at most 32 MiB of copies (~600 us of the H200's link, filled in ~120 us of
-//! the probe's forward; with 8 MiB, a copy of 8 MiB went alone, 4.8 calls a pack; with 16, two
-//! went together, 2.5 calls a pack before the polls, now four: 1.75), held while the host
-//! runs the ops that save the next ones -- on a GPU mostly ahead of the compute the copies
-//! wait for anyway; at worst (a long op after a few small saves) until forward ends.
+//! work so far, were half of them. A copy is therefore held back (`pending`, in the ledger
+//! from its pack: its source is held as any copy in flight) and issued with the next ones
+//! after one record and one wait: when [`GROUP_COPIES`] are held, or two or more holding
+//! [`GROUP_FLUSH_BYTES`], or any holding an eighth of the cap of Note [back-pressure] (a victim
+//! past the cap makes the compute stream wait for its copy, best issued long before: held back
+//! past that, copies of 1 MiB under a 4 MiB cap put 5-6 MiB in flight), or a copy of
+//! another compute stream comes (order is kept), or anything needs one of them (a victim's
+//! wait, a copy back ordered after it, a host wait, [`Link::release_all`],
+//! [`Link::synchronize`]), and at the end of forward ([`Link::flush`]). Ordering the group
+//! after the compute stream's work *at the flush* orders each copy after its source's
+//! producer, which was queued before its pack; the source cannot change meanwhile (autograd's
+//! saved tensor: an in-place write raises at unpack, Note [in-place after pack] in
+//! activations/link). What a group delays is its copies until the next pack past the limit:
+//! on a GPU the host runs ahead of the compute the copies wait for anyway, and a link with
+//! copies queued is busy with them; at worst (a long op after a few saves) until forward
+//! ends. A copy over 8 MiB went alone (record, wait, copy, event: 4 calls) -- most of the
+//! probe's 1B Llama's saves at seq 4096 (16-44 MiB) -- now two share 5 up to an eighth of the
+//! cap (the default on CUDA: 320 MB, so up to 40 MB); with groups of at most 16 MiB, a pack of
+//! 8 MiB took 2.5 calls before the polls, now 1.75.
 
 pub mod checksum;
 pub mod cuda;
@@ -98,7 +100,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-pub use d2h::{GROUP_BYTES, GROUP_COPIES, GROUP_FLUSH_BYTES};
+pub use d2h::{GROUP_COPIES, GROUP_FLUSH_BYTES};
 pub use device::{Device, Dir, Event, Keep, Stream};
 pub use h2d::{StageItem, SHARE_BYTES};
 

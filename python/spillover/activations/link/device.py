@@ -40,7 +40,10 @@ Note [polls]
     Each poll asks the device which copies landed (2 + log2(k) queries at most for k events:
     Note [polls in order] in rust/link). Pack and unpack poll at most every 1 ms, and only
     once ``POLL_BYTES`` (32 MiB, at most a quarter of the cap of Note [back-pressure]) were
-    packed or unpacked since the last poll: what lands between two polls waits for the next
+    packed or unpacked since the last poll, or the pack would pass the cap (its victims may
+    have landed unseen: without that poll, copies in flight read 5 MiB against a 4 MiB cap in
+    a loaded run of test_everything_released_by_the_end_of_backward, which had polled at each
+    pack of 1 MiB): what lands between two polls waits for the next
     one -- its source kept a little longer (at most the cap: past it the ledger's victims go
     without a poll), its entry sealed a little later (an unpack before the seal orders its copy
     back after the event instead), its error raised a few packs later -- which costs nothing a
@@ -187,6 +190,7 @@ class DeviceLink:
         self._last_poll = 0.0
         self._since_poll = 0  # bytes packed and unpacked since the last poll (Note [polls])
         self._poll_bytes = min(POLL_BYTES, cap // 4)
+        self._cap = cap
         #: urgent copies back of bytes whose D2H copy was not seen landing (ordered after it
         #: on the device: Note [unpack before the seal] in rust/tier)
         self.urgent_before_landing = 0
@@ -347,12 +351,14 @@ class DeviceLink:
     def reap(self, errors: Optional[List[BaseException]] = None,
              nbytes: Optional[int] = None) -> None:
         """Poll (Note [polls]: at most every ``POLL_SECONDS``; from a pack or an unpack of
-        ``nbytes``, once ``POLL_BYTES`` went by too); raise the first
+        ``nbytes``, once ``POLL_BYTES`` went by too, or the cap would be passed); raise the first
         error nobody has seen yet of a copy started with this ``errors`` list, or of one
         without a list (Note [errors go to their owner])."""
         if nbytes is not None:
             self._since_poll += nbytes
-            if self._since_poll < self._poll_bytes:
+            # a pack past the cap makes victims of copies perhaps landed unseen: poll first
+            if (self._since_poll < self._poll_bytes
+                    and self.native.bytes_in_flight + nbytes <= self._cap):
                 self._raise(errors)
                 return
         now = time.perf_counter()
