@@ -73,8 +73,8 @@
 //! from its pack: its source is held as any copy in flight) and issued with the next ones
 //! after one record and one wait: when [`GROUP_COPIES`] are held, or two or more holding
 //! [`GROUP_FLUSH_BYTES`], or any holding an eighth of the cap of Note [back-pressure] (a victim
-//! past the cap makes the compute stream wait for its copy, best issued long before: held back
-//! past that, copies of 1 MiB under a 4 MiB cap put 5-6 MiB in flight), or a copy of
+//! past the cap makes the compute stream wait for its copy, best issued long before), or a
+//! copy of
 //! another compute stream comes (order is kept), or anything needs one of them (a victim's
 //! wait, a copy back ordered after it, a host wait, [`Link::release_all`],
 //! [`Link::synchronize`]), and at the end of forward ([`Link::flush`]). Ordering the group

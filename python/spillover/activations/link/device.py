@@ -40,10 +40,9 @@ Note [polls]
     Each poll asks the device which copies landed (2 + log2(k) queries at most for k events:
     Note [polls in order] in rust/link). Pack and unpack poll at most every 1 ms, and only
     once ``POLL_BYTES`` (32 MiB, at most a quarter of the cap of Note [back-pressure]) were
-    packed or unpacked since the last poll, or the pack would pass the cap (its victims may
-    have landed unseen: without that poll, copies in flight read 5 MiB against a 4 MiB cap in
-    a loaded run of test_everything_released_by_the_end_of_backward, which had polled at each
-    pack of 1 MiB): what lands between two polls waits for the next
+    packed or unpacked since the last poll, or the pack would pass the cap (its victims, which
+    the compute stream is made to wait for, may have landed unseen): what lands between two
+    polls waits for the next
     one -- its source kept a little longer (at most the cap: past it the ledger's victims go
     without a poll), its entry sealed a little later (an unpack before the seal orders its copy
     back after the event instead), its error raised a few packs later -- which costs nothing a
