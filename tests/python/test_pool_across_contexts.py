@@ -295,7 +295,7 @@ def test_auto_on_a_cpu_host_meets_its_budget_under_the_default_context(small_fir
         reads = [m for p, m in planner.measured if p is planner.plan]
         # a read low lets auto pass its budget (RSS read 105.0 + 16.8 MiB as 105.5 here):
         # within 2 % below; a read high only makes auto careful, and on 2026-12-07 one local
-        # CI run and one of five whole-file runs read 4.8 and 5.3 MB (~6 % of the budget) over
+        # CI run and one of two whole-file runs read 4.8 and 5.3 MB (~6 % of the budget) over
         # the step measured after (cause not traced): within 10 % above
         want = peak + s.pool_capacity
         assert reads and all(-0.02 * budget <= r - want <= 0.10 * budget
