@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use spillover_core::link::sim::{Fault, SimDevice, SimOptions, COMPUTE};
 use spillover_core::link::{Device, Dir, Link, StageItem};
+use spillover_core::tier::Issued;
 
 fn sim(opts: SimOptions) -> Arc<SimDevice> {
     Arc::new(SimDevice::new(opts).unwrap())
@@ -25,6 +26,28 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
+}
+
+/// Copy `nbytes` of `src` into `dst` over `l`, after the compute stream's work, nothing held
+/// or kept by the link.
+///
+/// # Safety
+/// Both buffers outlive the copy.
+unsafe fn copy_out(l: &Link, src: &[u8], dst: &[u8], nbytes: u64) -> Issued {
+    // SAFETY: the caller's contract.
+    unsafe {
+        l.d2h(
+            addr(src),
+            addr(dst),
+            nbytes,
+            COMPUTE,
+            None,
+            None,
+            None,
+            None,
+        )
+    }
+    .unwrap()
 }
 
 fn poll_until_landed(l: &Link, id: u64) -> Vec<u64> {
@@ -110,58 +133,21 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     // the first packs also make the link's events (pooled from then on)
     for _ in 0..2 {
         // SAFETY: both buffers outlive the copy (synchronized below).
-        unsafe {
-            l.d2h(
-                addr(&src),
-                addr(&dst),
-                4096,
-                COMPUTE,
-                None,
-                None,
-                None,
-                None,
-            )
-        }
-        .unwrap();
+        unsafe { copy_out(&l, &src, &dst, 4096) };
     }
     l.synchronize().unwrap();
     let before = dev.calls();
     let mut ids = Vec::new();
     for _ in 0..7 {
         // SAFETY: both buffers outlive the copy (synchronized below).
-        let id = unsafe {
-            l.d2h(
-                addr(&src),
-                addr(&dst),
-                4096,
-                COMPUTE,
-                None,
-                None,
-                None,
-                None,
-            )
-        }
-        .unwrap()
-        .id;
+        let id = unsafe { copy_out(&l, &src, &dst, 4096) }.id;
         ids.push(id);
     }
     assert_eq!(dev.calls() - before, 0, "held back for their group");
     let big = pattern(1 << 20, 2);
     let big_dst = vec![0u8; 1 << 20];
     // SAFETY: both buffers outlive the copy (synchronized below).
-    unsafe {
-        l.d2h(
-            addr(&big),
-            addr(&big_dst),
-            1 << 20,
-            COMPUTE,
-            None,
-            None,
-            None,
-            None,
-        )
-    }
-    .unwrap();
+    unsafe { copy_out(&l, &big, &big_dst, 1 << 20) };
     // the eighth completes the group: record (compute), wait (D2H), 8 copies, one event
     assert_eq!(dev.calls() - before, 11, "Note [device calls]");
     let huge = vec![0u8; 9 << 20];
@@ -178,19 +164,7 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
             );
         }
         // SAFETY: both buffers outlive the copy (synchronized below).
-        unsafe {
-            l.d2h(
-                addr(&huge),
-                addr(&huge_dst),
-                8 << 20,
-                COMPUTE,
-                None,
-                None,
-                None,
-                None,
-            )
-        }
-        .unwrap();
+        unsafe { copy_out(&l, &huge, &huge_dst, 8 << 20) };
     }
     assert_eq!(
         dev.calls() - before,
@@ -204,19 +178,7 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     let whole_dst = vec![0u8; 40 << 20];
     for i in 0..2 {
         // SAFETY: both buffers outlive the copy (synchronized below).
-        unsafe {
-            l.d2h(
-                addr(&whole),
-                addr(&whole_dst),
-                40 << 20,
-                COMPUTE,
-                None,
-                None,
-                None,
-                None,
-            )
-        }
-        .unwrap();
+        unsafe { copy_out(&l, &whole, &whole_dst, 40 << 20) };
         let want = if i == 0 { 0 } else { 5 };
         assert_eq!(dev.calls() - before, want, "Note [grouped copies]: 40 MiB");
     }
@@ -267,20 +229,7 @@ fn staged_copies_wait_for_their_d2h_copy_and_are_used_or_dropped() {
     let src = pattern(1 << 20, 3);
     let host = vec![0u8; 1 << 20];
     // SAFETY: both buffers outlive the copy.
-    let id = unsafe {
-        l.d2h(
-            addr(&src),
-            addr(&host),
-            1 << 20,
-            COMPUTE,
-            None,
-            None,
-            None,
-            None,
-        )
-    }
-    .unwrap()
-    .id;
+    let id = unsafe { copy_out(&l, &src, &host, 1 << 20) }.id;
     let a = vec![0u8; 1 << 20];
     let b = vec![0u8; 1 << 20];
     let items = vec![
@@ -321,40 +270,14 @@ fn a_failed_copy_is_reported_with_its_id() {
     let dst = vec![0u8; 4096];
     dev.inject(Fault::Fail, Dir::ToHost);
     // SAFETY: both buffers outlive the copies.
-    let bad = unsafe {
-        l.d2h(
-            addr(&src),
-            addr(&dst),
-            4096,
-            COMPUTE,
-            None,
-            None,
-            None,
-            None,
-        )
-    }
-    .unwrap()
-    .id;
+    let bad = unsafe { copy_out(&l, &src, &dst, 4096) }.id;
     let landed = l.synchronize().unwrap();
     assert_eq!(landed.len(), 1);
     assert_eq!(landed[0].id, bad);
     assert!(landed[0].error.is_some());
     // the next copy is fine
     // SAFETY: as above.
-    let ok = unsafe {
-        l.d2h(
-            addr(&src),
-            addr(&dst),
-            4096,
-            COMPUTE,
-            None,
-            None,
-            None,
-            None,
-        )
-    }
-    .unwrap()
-    .id;
+    let ok = unsafe { copy_out(&l, &src, &dst, 4096) }.id;
     let landed = l.synchronize().unwrap();
     assert_eq!(landed.len(), 1);
     assert_eq!(landed[0].id, ok);
@@ -370,19 +293,7 @@ fn injected_races_change_the_bytes_as_a_race_would() {
     let dst = vec![0u8; 4096];
     dev.inject(Fault::StaleSource, Dir::ToHost);
     // SAFETY: both buffers outlive the copy.
-    unsafe {
-        l.d2h(
-            addr(&src),
-            addr(&dst),
-            4096,
-            COMPUTE,
-            None,
-            None,
-            None,
-            None,
-        )
-    }
-    .unwrap();
+    unsafe { copy_out(&l, &src, &dst, 4096) };
     l.synchronize().unwrap();
     assert_ne!(dst, src);
     // a staged copy whose bytes land after its event: used at once, it reads the old bytes
@@ -544,20 +455,7 @@ fn a_poll_finds_the_copies_landed_by_halving() {
     let mut ids = Vec::new();
     for _ in 0..16 * 8 {
         // SAFETY: both buffers outlive the copies (synchronized below).
-        let id = unsafe {
-            l.d2h(
-                addr(&src),
-                addr(&dst),
-                4096,
-                COMPUTE,
-                None,
-                None,
-                None,
-                None,
-            )
-        }
-        .unwrap()
-        .id;
+        let id = unsafe { copy_out(&l, &src, &dst, 4096) }.id;
         ids.push(id);
     }
     std::thread::sleep(Duration::from_millis(75));

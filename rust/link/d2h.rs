@@ -182,7 +182,12 @@ impl Link {
                 n += 1;
             }
         }
+        if n == 0 {
+            st.free.push(ev); // nothing left to see landing by it
+            return Ok(());
+        }
         st.ev_refs.insert(ev, n);
+        st.d2h_evs.push_back(ev);
         Ok(())
     }
 
@@ -212,6 +217,12 @@ impl Link {
         };
         if gone {
             st.ev_refs.remove(&ev);
+            // copies land (and are let go of) in the order of their events
+            if st.d2h_evs.front() == Some(&ev) {
+                st.d2h_evs.pop_front();
+            } else {
+                st.d2h_evs.retain(|&e| e != ev);
+            }
             st.free.push(ev);
         }
     }

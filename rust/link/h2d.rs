@@ -159,10 +159,11 @@ impl Link {
             return;
         }
         // Note [polls in order]: one H2D stream runs them in order
-        let evs: Vec<Event> = st.staged_order.iter().copied().collect();
-        let ran = self.fired_prefix(st, &evs);
-        let mut kept = VecDeque::with_capacity(st.staged_order.len());
-        for (i, ev) in evs.into_iter().enumerate() {
+        let n = st.staged_order.len();
+        let ran = self.fired_prefix(st, n, |s, i| s.staged_order[i]);
+        let order = std::mem::take(&mut st.staged_order);
+        let mut kept = VecDeque::with_capacity(n);
+        for (i, ev) in order.into_iter().enumerate() {
             let settled = st.staged.get(&ev).is_some_and(|s| s.left == 0);
             let done = i < ran;
             if done && settled {

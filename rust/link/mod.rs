@@ -189,6 +189,8 @@ struct State {
     unevented: Vec<u64>,
     /// How many copies in flight share each D2H event.
     ev_refs: HashMap<Event, u32>,
+    /// Those events, oldest first (Note [polls in order]).
+    d2h_evs: VecDeque<Event>,
     /// Verify mode: free 8-byte host slots the devices' checksums are copied into.
     free_slots: Vec<u64>,
     /// Copies held back for their group, oldest first, all of `pending_stream`'s (Note
@@ -228,6 +230,7 @@ impl Link {
                 failed_seen: 0,
                 unevented: Vec::new(),
                 ev_refs: HashMap::new(),
+                d2h_evs: VecDeque::new(),
                 free_slots: Vec::new(),
                 pending: Vec::new(),
                 pending_stream: 0,
@@ -254,19 +257,27 @@ impl Link {
     /// order, so after the oldest (none fired: one query) and the newest (all fired: two) the
     /// first that has not is found by halving (Note [polls in order]). An error counts as not
     /// fired.
-    fn fired_prefix(&self, st: &mut State, evs: &[Event]) -> usize {
-        let Some(&oldest) = evs.first() else { return 0 };
-        if !matches!(self.query(st, oldest), Ok(true)) {
+    /// `ev_at(st, i)` is the `i`-th of `n`, read from the state in place (no copy of them).
+    fn fired_prefix(
+        &self,
+        st: &mut State,
+        n: usize,
+        ev_at: impl Fn(&State, usize) -> Event,
+    ) -> usize {
+        let fired = |st: &mut State, i: usize| {
+            let ev = ev_at(st, i);
+            matches!(self.query(st, ev), Ok(true))
+        };
+        if n == 0 || !fired(st, 0) {
             return 0;
         }
-        let n = evs.len();
-        if n == 1 || matches!(self.query(st, evs[n - 1]), Ok(true)) {
+        if n == 1 || fired(st, n - 1) {
             return n;
         }
         let (mut lo, mut hi) = (1, n - 1);
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if matches!(self.query(st, evs[mid]), Ok(true)) {
+            if fired(st, mid) {
                 lo = mid + 1;
             } else {
                 hi = mid;
@@ -294,28 +305,21 @@ impl Link {
         let failed = self.dev.failed_copies();
         let clean = failed == st.failed_seen;
         st.failed_seen = failed;
-        let mut evs: Vec<Event> = Vec::new();
-        for c in st.d2h.values() {
-            let Some(ev) = c.ev else { break };
-            if evs.last() != Some(&ev) {
-                evs.push(ev);
-            }
-        }
-        let known = if clean {
-            Some(self.fired_prefix(&mut st, &evs))
+        // Some(the first event that has not fired, None when all have): the copies go in the
+        // order of their events, so a copy has landed unless its event is that one or later
+        let first_not = if clean {
+            let n = st.d2h_evs.len();
+            let k = self.fired_prefix(&mut st, n, |s, i| s.d2h_evs[i]);
+            Some(st.d2h_evs.get(k).copied())
         } else {
             None
         };
-        let mut at = 0; // the index in `evs` of the event of the copy at hand
         let mut seen: Option<(Event, bool)> = None; // the last event queried, and its answer
         while let Some((&id, c)) = st.d2h.first_key_value() {
             let Some(ev) = c.ev else { break }; // no event after it yet: cannot be seen
-            if evs.get(at) != Some(&ev) {
-                at += 1; // the copies and `evs` go in the same order
-            }
-            let fired = match (seen, known) {
+            let fired = match (seen, first_not) {
                 (Some((e, f)), _) if e == ev => Ok(f),
-                (_, Some(k)) => Ok(at < k),
+                (_, Some(first_not)) => Ok(first_not != Some(ev)),
                 _ => self.query(&mut st, ev),
             };
             let error = match fired {
@@ -347,8 +351,8 @@ impl Link {
     }
 
     fn poll_h2d(&self, st: &mut State) {
-        let evs: Vec<Event> = st.h2d.iter().map(|h| h.ev).collect();
-        for _ in 0..self.fired_prefix(st, &evs) {
+        let n = st.h2d.len();
+        for _ in 0..self.fired_prefix(st, n, |s, i| s.h2d[i].ev) {
             if let Some(h) = st.h2d.pop_front() {
                 st.free.push(h.ev);
                 drop(h.hold);
@@ -424,6 +428,12 @@ impl Link {
     /// Whether copy `id` is in flight (not yet seen complete).
     pub fn in_flight(&self, id: u64) -> bool {
         self.lock().d2h.contains_key(&id)
+    }
+
+    /// Bytes of the copies not seen complete (what [`Link::counters`] reads, without the rest:
+    /// a pack asks it, Note [polls] in activations/link/device.py).
+    pub fn bytes_in_flight(&self) -> u64 {
+        self.lock().ledger.bytes_in_flight()
     }
 
     /// Whether the source of copy `id` is still the ledger's to hold.

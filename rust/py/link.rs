@@ -312,7 +312,7 @@ impl PyLink {
     /// Bytes of the copies not seen complete.
     #[getter]
     fn bytes_in_flight(&self) -> u64 {
-        self.link.counters().0.bytes_in_flight
+        self.link.bytes_in_flight()
     }
 
     /// Bytes of the sources the ledger holds.
