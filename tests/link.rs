@@ -154,13 +154,13 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     let huge_dst = vec![0u8; 9 << 20];
     l.synchronize().unwrap(); // the group's event back in the link's pool
     let before = dev.calls();
-    // four of 8 MiB make a group of 32 MiB: one record, one wait, one event for them all
-    for i in 0..4 {
-        if i == 3 {
+    // six of 8 MiB make a group of 48 MiB: one record, one wait, one event for them all
+    for i in 0..6 {
+        if i == 5 {
             assert_eq!(
                 dev.calls() - before,
                 0,
-                "three of 8 MiB held back for their group"
+                "five of 8 MiB held back for their group"
             );
         }
         // SAFETY: both buffers outlive the copy (synchronized below).
@@ -168,8 +168,8 @@ fn a_group_of_packs_costs_one_device_call_each_and_three_more_and_an_urgent_unpa
     }
     assert_eq!(
         dev.calls() - before,
-        7,
-        "Note [grouped copies]: four of 8 MiB"
+        9,
+        "Note [grouped copies]: six of 8 MiB"
     );
     l.synchronize().unwrap();
     let before = dev.calls();
@@ -477,4 +477,61 @@ fn a_poll_finds_the_copies_landed_by_halving() {
         "all landed: the oldest and the newest"
     );
     assert_eq!(landed + rest, ids.len());
+}
+
+/// Drops set the flag: what a staged copy held.
+struct Flag(Arc<AtomicUsize>);
+
+impl Drop for Flag {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_staged_copy_seen_landed_lets_go_of_its_views_and_its_use_makes_no_wait() {
+    // Note [staged copies seen landed]: three runs (one stage call each), then a poll once
+    // they ran. Before it: the views held until each tensor was used, and a wait per use.
+    let dev = sim(SimOptions {
+        bandwidth: Some(1e9),
+        ..Default::default()
+    });
+    let l = link(&dev, u64::MAX);
+    let host = pattern(1 << 20, 5);
+    let bufs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; 1 << 20]).collect();
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let mut evs = Vec::new();
+    for b in &bufs {
+        let item = StageItem {
+            dst: addr(b),
+            src: addr(&host),
+            nbytes: 1 << 20,
+            after: None,
+            hold: Some(Box::new(Flag(dropped.clone()))),
+            keep: None,
+        };
+        // SAFETY: all buffers outlive the copies (seen landed below).
+        evs.extend(unsafe { l.stage(COMPUTE, vec![item]) }.unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while dropped.load(Ordering::SeqCst) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the staged copies were never seen landed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        l.poll().unwrap();
+    }
+    let c0 = dev.calls();
+    for (ev, b) in evs.iter().zip(&bufs) {
+        l.use_staged(*ev, COMPUTE).unwrap();
+        assert_eq!(*b, host);
+    }
+    assert_eq!(
+        dev.calls() - c0,
+        0,
+        "a use of a copy seen landed waits for nothing"
+    );
+    l.poll().unwrap();
+    assert_eq!(l.counters().0.staged, 0);
 }

@@ -126,12 +126,15 @@ def measure_links(links: List[str], device: str, n: int, rounds: int,
     return rows
 
 
-def device_calls(n: int, nbytes: int) -> Dict[str, float]:
+def device_calls(n: int, nbytes: int, pool_bytes: Optional[int] = None) -> Dict[str, float]:
     """Device calls per pack and per unpack on the simulated link: packs counted in forward
     (no cap: no victim waits), unpacks in backward, with every entry's copy landed and no
-    source kept (so each unpack brings its bytes back over the link)."""
+    source kept (so each unpack brings its bytes back over the link). The pool: 512 MiB, or
+    what the step's saves need and a quarter more (the default pool grows to the step's
+    size), the larger."""
     bw = FREE * 0.999  # a link of its own
-    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes="512MiB",
+    pool = pool_bytes if pool_bytes is not None else max(512 << 20, n * nbytes * 5 // 4)
+    ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=pool,
                                     sim_link_bandwidth=bw, copy_inflight_bytes=1 << 40)
     tr = link_for("cpu", sim_bandwidth=bw, cap_bytes=1 << 40)
     x = torch.randn(nbytes // 4, requires_grad=True)
@@ -282,8 +285,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     out: Dict[str, Any] = {"rows": rows}
     if args.device == "cpu" and link_for is not None:
         out["device_calls"] = {}
+        # past 8 MiB the steps of the models that save such tensors hold dozens of them (the
+        # probe's 1B Llama at seq 4096: 16-44 MiB a save, hundreds a step)
         for name, nbytes, n in (("4KiB", 4 << 10, args.n), ("1MiB", 1 << 20, args.n),
-                                ("8MiB", 8 << 20, min(args.n, 48))):
+                                ("8MiB", 8 << 20, min(args.n, 48)),
+                                ("16MiB", 16 << 20, min(args.n, 48)),
+                                ("32MiB", 32 << 20, min(args.n, 48)),
+                                ("64MiB", 64 << 20, min(args.n, 24))):
             calls = out["device_calls"][name] = device_calls(n, nbytes)
             print(f"device calls at {name}: {calls['calls_per_pack']:.2f} per pack, "
                   f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4); of them "

@@ -9,7 +9,7 @@ const SLOTS_PER_SLAB: u64 = 8192;
 
 /// Note [grouped copies]: copies are issued in groups of two or more once they hold this
 /// many bytes (or, even alone, an eighth of the cap) ...
-pub const GROUP_FLUSH_BYTES: u64 = 32 << 20;
+pub const GROUP_FLUSH_BYTES: u64 = 48 << 20;
 /// ... and at most this many copies.
 pub const GROUP_COPIES: usize = 8;
 

@@ -114,6 +114,7 @@ impl Link {
                     left: run.len(),
                     holds: std::mem::take(&mut run),
                     waited: Vec::new(),
+                    ran: false,
                 },
             );
             run_bytes = 0;
@@ -142,8 +143,9 @@ impl Link {
             return Ok(()); // every tensor of the run settled already
         }
         s.left -= 1;
-        if s.waited.contains(&stream) {
-            return Ok(()); // this stream waits for the run already
+        if s.ran || s.waited.contains(&stream) {
+            // seen landed (Note [staged copies seen landed]), or this stream waits already
+            return Ok(());
         }
         s.waited.push(stream);
         let t0 = Instant::now();
@@ -152,29 +154,33 @@ impl Link {
         r
     }
 
-    /// Staged copies used (or dropped) and seen complete: their holds and events go. One H2D
-    /// stream runs them in order: when the newest has run, all have (one query).
+    /// Note [staged copies seen landed]: find which staged copies ran (one H2D stream runs them
+    /// in order: the prefix of those not yet seen, by halving, Note [polls in order]); what they
+    /// read goes at once, and their events once their tensors were used (or dropped) too.
     pub(super) fn reap_staged(&self, st: &mut State) {
-        if !st.staged.values().any(|s| s.left == 0) {
-            return;
-        }
-        // Note [polls in order]: one H2D stream runs them in order
         let n = st.staged_order.len();
-        let ran = self.fired_prefix(st, n, |s, i| s.staged_order[i]);
+        let known = st.staged_ran.min(n);
+        let ran = known + self.fired_prefix(st, n - known, |s, i| s.staged_order[known + i]);
         let order = std::mem::take(&mut st.staged_order);
         let mut kept = VecDeque::with_capacity(n);
+        let mut kept_ran = 0;
         for (i, ev) in order.into_iter().enumerate() {
-            let settled = st.staged.get(&ev).is_some_and(|s| s.left == 0);
-            let done = i < ran;
-            if done && settled {
-                if let Some(s) = st.staged.remove(&ev) {
-                    drop(s.holds);
-                    st.free.push(ev);
-                }
+            let Some(s) = st.staged.get_mut(&ev) else {
+                continue;
+            };
+            if i < ran && !s.ran {
+                s.ran = true;
+                s.holds.clear(); // the copies read them: the pool's views go back now
+            }
+            if s.ran && s.left == 0 {
+                st.staged.remove(&ev);
+                st.free.push(ev);
             } else {
+                kept_ran += usize::from(s.ran);
                 kept.push_back(ev);
             }
         }
         st.staged_order = kept;
+        st.staged_ran = kept_ran;
     }
 }

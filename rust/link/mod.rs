@@ -41,16 +41,16 @@
 //! # Note [device calls]
 //! What a pack costs the device API. Copies are issued in groups (Note [grouped copies]): per
 //! group a record (compute) and a wait (D2H stream), per copy the copy, per group the record
-//! of the D2H event after it -- 1 + 3/k calls a copy for a group of k (8: 1.4; four of 8 MiB:
-//! 1.75; two of 32 MiB or more: 2.5). Then the waits its
+//! of the D2H event after it -- 1 + 3/k calls a copy for a group of k (8: 1.4; six of 8 MiB:
+//! 1.5; three of 16 MiB: 2; two of 24 MiB or more: 2.5). Then the waits its
 //! victims need past the cap and the queries of [`Link::poll`] (Note [polls in order]). An
 //! urgent unpack: a
 //! copy and a record on the compute stream = 2 (a wait more when its D2H copy was not seen
 //! complete). A staged unpack: per batch a record and a wait, per entry a copy, per run of
 //! entries up to [`SHARE_BYTES`] a record (their tensors wait for the run's last copy: at most
 //! ~300 us of the H200's link; with 4 MiB, each 8 MiB entry had a run of its own and an unpack
-//! of 8 MiB took 4.4 calls), and per run and using stream one wait at the first unpack,
-//! and the using stream's wait at its unpack. `Device::calls` counts them; the link's
+//! of 8 MiB took 4.4 calls), and per run and using stream one wait at the first unpack unless
+//! a poll saw the run land (Note [staged copies seen landed]). `Device::calls` counts them; the link's
 //! `calls` property reads it.
 //!
 //! # Note [polls in order]
@@ -65,6 +65,20 @@
 //! `link_cost.py` prints them). A copy that failed since the last poll makes it ask each event
 //! again, for each copy's error. Polls from packs and unpacks come at most every 1 ms and
 //! every `POLL_BYTES` packed or unpacked (Note [polls] in activations/link/device.py).
+//!
+//! # Note [staged copies seen landed]
+//! A staged copy's tensor waited for the copy's event at its unpack (one device call per run
+//! and using stream) even when a poll had already seen that event fire, and its pool views
+//! stayed held until the tensor was used. A poll now asks the staged events it has not yet
+//! seen fire (the next prefix, by halving), marks those that have: their views go back to the
+//! pool at once, and the unpack of their tensors makes no wait (the copy is done on the
+//! device: nothing left to order after). On the simulated device (`link_cost.py`'s
+//! `device_calls`: every copy landed before backward) an unpack of 32 MiB went from 5.83 to
+//! 4.33 calls, one of 16 MiB from 4.46 to 3.71; the polls of unpacks every 64 MiB instead of
+//! 32 (Note [polls] in activations/link/device.py) took those to 4.25 and 3.38. An unpack of
+//! 32 MiB still stages one entry a batch there (two and a record and a wait each: the
+//! staging distance is an eighth of that run's 512 MiB pool, Note [staging distance]); in a
+//! pool the size of a step of 24 or 48 such saves, 3.4-3.5.
 //!
 //! # Note [grouped copies]
 //! The H200 measured 3.2 device calls a pack of 4 KiB and 5.6 of 1 MiB (at ~1-5 us of host time
@@ -87,7 +101,9 @@
 //! ends. A copy over 8 MiB went alone (record, wait, copy, event: 4 calls) -- most of the
 //! probe's 1B Llama's saves at seq 4096 (16-44 MiB) -- now two share 5 up to an eighth of the
 //! cap (the default on CUDA: 320 MB, so up to 40 MB); with groups of at most 16 MiB, a pack of
-//! 8 MiB took 2.5 calls before the polls, now 1.75.
+//! 8 MiB took 2.5 calls before the polls, then 1.75 at 32 MiB. At 32 MiB a pack of 16 MiB still
+//! went in pairs: 3.04 calls with the polls (the goal is 3); at [`GROUP_FLUSH_BYTES`] = 48 MiB
+//! three of 16 MiB share 6, 2.46 with the polls.
 
 pub mod checksum;
 pub mod cuda;
@@ -154,12 +170,14 @@ struct H2d {
     hold: Option<Keep>,
 }
 
-/// Staged copies sharing one event (Note [device calls]): what they read, how many of their
-/// tensors are still to be used or let go, and the streams already made to wait for it.
+/// Staged copies sharing one event (Note [device calls]): what they read (until they ran), how
+/// many of their tensors are still to be used or let go, the streams already made to wait for
+/// it, and whether a poll saw it fire (Note [staged copies seen landed]).
 struct Staged {
     holds: Vec<Option<Keep>>,
     left: usize,
     waited: Vec<Stream>,
+    ran: bool,
 }
 
 #[derive(Default, Debug, Clone, Copy)]
@@ -181,6 +199,8 @@ struct State {
     /// Staged copies by their event, and their events in issue order (one H2D stream).
     staged: HashMap<Event, Staged>,
     staged_order: VecDeque<Event>,
+    /// How many of `staged_order`'s first events a poll saw fire.
+    staged_ran: usize,
     free: Vec<Event>,
     stats: LinkStats,
     /// `Device::failed_copies` at the last poll.
@@ -225,6 +245,7 @@ impl Link {
                 h2d: VecDeque::new(),
                 staged: HashMap::new(),
                 staged_order: VecDeque::new(),
+                staged_ran: 0,
                 free: Vec::new(),
                 stats: LinkStats::default(),
                 failed_seen: 0,
@@ -390,7 +411,7 @@ impl Link {
             let mut v: Vec<Event> = st.d2h.values().filter_map(|c| c.ev).collect();
             v.dedup();
             v.extend(st.h2d.iter().map(|h| h.ev));
-            v.extend(st.staged.keys().copied());
+            v.extend(st.staged.iter().filter(|(_, s)| !s.ran).map(|(&e, _)| e));
             v
         };
         let t0 = Instant::now();

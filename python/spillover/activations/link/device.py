@@ -39,7 +39,7 @@ Note [returned sources go with their use]
 Note [polls]
     Each poll asks the device which copies landed (2 + log2(k) queries at most for k events:
     Note [polls in order] in rust/link). Pack and unpack poll at most every 1 ms, and only
-    once ``POLL_BYTES`` (32 MiB, at most a quarter of the cap of Note [back-pressure]) were
+    once ``POLL_BYTES`` (64 MiB, at most a quarter of the cap of Note [back-pressure]) were
     packed or unpacked since the last poll, or the pack would pass the cap (its victims, which
     the compute stream is made to wait for, may have landed unseen): what lands between two
     polls waits for the next
@@ -51,7 +51,12 @@ Note [polls]
     pack; 1.88 at 1 ms), and one of 4 KiB made 1.60 calls (1.44). The bytes count because the
     CPU's ops are slow: a pack of 8 MiB takes milliseconds here (tens of microseconds on the
     H200), so 1 ms alone let each pack poll, 3.5-4.2 calls a pack from one run to the next;
-    issue 40, item 5. ``synchronize``, ``wait``, ``done()`` and the end of forward poll at
+    issue 40, item 5. At 32 MiB every pack and unpack of 32 MiB or more polled; at 64 MiB
+    every other one does (a pack of 32 MiB still takes 3.02-3.08 calls: two copies a group,
+    2.5, and half a query; on the H200, where such a pack comes every ~100 us, the 1 ms gate
+    binds). An unpack's poll also tells which staged copies ran (Note [staged copies seen
+    landed] in rust/link): an unpack of 16 MiB takes 3.38 calls at 64 MiB, 3.71 at 32.
+    ``synchronize``, ``wait``, ``done()`` and the end of forward poll at
     the time gate alone, or at once.
 
 Note [errors go to their owner]
@@ -100,7 +105,7 @@ __all__ = ["DeviceLink", "LinkCopy"]
 POLL_SECONDS = 1e-3
 #: ... and, between two polls from packs and unpacks, the bytes they moved (at most a quarter
 #: of the cap).
-POLL_BYTES = 32 << 20
+POLL_BYTES = 64 << 20
 
 
 class LinkCopy:
