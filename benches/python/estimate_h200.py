@@ -11,7 +11,12 @@ pool; its ``full`` is torch's checkpointing per layer, the estimate's ``spillove
 ran before Note [made again at unpack] (activations/rederive.py), so the accuracy table is
 estimated with ``rederive=False``; a row below gives the host mode as this tree runs it.
 
-    python benches/python/estimate_h200.py [--probe PATH] [--no-auto]
+    python benches/python/estimate_h200.py [--probe PATH] [--no-auto] [--host-us US]
+
+``--host-us`` plans auto's rows with another host time per offloaded tensor (pack + unpack)
+than the H200's measured 107 us (the Python link of 88f5013): a what-if for a link whose host
+time was measured on the simulated device only, printed as such. The accuracy table keeps the
+measured figure.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probe", default=DEFAULT_PROBE)
     ap.add_argument("--no-auto", action="store_true", help="only the accuracy table")
+    ap.add_argument("--host-us", type=float, default=None,
+                    help="auto's rows: host microseconds per offloaded tensor (what-if)")
     a = ap.parse_args()
     meas = measured(a.probe)
     modes = [m for m in ("none", "full", "host") if m in meas]
@@ -106,6 +113,14 @@ def main() -> None:
         return
     none, full = est["none"], est["full"]
     start = none.trace.base
+    if a.host_us is not None:
+        from spillover.estimate.devices import DEVICES
+
+        measured_us = DEVICES["h200"].host_seconds_per_offload * 1e6
+        DEVICES["h200"] = DEVICES["h200"].replace(host_seconds_per_offload=a.host_us * 1e-6)
+        none = run(["none"])["none"]
+        print(f"\nWHAT-IF: auto's rows below plan with {a.host_us:g} us of host time per "
+              f"offloaded tensor, not the {measured_us:g} us the H200 measured")
     print()
     print("auto's plan without a budget and at two budgets (over the step's start, as "
           "SPILLOVER_DEVICE_BUDGET_BYTES means), against the fixed modes' predictions")
