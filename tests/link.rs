@@ -535,3 +535,29 @@ fn a_staged_copy_seen_landed_lets_go_of_its_views_and_its_use_makes_no_wait() {
     l.poll().unwrap();
     assert_eq!(l.counters().0.staged, 0);
 }
+
+#[test]
+fn under_cudas_default_cap_two_copies_of_44_mib_share_a_group() {
+    // Note [grouped copies]: the probe's 1B Llama saves up to 44 MiB at seq 4096. Under CUDA's
+    // default cap (16 GB/s x 20 ms) such a copy passed an eighth of it and went alone, 4 calls
+    let dev = sim(SimOptions::default());
+    let l = link(&dev, 320_000_000);
+    let src = vec![1u8; 44 << 20];
+    let dst = vec![0u8; 44 << 20];
+    // SAFETY: both buffers outlive the copies (synchronized below).
+    unsafe { copy_out(&l, &src, &dst, 4096) };
+    l.synchronize().unwrap(); // the link's first events made
+    let before = dev.calls();
+    // SAFETY: as above.
+    unsafe { copy_out(&l, &src, &dst, 44 << 20) };
+    assert_eq!(dev.calls() - before, 0, "held back for the next");
+    // SAFETY: as above.
+    unsafe { copy_out(&l, &src, &dst, 44 << 20) };
+    assert_eq!(
+        dev.calls() - before,
+        5,
+        "record, wait, two copies, one event"
+    );
+    l.synchronize().unwrap();
+    assert_eq!(dst, src);
+}

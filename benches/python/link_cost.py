@@ -46,6 +46,7 @@ except ImportError:  # an older spillover: timings only, through the public API
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20}
 FREE = 1e15  # B/s: a simulated link whose copies take no time
+CUDA_CAP = int(16e9 * 0.020)  # the CUDA link's default cap (Note [back-pressure] in rust/link)
 
 
 def _sync(device: str) -> None:
@@ -126,17 +127,19 @@ def measure_links(links: List[str], device: str, n: int, rounds: int,
     return rows
 
 
-def device_calls(n: int, nbytes: int, pool_bytes: Optional[int] = None) -> Dict[str, float]:
+def device_calls(n: int, nbytes: int, pool_bytes: Optional[int] = None,
+                 cap_bytes: int = 1 << 40) -> Dict[str, float]:
     """Device calls per pack and per unpack on the simulated link: packs counted in forward
     (no cap: no victim waits), unpacks in backward, with every entry's copy landed and no
     source kept (so each unpack brings its bytes back over the link). The pool: 512 MiB, or
     what the step's saves need and a quarter more (the default pool grows to the step's
-    size), the larger."""
+    size), the larger. ``cap_bytes``: the link's cap (none by default; CUDA's default is
+    ``CUDA_CAP``)."""
     bw = FREE * 0.999  # a link of its own
     pool = pool_bytes if pool_bytes is not None else max(512 << 20, n * nbytes * 5 // 4)
     ctx = spillover.offload_context("host", min_offload_bytes=0, host_pool_bytes=pool,
-                                    sim_link_bandwidth=bw, copy_inflight_bytes=1 << 40)
-    tr = link_for("cpu", sim_bandwidth=bw, cap_bytes=1 << 40)
+                                    sim_link_bandwidth=bw, copy_inflight_bytes=cap_bytes)
+    tr = link_for("cpu", sim_bandwidth=bw, cap_bytes=cap_bytes)
     x = torch.randn(nbytes // 4, requires_grad=True)
     chain_step(x, n, ctx)  # warm: the link's events are made and pooled
     c0, q0 = tr.calls, tr.counters()["queries"]
@@ -291,8 +294,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 ("8MiB", 8 << 20, min(args.n, 48)),
                                 ("16MiB", 16 << 20, min(args.n, 48)),
                                 ("32MiB", 32 << 20, min(args.n, 48)),
-                                ("64MiB", 64 << 20, min(args.n, 24))):
-            calls = out["device_calls"][name] = device_calls(n, nbytes)
+                                ("64MiB", 64 << 20, min(args.n, 24)),
+                                ("44MiB-cuda-cap", 44 << 20, min(args.n, 24))):
+            cap = CUDA_CAP if name.endswith("cuda-cap") else 1 << 40
+            calls = out["device_calls"][name] = device_calls(n, nbytes, cap_bytes=cap)
             print(f"device calls at {name}: {calls['calls_per_pack']:.2f} per pack, "
                   f"{calls['calls_per_unpack']:.2f} per unpack (goal <= 3 and <= 4); of them "
                   f"event queries {calls['queries_per_pack']:.2f} / "

@@ -8,7 +8,7 @@ use super::*;
 const SLOTS_PER_SLAB: u64 = 8192;
 
 /// Note [grouped copies]: copies are issued in groups of two or more once they hold this
-/// many bytes (or, even alone, an eighth of the cap) ...
+/// many bytes (or, even alone, a quarter of the cap) ...
 pub const GROUP_FLUSH_BYTES: u64 = 48 << 20;
 /// ... and at most this many copies.
 pub const GROUP_COPIES: usize = 8;
@@ -90,13 +90,13 @@ impl Link {
             checksum,
         });
         st.pending_bytes += nbytes;
-        // a group goes at an eighth of the cap, even of one copy: past the cap the oldest copies
-        // become victims, which the compute stream waits for -- better long issued than just
-        // now; below that, two or more go at GROUP_FLUSH_BYTES (Note [grouped copies])
+        // a group goes at a quarter of the cap, even of one copy: past the cap the oldest
+        // copies become victims, which the compute stream waits for -- better long issued than
+        // just now; below that, two or more go at GROUP_FLUSH_BYTES (Note [grouped copies])
         let n = st.pending.len();
         let bytes = st.pending_bytes;
         if n >= GROUP_COPIES
-            || bytes >= st.ledger.cap_bytes() / 8
+            || bytes >= st.ledger.cap_bytes() / 4
             || (n >= 2 && bytes >= GROUP_FLUSH_BYTES)
         {
             self.flush_pending(&mut st)?;

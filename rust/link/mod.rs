@@ -86,9 +86,9 @@
 //! work so far, were half of them. A copy is therefore held back (`pending`, in the ledger
 //! from its pack: its source is held as any copy in flight) and issued with the next ones
 //! after one record and one wait: when [`GROUP_COPIES`] are held, or two or more holding
-//! [`GROUP_FLUSH_BYTES`], or any holding an eighth of the cap of Note [back-pressure] (a victim
-//! past the cap makes the compute stream wait for its copy, best issued long before), or a
-//! copy of
+//! [`GROUP_FLUSH_BYTES`], or any holding a quarter of the cap of Note [back-pressure] (a
+//! victim past the cap makes the compute stream wait for its copy, best issued long before), or
+//! a copy of
 //! another compute stream comes (order is kept), or anything needs one of them (a victim's
 //! wait, a copy back ordered after it, a host wait, [`Link::release_all`],
 //! [`Link::synchronize`]), and at the end of forward ([`Link::flush`]). Ordering the group
@@ -99,11 +99,15 @@
 //! on a GPU the host runs ahead of the compute the copies wait for anyway, and a link with
 //! copies queued is busy with them; at worst (a long op after a few saves) until forward
 //! ends. A copy over 8 MiB went alone (record, wait, copy, event: 4 calls) -- most of the
-//! probe's 1B Llama's saves at seq 4096 (16-44 MiB) -- now two share 5 up to an eighth of the
-//! cap (the default on CUDA: 320 MB, so up to 40 MB); with groups of at most 16 MiB, a pack of
+//! probe's 1B Llama's saves at seq 4096 (16-44 MiB) -- now two share 5 up to a quarter of the
+//! cap (the default on CUDA: 320 MB, so up to 80 MB; it was an eighth, below); with groups of at most 16 MiB, a pack of
 //! 8 MiB took 2.5 calls before the polls, then 1.75 at 32 MiB. At 32 MiB a pack of 16 MiB still
 //! went in pairs: 3.04 calls with the polls (the goal is 3); at [`GROUP_FLUSH_BYTES`] = 48 MiB
-//! three of 16 MiB share 6, 2.46 with the polls.
+//! three of 16 MiB share 6, 2.46 with the polls. The bench ran without a cap; under CUDA's
+//! default (320 MB: 16 GB/s x 20 ms) a copy of 44 or 64 MiB passed an eighth of it alone and
+//! went alone, 4.7-4.8 calls a pack with the polls. At a quarter (80 MB) two share 5: 3.04-3.06
+//! (`link_cost.device_calls` at that cap). Under small caps still nothing changes: copies of 1
+//! MiB under a 4 MiB cap go at once.
 
 pub mod checksum;
 pub mod cuda;
