@@ -24,6 +24,7 @@ driver's host cost per call would make the step host-bound.
     python benches/python/link_cost.py                  # host and sim, 4 KiB and 1 MiB
     python benches/python/link_cost.py --call-cost 3e-6 --json out.json
     python benches/python/link_cost.py --device cuda    # on a GPU host
+    python benches/python/link_cost.py --large-calls    # device calls at 16-64 MiB too
 """
 
 from __future__ import annotations
@@ -272,6 +273,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="host seconds per simulated device call (also runs the GPT check)")
     ap.add_argument("--gc-steps", type=int, default=150,
                     help="steps per link for the collector's cost (0: not measured)")
+    ap.add_argument("--large-calls", action="store_true",
+                    help="device calls at 16-64 MiB too (and 44 MiB at CUDA's default cap)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     links = ["cuda"] if args.device == "cuda" else ["host", "sim"]
@@ -288,14 +291,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     out: Dict[str, Any] = {"rows": rows}
     if args.device == "cpu" and link_for is not None:
         out["device_calls"] = {}
-        # past 8 MiB the steps of the models that save such tensors hold dozens of them (the
-        # probe's 1B Llama at seq 4096: 16-44 MiB a save, hundreds a step)
-        for name, nbytes, n in (("4KiB", 4 << 10, args.n), ("1MiB", 1 << 20, args.n),
-                                ("8MiB", 8 << 20, min(args.n, 48)),
-                                ("16MiB", 16 << 20, min(args.n, 48)),
-                                ("32MiB", 32 << 20, min(args.n, 48)),
-                                ("64MiB", 64 << 20, min(args.n, 24)),
-                                ("44MiB-cuda-cap", 44 << 20, min(args.n, 24))):
+        sizes = [("4KiB", 4 << 10, args.n), ("1MiB", 1 << 20, args.n),
+                 ("8MiB", 8 << 20, min(args.n, 48))]
+        if args.large_calls:
+            # past 8 MiB the steps of the models that save such tensors hold dozens of them (the
+            # probe's 1B Llama at seq 4096: 16-44 MiB a save, hundreds a step); ~30 s more here
+            sizes += [("16MiB", 16 << 20, min(args.n, 48)), ("32MiB", 32 << 20, min(args.n, 48)),
+                      ("64MiB", 64 << 20, min(args.n, 24)),
+                      ("44MiB-cuda-cap", 44 << 20, min(args.n, 24))]
+        for name, nbytes, n in sizes:
             cap = CUDA_CAP if name.endswith("cuda-cap") else 1 << 40
             calls = out["device_calls"][name] = device_calls(n, nbytes, cap_bytes=cap)
             print(f"device calls at {name}: {calls['calls_per_pack']:.2f} per pack, "
