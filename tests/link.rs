@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use spillover_core::link::sim::{Fault, SimDevice, SimOptions, COMPUTE};
-use spillover_core::link::{Device, Dir, Link, StageItem};
+use spillover_core::link::{Device, Dir, Keep, Link, StageItem};
 use spillover_core::tier::Issued;
 
 fn sim(opts: SimOptions) -> Arc<SimDevice> {
@@ -48,6 +48,19 @@ unsafe fn copy_out(l: &Link, src: &[u8], dst: &[u8], nbytes: u64) -> Issued {
         )
     }
     .unwrap()
+}
+
+/// A staged copy of all of `dst` from `src` (after the D2H copy `after`), the link holding
+/// `hold` until it ran.
+fn stage_item(dst: &[u8], src: &[u8], after: Option<u64>, hold: Option<Keep>) -> StageItem {
+    StageItem {
+        dst: addr(dst),
+        src: addr(src),
+        nbytes: dst.len() as u64,
+        after,
+        hold,
+        keep: None,
+    }
 }
 
 fn poll_until_landed(l: &Link, id: u64) -> Vec<u64> {
@@ -232,23 +245,10 @@ fn staged_copies_wait_for_their_d2h_copy_and_are_used_or_dropped() {
     let id = unsafe { copy_out(&l, &src, &host, 1 << 20) }.id;
     let a = vec![0u8; 1 << 20];
     let b = vec![0u8; 1 << 20];
+    // their bytes are not in the host block yet: the H2D stream waits
     let items = vec![
-        StageItem {
-            dst: addr(&a),
-            src: addr(&host),
-            nbytes: 1 << 20,
-            after: Some(id), // its bytes are not in the host block yet: the H2D stream waits
-            hold: None,
-            keep: None,
-        },
-        StageItem {
-            dst: addr(&b),
-            src: addr(&host),
-            nbytes: 1 << 20,
-            after: Some(id),
-            hold: None,
-            keep: None,
-        },
+        stage_item(&a, &host, Some(id), None),
+        stage_item(&b, &host, Some(id), None),
     ];
     // SAFETY: all buffers outlive the copies (used below, synchronized at the end).
     let evs = unsafe { l.stage(COMPUTE, items) }.unwrap();
@@ -299,14 +299,7 @@ fn injected_races_change_the_bytes_as_a_race_would() {
     // a staged copy whose bytes land after its event: used at once, it reads the old bytes
     let out = vec![0u8; 4096];
     dev.inject(Fault::LateLanding, Dir::ToDevice);
-    let item = StageItem {
-        dst: addr(&out),
-        src: addr(&src),
-        nbytes: 4096,
-        after: None,
-        hold: None,
-        keep: None,
-    };
+    let item = stage_item(&out, &src, None, None);
     // SAFETY: the buffers outlive the late write (the test sleeps past it before returning).
     let ev = unsafe { l.stage(COMPUTE, vec![item]) }.unwrap()[0];
     l.use_staged(ev, COMPUTE).unwrap();
@@ -502,14 +495,7 @@ fn a_staged_copy_seen_landed_lets_go_of_its_views_and_its_use_makes_no_wait() {
     let dropped = Arc::new(AtomicUsize::new(0));
     let mut evs = Vec::new();
     for b in &bufs {
-        let item = StageItem {
-            dst: addr(b),
-            src: addr(&host),
-            nbytes: 1 << 20,
-            after: None,
-            hold: Some(Box::new(Flag(dropped.clone()))),
-            keep: None,
-        };
+        let item = stage_item(b, &host, None, Some(Box::new(Flag(dropped.clone()))));
         // SAFETY: all buffers outlive the copies (seen landed below).
         evs.extend(unsafe { l.stage(COMPUTE, vec![item]) }.unwrap());
     }

@@ -161,26 +161,27 @@ impl Link {
         let n = st.staged_order.len();
         let known = st.staged_ran.min(n);
         let ran = known + self.fired_prefix(st, n - known, |s, i| s.staged_order[known + i]);
-        let order = std::mem::take(&mut st.staged_order);
-        let mut kept = VecDeque::with_capacity(n);
-        let mut kept_ran = 0;
-        for (i, ev) in order.into_iter().enumerate() {
-            let Some(s) = st.staged.get_mut(&ev) else {
-                continue;
-            };
-            if i < ran && !s.ran {
+        for i in known..ran {
+            if let Some(s) = st.staged.get_mut(&st.staged_order[i]) {
                 s.ran = true;
                 s.holds.clear(); // the copies read them: the pool's views go back now
             }
-            if s.ran && s.left == 0 {
-                st.staged.remove(&ev);
-                st.free.push(ev);
-            } else {
-                kept_ran += usize::from(s.ran);
-                kept.push_back(ev);
-            }
         }
-        st.staged_order = kept;
-        st.staged_ran = kept_ran;
+        // a run seen landed whose tensors were all used or dropped: its event goes
+        let (order, staged, free) = (&mut st.staged_order, &mut st.staged, &mut st.free);
+        order.retain(|ev| match staged.get(ev) {
+            Some(s) if s.ran && s.left == 0 => {
+                staged.remove(ev);
+                free.push(*ev);
+                false
+            }
+            Some(_) => true,
+            None => false,
+        });
+        // what is left of those seen landed is still the front (one H2D stream: in order)
+        st.staged_ran = order
+            .iter()
+            .take_while(|ev| staged.get(ev).is_some_and(|s| s.ran))
+            .count();
     }
 }

@@ -412,8 +412,8 @@ impl Link {
             let mut st = self.lock();
             self.flush_pending(&mut st)?;
             self.record_d2h(&mut st)?;
-            let mut v: Vec<Event> = st.d2h.values().filter_map(|c| c.ev).collect();
-            v.dedup();
+            // the D2H events in flight, each once (Note [polls in order])
+            let mut v: Vec<Event> = st.d2h_evs.iter().copied().collect();
             v.extend(st.h2d.iter().map(|h| h.ev));
             v.extend(st.staged.iter().filter(|(_, s)| !s.ran).map(|(&e, _)| e));
             v

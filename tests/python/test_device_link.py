@@ -291,38 +291,38 @@ def test_a_first_step_under_graph_capture_says_to_enter_once_eagerly(monkeypatch
         pass
 
 
+def _link_cost():
+    """``benches/python/link_cost.py``, which counts the device calls per tensor."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "python"))
+    import link_cost
+
+    return link_cost
+
+
 def test_device_calls_per_tensor_at_1_mib():
     """Note [polls] (activations/link/device.py): the completion polls at most every 1 ms.
     At 100 us a pack of 1 MiB on the simulated device polled at each pack: 3.07 device calls
     a pack, over issue 40's 3 (1.88 at 1 ms); unpacks stay within 4. Counted as
     ``benches/python/link_cost.py`` counts them (a link of its own, no cap)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "python"))
-    import link_cost
-
+    link_cost = _link_cost()
     got = link_cost.device_calls(100, 1 << 20)
     assert got["calls_per_pack"] <= 3 and got["calls_per_unpack"] <= 4, got
 
 
 def test_device_calls_per_tensor_at_8_mib():
-    """Note [grouped copies] in rust/link/mod.rs: four copies of 8 MiB share one group (one
+    """Note [grouped copies] in rust/link/mod.rs: six copies of 8 MiB share one group (one
     ordering after the compute stream, one event), and two staged copies back share one event
     (Note [device calls]): 4.79 calls a pack and 4.38 an unpack when each went alone, 2.5 a
-    pack before the polls in groups of two, then 1.75, now 1.5 (six a group). The polls (Note
+    pack before the polls in groups of two, then 1.75 (four a group), now 1.5. The polls (Note
     [polls] in activations/link/device.py: every 1 ms and 64 MiB; Note [polls in order] in
-    rust/link) ask
-    under one query a pack: with a poll per pack and a query per event landed, a pack took
-    3.5-4.2 calls from run to run, and CI once saw 4.08. Counted as
+    rust/link) ask under one query a pack: with a poll per pack and a query per event
+    landed, a pack took 3.5-4.2 calls from run to run, and CI once saw 4.08. Counted as
     ``benches/python/link_cost.py`` counts them, over 48 packs (the end of forward's poll and
     synchronize are counted in: over 24, 3.04-3.46 a pack in groups of two)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "python"))
-    import link_cost
-
+    link_cost = _link_cost()
     got = link_cost.device_calls(48, 8 << 20)
     assert got["calls_per_pack"] <= 3 and got["calls_per_unpack"] <= 4, got
     assert got["queries_per_pack"] <= 1 and got["queries_per_unpack"] <= 1, got
@@ -333,11 +333,6 @@ def test_device_calls_per_tensor_at_32_mib():
     land makes no wait. An unpack of 32 MiB took 5.83 device calls (a poll per unpack, a wait
     per use); the goal is 4. In a pool the size of the step (24 saves of 32 MiB: the staging
     distance is 4 entries, two a batch), 3.4-3.5. Packs: groups of two (2.5) and the polls."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "python"))
-    import link_cost
-
+    link_cost = _link_cost()
     got = link_cost.device_calls(24, 32 << 20)
     assert got["calls_per_unpack"] <= 4 and got["calls_per_pack"] <= 3.3, got
