@@ -12,6 +12,15 @@ ran before Note [made again at unpack] (activations/rederive.py), so the accurac
 estimated with ``rederive=False``; a row below gives the host mode as this tree runs it.
 
     python benches/python/estimate_h200.py [--probe PATH] [--no-auto] [--host-us US]
+                                           [--headroom]
+
+``--headroom`` prints what bounds auto at full checkpointing's peak (issue 40's goal there:
+<= 0.95x full's time): full's traced step at the end of forward, at the start of backward (the
+model's tail and loss done, before the first region is rebuilt) and at its peak (the first
+region rebuilt, beside every weight's gradient). Whatever a plan keeps beyond full's saves is
+held at the start of backward, so the room there bounds it; the bound on the time is the
+recomputation that room could spare, the ops dearest per byte kept first (the planner's own
+rates), ignoring every other term of the peak (so no plan does better).
 
 ``--host-us`` plans auto's rows with another host time per offloaded tensor (pack + unpack)
 than the H200's measured 107 us (the Python link of 88f5013): a what-if for a link whose host
@@ -75,10 +84,60 @@ def run(modes: Any, budget: Optional[int] = None, device: Any = "h200",
                               host_pool_bytes=POOL, budget=budget, rederive=rederive)
 
 
+def phases(none: Any, full: Any) -> Dict[str, int]:
+    """Full checkpointing's traced step over the step's start, as ``max_memory_allocated``
+    reads it (the estimate's workspace included): at the end of forward, at the start of
+    backward (the tail and the loss done, before the first region is rebuilt), at its peak."""
+    tr = full.trace
+    extra = full.device_peak_bytes - tr.peak - none.trace.base  # workspace, less the start
+    fwd_end = tr.marks["forward"]
+    # (backward's seed, made with grad enabled, is traced as a recompute op)
+    bwd = next(i for i in range(fwd_end, len(tr.ops)) if tr.ops[i].phase == "backward")
+    first = next((i for i in range(bwd, len(tr.ops)) if tr.ops[i].phase == "recompute"),
+                 len(tr.ops))
+    return {"end of forward": tr.live[fwd_end - 1] + extra,
+            "start of backward": max(tr.live[fwd_end:first]) + extra,
+            "peak": tr.peak + extra}
+
+
+def headroom(none: Any, full: Any) -> None:
+    """``--headroom``: full's step by phase, and the bound on auto at full's peak."""
+    from spillover.planner import search
+
+    at = phases(none, full)
+    print("\nfull checkpointing's traced step, over the step's start:")
+    for k, v in at.items():
+        print(f"  {k}: {v / GiB:.2f} GiB")
+    room = at["peak"] - at["start of backward"]
+    # the planner's rates, on auto's records at full's budget
+    au = run(["none", "auto"], budget=at["peak"])["auto"]
+    pl = au.planner
+    recs = pl.planned_records
+    m = pl.machine_of(recs)
+    items = sorted(((m.rerun_seconds(o) / o.bytes, o.bytes, m.rerun_seconds(o))
+                    for r in recs for o in r.ops
+                    if o.bytes and o.forced is None and not o.after_stop),
+                   reverse=True)
+    spared, left = 0.0, room
+    for _rc, nb, sec in items:
+        if nb <= left:
+            spared += sec
+            left -= nb
+    rec_full = search.make_plan(recs, m, 1, pl.outside_bytes, None,
+                                kinds=(search.KEPT,)).recompute_seconds
+    best = full.step_seconds - spared
+    print(f"  room at the start of backward under full's peak: {room / 2**20:.0f} MiB; kept "
+          f"dearest per byte first (the planner's rates, each op's host dispatch counted) it "
+          f"spares at most {spared * 1e3:.1f} ms of the {rec_full * 1e3:.1f} ms full "
+          f"recomputes: >= {best:.3f} s, {best / full.step_seconds:.3f}x full (goal 0.95x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probe", default=DEFAULT_PROBE)
     ap.add_argument("--no-auto", action="store_true", help="only the accuracy table")
+    ap.add_argument("--headroom", action="store_true",
+                    help="what bounds auto at full's peak (see the docstring)")
     ap.add_argument("--host-us", type=float, default=None,
                     help="auto's rows: host microseconds per offloaded tensor (what-if)")
     a = ap.parse_args()
@@ -109,6 +168,8 @@ def main() -> None:
               f"{h.device_peak_bytes / GiB:.2f} | - | - |")
     print(f"worst: time {100 * worst_t:.1f} % (goal 10), peak {100 * worst_p:.1f} % (goal 5) "
           f"[{time.perf_counter() - t0:.0f} s]")
+    if a.headroom:
+        headroom(est["none"], est["full"])
     if a.no_auto:
         return
     none, full = est["none"], est["full"]

@@ -187,3 +187,20 @@ def test_h200_auto_with_free_offloads_is_not_slower_than_full(est, monkeypatch):
     assert au.step_seconds <= full.step_seconds, (au.step_seconds / full.step_seconds, au.note)
     timed = au.planner.measured_seconds
     assert au.planner.measured and all(id(p) in timed for p, _ in au.planner.measured)
+
+
+def test_h200_full_step_phases(est):
+    """benches/python/estimate_h200.py --headroom: full checkpointing's traced step is read at
+    the end of forward, at the start of backward (the loss's whole-vocabulary backward done,
+    no region rebuilt yet) and at its peak, which is backward's end (the first region rebuilt
+    beside every weight's gradient) -- so what a plan keeps beyond full's saves, held at the
+    start of backward, has only the room between the two (issue 40's goal at full's peak)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benches", "python"))
+    from estimate_h200 import phases
+
+    at = phases(est["none"], est["full"])
+    start = est["none"].trace.base
+    assert at["peak"] == est["full"].device_peak_bytes - start
+    assert at["end of forward"] < at["start of backward"] < at["peak"]
+    room = at["peak"] - at["start of backward"]
+    assert 0.1 * at["peak"] < room < 0.25 * at["peak"]  # 365 MiB of 2.2 GiB on 2026-12-07
