@@ -18,9 +18,8 @@ estimated with ``rederive=False``; a row below gives the host mode as this tree 
 <= 0.95x full's time): full's traced step at the end of forward, at the start of backward (the
 model's tail and loss done, before the first region is rebuilt) and at its peak (the first
 region rebuilt, beside every weight's gradient). Whatever a plan keeps beyond full's saves is
-held at the start of backward, so the room there bounds it; the bound on the time is the
-recomputation that room could spare, the ops dearest per byte kept first (the planner's own
-rates), ignoring every other term of the peak (so no plan does better).
+held at the start of backward, so the room there bounds it; and what keeping spares: a
+region's replay by the planner's model against what running it plainly holds.
 
 ``--host-us`` plans auto's rows with another host time per offloaded tensor (pack + unpack)
 than the H200's measured 107 us (the Python link of 88f5013): a what-if for a link whose host
@@ -101,35 +100,29 @@ def phases(none: Any, full: Any) -> Dict[str, int]:
 
 
 def headroom(none: Any, full: Any) -> None:
-    """``--headroom``: full's step by phase, and the bound on auto at full's peak."""
-    from spillover.planner import search
-
+    """``--headroom``: full's step by phase, and what a plan can spare within its peak."""
     at = phases(none, full)
     print("\nfull checkpointing's traced step, over the step's start:")
     for k, v in at.items():
         print(f"  {k}: {v / GiB:.2f} GiB")
     room = at["peak"] - at["start of backward"]
-    # the planner's rates, on auto's records at full's budget
+    print(f"  room at the start of backward under full's peak: {room / 2**20:.0f} MiB")
+    # the planner's figures, on auto's records at full's budget
     au = run(["none", "auto"], budget=at["peak"])["auto"]
     pl = au.planner
     recs = pl.planned_records
     m = pl.machine_of(recs)
-    items = sorted(((m.rerun_seconds(o) / o.bytes, o.bytes, m.rerun_seconds(o))
-                    for r in recs for o in r.ops
-                    if o.bytes and o.forced is None and not o.after_stop),
-                   reverse=True)
-    spared, left = 0.0, room
-    for _rc, nb, sec in items:
-        if nb <= left:
-            spared += sec
-            left -= nb
-    rec_full = search.make_plan(recs, m, 1, pl.outside_bytes, None,
-                                kinds=(search.KEPT,)).recompute_seconds
-    best = full.step_seconds - spared
-    print(f"  room at the start of backward under full's peak: {room / 2**20:.0f} MiB; kept "
-          f"dearest per byte first (the planner's rates, each op's host dispatch counted) it "
-          f"spares at most {spared * 1e3:.1f} ms of the {rec_full * 1e3:.1f} ms full "
-          f"recomputes: >= {best:.3f} s, {best / full.step_seconds:.3f}x full (goal 0.95x)")
+    r = recs[len(recs) // 2]
+    ops = [o for o in r.ops if not o.after_stop]
+    kernels = sum(m.op_seconds(o) for o in ops)
+    replay = m.replay_seconds(r.ops, ops)
+    plain = r.input_bytes + r.needed_bytes - r.rederived_bytes
+    print(f"  a middle region's replay (the planner's model, Note [a replay's host time is the "
+          f"region's]): {replay * 1e3:.2f} ms, its dispatch of {len(ops)} ops, against "
+          f"{kernels * 1e3:.2f} ms of kernels; so keeping op outputs in a checkpointed region "
+          f"spares nothing here, running it plainly spares its replay and its hooks' "
+          f"dispatch ({(replay + m.wrapped_seconds(r.ops)) * 1e3:.2f} ms) for "
+          f"{plain / 2**20:.0f} MiB held to backward (its cheap saves made again)")
 
 
 def main() -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
 import warnings
 from typing import Any, Iterable, List, Optional, Set, Tuple
 
@@ -114,6 +113,10 @@ class PeakMeter:
             return None
         return max(0, peak - self.base)
 
+    def mark_start_of_backward(self) -> Optional[int]:
+        """The peak so far (Note [gradients as backward goes] in planner/search.py)."""
+        return self.read()
+
 
 def memory_events(prof: Any) -> List[Tuple[int, int]]:
     """The CPU allocator's events a stopped ``torch.profiler.profile(profile_memory=True)``
@@ -162,6 +165,11 @@ def _stop_at_exit() -> None:
         m._stop()
 
 
+#: the profile's marks of :meth:`StorageMeter.mark_start_of_backward` and of a step's end
+START_MARK = "spillover.start_of_backward"
+END_MARK = "spillover.end_of_step"
+
+
 class StorageMeter:
     """:class:`PeakMeter`'s protocol for the simulated device: the most the live CPU tensor
     storages grew between ``start()`` and ``read()``, from the allocator's events under torch's
@@ -178,7 +186,12 @@ class StorageMeter:
     def __init__(self) -> None:
         self.available = True
         self._prof: Optional[Any] = None
-        self._end: Optional[int] = None  # time.time_ns() of the step's end (the events' clock)
+        self._ended = False  # the step's end is marked in the profile (``END_MARK``)
+        #: Note [gradients as backward goes] in planner/search.py: backward reached a kept
+        #: plan's last region (``START_MARK`` in the profile), and the most the storages grew
+        #: up to it (at ``read``)
+        self._marked = False
+        self.start_peak: Optional[int] = None
 
     def start(self) -> bool:
         self._stop()
@@ -195,7 +208,7 @@ class StorageMeter:
         except RuntimeError:  # another profiler runs: plan from the model alone
             self.available = False
             return False
-        self._prof, self._end = prof, None
+        self._prof, self._ended, self._marked, self.start_peak = prof, False, False, None
         _RUNNING.add(self)
         return True
 
@@ -211,14 +224,31 @@ class StorageMeter:
             events = memory_events(prof)
         except RuntimeError:
             return None
-        end = self._end
+        # the marks are events of the profile, on its clock, which time.time_ns() is not: a
+        # 16 MiB allocation was stamped 2.8 ms before a time.time_ns() read right after it, so
+        # a mark read from it would count what backward allocates for ~3 ms more
+        marks = {e.name(): e.start_ns() for e in prof.profiler.kineto_results.events()
+                 if e.name() in (START_MARK, END_MARK)} if self._marked or self._ended else {}
+        mid = marks.get(START_MARK)
+        if mid is not None:
+            self.start_peak = peak_of(e for e in events if e[0] <= mid)
+        end = marks.get(END_MARK)
         return peak_of(e for e in events if end is None or e[0] <= end)
+
+    def mark_start_of_backward(self) -> None:
+        """Mark the moment in the profile (the peak up to it is counted when it stops)."""
+        if self._prof is not None and not self._marked:
+            self._marked = True
+            with torch.profiler.record_function(START_MARK):
+                pass
 
     def read(self) -> Optional[int]:
         if self._prof is None:
             return None
         if torch._C._current_autograd_node() is not None:  # in backward: mark, stop later
-            if self._end is None:
-                self._end = time.time_ns()
+            if not self._ended:
+                self._ended = True
+                with torch.profiler.record_function(END_MARK):
+                    pass
             return None
         return self._stop()

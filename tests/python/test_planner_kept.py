@@ -16,7 +16,7 @@ import spillover
 from spillover.planner import Machine, Planner, make_plan
 from spillover.planner.cost import transient_bytes
 from spillover.planner.machine import MIN_SCALE, measured_scale
-from spillover.planner.search import KEPT
+from spillover.planner.search import KEPT, KEPT_START
 
 HOST = {"tier": "host", "pool_bytes": 4 << 30, "nvme": False}
 OUTSIDE = 16 * MiB
@@ -93,6 +93,53 @@ def test_the_start_of_backward_binds_a_kept_plan():
                              peak_offset=0, kinds=(KEPT,), tail_bytes=t)
         assert plans[t].fits and plans[t].model_peak <= budget
     assert plans[tail].recompute_seconds > plans[0].recompute_seconds
+
+
+def _with_grads(g):
+    return [dataclasses.replace(r, grad_bytes=g) for r in _step(device="cuda:0", offload=HOST)]
+
+
+def test_gradients_as_backward_goes():
+    """Note [gradients as backward goes]: when backward rebuilds a region, the regions after it
+    are done -- their parameters' gradients made, their inputs freed -- and so is the model's
+    tail; a kept plan carries its two modeled terms (the start of backward, the rebuilt
+    regions) for the tuner to measure apart."""
+    g, tail = 64 * MiB, 32 * MiB
+    recs = _with_grads(g)
+    least = make_plan(recs, GPU, budget=0, outside_bytes=OUTSIDE + tail, peak_offset=0,
+                      kinds=(KEPT,), tail_bytes=tail)
+    assert least.keep_all and all(rp.mode == "checkpoint" for rp in least.regions)
+    assert least.terms is not None
+    start, rebuilt = least.terms
+    ins = [r.input_bytes for r in recs]
+    held = OUTSIDE + tail + sum(ins)
+    assert start == held + tail  # the tail's gradient counted as large as the tail
+    n = len(recs)
+    assert rebuilt == held + max(
+        r.needed_bytes + transient_bytes(r) + (n - 1 - i) * g - sum(ins[i + 1:]) - tail
+        for i, r in enumerate(recs))
+    assert least.model_peak == max(start, rebuilt)
+
+
+def test_a_kept_plan_keeps_what_the_start_of_backward_has_room_for():
+    """Note [gradients as backward goes]: with the start of backward's offset measured apart
+    (100 MiB under the rebuilt regions'), the same budget keeps more than with one offset for
+    both, and each term with its own offset stays within the budget."""
+    g, off = 8 * MiB, 64 * MiB
+    least = make_plan(_with_grads(g), GPU, budget=0, outside_bytes=OUTSIDE, peak_offset=0,
+                      kinds=(KEPT,))
+    budget = max(least.terms) + off + 48 * MiB
+    plans = {}
+    for start_off in (off, off - 100 * MiB):
+        offsets = {"learning": off, "kept": off, KEPT_START: start_off}
+        plan = make_plan(_with_grads(g), GPU, budget=budget, outside_bytes=OUTSIDE,
+                         peak_offset=offsets, kinds=(KEPT,))
+        assert plan.fits and plan.terms is not None
+        start, rebuilt = plan.terms
+        assert start + start_off <= budget and rebuilt + off <= budget
+        assert plan.model_peak + plan.peak_offset == max(start + start_off, rebuilt + off)
+        plans[start_off] = plan
+    assert plans[off - 100 * MiB].recompute_seconds < plans[off].recompute_seconds
 
 
 def _record(seconds, ops):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import warnings
 
 import pytest
@@ -23,6 +24,7 @@ from spillover.models import GPT, GPTConfig, synthetic_batch
 from spillover.planner import Planner
 from spillover.planner.machine import SIM_CALLS_PER_OFFLOAD, Machine
 from spillover.planner.records import RegionRecord, ctx_offload_info, host_is_device
+from spillover.planner.search import KEPT_START
 from spillover.planner.tuner import EXPLORING_KEPT
 
 #: the simulated H200 of a GPT 4x128 step, seq 256, batch 4 (forward ~40 ms saving ~50 MB in
@@ -94,6 +96,34 @@ def test_the_storage_meter_reads_inside_backward_and_starts_again():
         assert 3 * (1 << 18) <= peak < (1 << 24)
 
 
+def test_the_storage_meter_marks_the_start_of_backward():
+    """Note [gradients as backward goes] in planner/search.py: a mark inside backward (where
+    the profiler cannot stop) counts the storages up to it when the step is read; what backward
+    allocates after it is the step's, not the start's."""
+    meter = StorageMeter()
+
+    def step():  # (its tensors die with it, before the next step's meter starts)
+        assert meter.start()
+        x = torch.randn(1 << 16, requires_grad=True)
+        y = (x * 2).exp()
+        held = []
+
+        def late(g):
+            held.append(torch.ones(1 << 22))
+            time.sleep(0.01)
+            meter.read()
+
+        y.register_hook(lambda g: meter.mark_start_of_backward())
+        x.register_hook(late)
+        y.sum().backward()
+        return meter.read()
+
+    for _ in range(2):
+        peak = step()
+        assert meter.start_peak is not None and 3 * (1 << 18) <= meter.start_peak < (1 << 22)
+        assert peak >= (1 << 24) > meter.start_peak
+
+
 def test_full_recomputation_under_a_context_peaks_as_without(gpt):
     """Note [returned sources go with their use]: the link held every source it handed to
     backward until backward's end -- 1.18x wrap(full)'s peak here on the old code, 1.03x now
@@ -133,6 +163,9 @@ def test_auto_on_the_simulated_h200_keeps_its_budget(gpt, share):
     got = _peak(model, batch, _ctx)
     assert got <= budget * 1.05, (got, budget, planner.plan.variant, planner.measured)
     assert all(m is not None for _, m in planner.measured)  # the storages were metered
+    if any(p.terms is not None for p, _ in planner.measured):
+        # Note [gradients as backward goes]: a kept plan's start of backward read apart
+        assert KEPT_START in planner.peak_offsets, planner.peak_offsets
     over = [p for p, m in planner.measured if m > budget]
     if any(not p.keep_all for p in over):  # Note [everything kept]: then the kept family ran
         assert any(p.note == EXPLORING_KEPT for p, _ in planner.measured)

@@ -223,6 +223,16 @@ class Costs:
         self.staged = False
         self.pre_held = 0
         self._rebuilt: Optional[List[int]] = None
+        #: ... and, as backward reaches each region (Note [gradients as backward goes] in
+        #: search.py), what the model saves after its last region (freed by then) and the
+        #: gradients of the plain tail's parameters (made by then); ``start_extra``: how much
+        #: more the start of backward's measured offset is than the rebuilt regions' (the
+        #: budget is taken down by the latter)
+        self.model_tail = 0
+        self.tail_grads = 0
+        self.start_extra = 0
+        #: what to take off a borrowed offset for this model (``borrow_shift``)
+        self.offset_shift = 0
         #: ... and what backward adds at its start beside ``tail_grad`` (staged only)
         self.start_grad = 0
         #: Note [regions shipped whole] in search.py: the most the forward holds while their
@@ -258,10 +268,29 @@ class Costs:
             rebuilt = self._rebuilt = [r.needed_bytes + transient_bytes(r) for r in self.regions]
         out = [0] * len(self.regions)
         after = 0
+        # Note [gradients as backward goes] in search.py: by then the model's tail and the
+        # regions after it are done, their inputs freed, their parameters' gradients made
+        done = self.tail_grads - self.model_tail
         for i in range(len(self.regions) - 1, -1, -1):
-            out[i] = rebuilt[i] - after - self.region_kept_needed[i]
+            out[i] = rebuilt[i] - after - self.region_kept_needed[i] + done
             after += self.region_kept[i]
+            done += self.regions[i].grad_bytes - self.regions[i].input_bytes
         return out
+
+    def borrow_shift(self) -> int:
+        """Note [gradients as backward goes] in search.py: how far this model of full
+        recomputation (nothing kept) lies above the one without the backward's progress, which
+        an offset the kept family borrows was measured against (what the step holds after
+        forward is common to both: ``over``)."""
+        self._staged_terms()
+        rebuilt = self._rebuilt or []
+        done = self.tail_grads - self.model_tail
+        with_done = []
+        for i in range(len(self.regions) - 1, -1, -1):
+            with_done.append(rebuilt[i] + done)
+            done += self.regions[i].grad_bytes - self.regions[i].input_bytes
+        return (max(self.pre_held, max(with_done, default=0))
+                - max(self.pre_held, max(rebuilt, default=0)))
 
     def bwd_now(self) -> int:
         """The backward term of the peak under the decisions so far."""
@@ -273,14 +302,14 @@ class Costs:
         """The decisions so far do not fit ``budget``."""
         if not self.staged:
             return self.mem > self.budget
-        return self.mem + max(self.pre_held, self.bwd_now()) > self.budget
+        return self.mem + max(self.pre_held + self.start_extra, self.bwd_now()) > self.budget
 
     def binding(self) -> List[int]:
         """Staged: the regions whose rebuilt term is the peak (the start of backward, which
         every freed byte lowers, is not named)."""
         terms = self._staged_terms()
         worst = max(terms, default=0)
-        if not terms or self.pre_held > worst:
+        if not terms or self.pre_held + self.start_extra > worst:
             return []
         return [i for i, t in enumerate(terms) if t == worst]
 
@@ -307,8 +336,17 @@ class Costs:
         """The modeled peak: what is held after forward with what backward adds first (the loss
         region's transient or the plain tail's gradients), or, once the plain tail's backward
         freed it, what the rest holds + the largest region rebuilt."""
-        start = max(self.tail_grad, self.start_grad)
-        return max(self.mem + start, self.mem - self.tail_bytes + self.bwd_now(), self.ret_term)
+        return max(self.start_term() + self.start_extra, self.rebuild_term(), self.ret_term)
+
+    def start_term(self) -> int:
+        """The modeled peak at the start of backward: what forward holds with what backward adds
+        first (the loss region's transient or the plain tail's gradients)."""
+        return self.mem + max(self.tail_grad, self.start_grad)
+
+    def rebuild_term(self) -> int:
+        """... and once the plain tail's backward freed it: what the rest holds + the largest
+        region rebuilt."""
+        return self.mem - self.tail_bytes + self.bwd_now()
 
     def rebuilt_bytes(self) -> int:
         """Bytes a checkpointed region brings back at once in backward: recomputation rebuilds

@@ -141,6 +141,9 @@ class RegionRecord:
     device: str
     mode: str  # checkpoint | plain | plain-keep | plain-offload
     input_bytes: int = 0
+    #: the gradients its backward makes for its parameters (Note [gradients as backward goes]
+    #: in search.py)
+    grad_bytes: int = 0
     ops: List[OpRecord] = dataclasses.field(default_factory=list)
     needed_bytes: int = 0  # op outputs autograd saved: what running it plainly holds
     stop: int = 0  # ops at or after this index are never recomputed

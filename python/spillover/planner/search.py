@@ -129,6 +129,35 @@ Note [a kept backward frees as it goes]
     saves peaked 2.4 MiB (13 %) over the same block recomputed, both modeled alike. The
     learning step's offset, which the family borrows until its own is measured, was measured
     on full recomputation, where the two models agree.
+
+Note [gradients as backward goes]
+    A kept plan's backward peaks in two places: at its start, where the model's tail and loss
+    run their backward beside everything forward kept, and while it rebuilds its regions,
+    last to first. When region i is rebuilt the regions after it are done: their inputs and
+    the model's tail freed, their parameters' gradients made (``RegionRecord.grad_bytes``:
+    those of parameters that require one and have none at its forward -- none under gradient
+    accumulation). The rebuilt regions' terms count them (``Costs._staged_terms``), so the
+    first region rebuilt, beside every weight's gradient, is where the model puts the peak.
+    One measured offset cannot correct both terms: on the estimate of the H200 probe's 1B
+    Llama at full checkpointing's peak (2,249 MiB over the step's start), full recomputation
+    peaked there, at its first region rebuilt; its start of backward (1,884 MiB, the loss's
+    whole-vocabulary fp32 backward) was modeled 1,464, its last rebuild 1,380. The one
+    offset (785 MiB) charged the start with what the gradients add at the end, nothing could
+    be kept, and auto ran full recomputation (1.00x full's time). So the tuner also reads a
+    kept plan's step at the start of backward, when the gradient of its last region's output
+    is made (``Planner.watch_start_of_backward``; the meters' ``mark_start_of_backward``), and
+    the family has two offsets: the start's (``KEPT_START``) from that reading, the rebuilt
+    regions' from the step's peak -- an upper bound only where the start was the peak, and
+    the least such bound is kept. On that estimate: 419 and 249 MiB; auto runs the last
+    layer plainly with its cheap saves made again, within the budget, at 0.98x full's time.
+    What bounds it there (``benches/python/estimate_h200.py --headroom``): the start of
+    backward leaves 365 MiB under full's peak, and the replay is host-bound (Note [a replay's
+    host time is the region's] in machine.py: 2.7 ms of dispatch a layer against 1.15 ms of
+    kernels), so keeping outputs inside a checkpointed layer spares nothing; a layer run
+    plainly spares 3.5 ms for 377 MiB, and issue 40's 0.95x would need two. An offset the
+    family borrows before its own is measured was measured against the model without the
+    backward's progress: it is moved by the two models' difference on full recomputation
+    (``Costs.borrow_shift``), so the first kept plan is costed as before.
 """
 
 from __future__ import annotations
@@ -195,6 +224,9 @@ class Plan:
     #: Note [regions shipped whole]: region index -> bytes its backward's start brings back
     #: (the saves of a region shipped whole before it)
     returns: Dict[int, int] = dataclasses.field(default_factory=dict)
+    #: Note [gradients as backward goes]: a kept plan's modeled peaks at the start of backward
+    #: and over its rebuilt regions (before their offsets), which the tuner measures apart
+    terms: Optional[Tuple[int, int]] = None
 
 
 
@@ -210,6 +242,10 @@ KINDS = ("checkpoint", "checkpoint+offload", "plain-offload")
 #: Note [everything kept]: the checkpoint variant under a device's context that keeps on the
 #: device all the context would take (region inputs, the tail), as torch's checkpointing does
 KEPT = "checkpoint, all kept"
+
+#: Note [gradients as backward goes]: the key of the kept family's offset at the start of
+#: backward in the offsets (its rebuilt regions' is under "kept")
+KEPT_START = "kept, start of backward"
 
 
 def family(kind: str) -> str:
@@ -268,6 +304,17 @@ def make_plan(
             return peak_offset.get(family(kind), peak_offset.get("learning", 0))
         return peak_offset or 0
 
+    def borrowed(kind: str) -> bool:
+        """``kind``'s family has no offset of its own: it borrows the learning step's."""
+        return isinstance(peak_offset, dict) and family(kind) not in peak_offset
+
+    def start_offset() -> Optional[int]:
+        """Note [gradients as backward goes]: the kept family's offset at the start of
+        backward, where measured apart from its rebuilt regions'."""
+        if isinstance(peak_offset, dict) and "kept" in peak_offset:
+            return peak_offset.get(KEPT_START)
+        return None
+
     # On a CPU host the context's pool is this same memory, faulted in whole: a step run plainly
     # under it peaks with the pool on top (the variants below count it as they charge it).
     host_pool = (int(regions[0].offload["pool_bytes"]) if peak and regions
@@ -320,12 +367,13 @@ def make_plan(
                                  "checkpoint" in kinds):
         rest = [i for i in range(n) if i not in shipped]
         _vary(variants, regions, rest, shipped, machine, kinds, ctx, device_is_host, tails,
-              remakes, rederive, budget, outside_bytes, tail_bytes, peak, off, grad_of)
+              remakes, rederive, budget, outside_bytes, tail_bytes, peak, off, grad_of,
+              borrowed, start_offset)
     if not variants:  # none of ``kinds`` can run here (e.g. plain-offload on a host tier)
         return make_plan(regions, machine, budget, outside_bytes, peak_offset,
                          loss_bytes=loss_bytes, tail_bytes=tail_bytes, keep_tail=keep_tail)
     def at_peak(v: Greedy) -> int:
-        return max(v.peak + off(v.kind), v.floor)
+        return max(v.peak + off(v.kind) - v.offset_shift, v.floor)
 
     fitting = [v for v in variants if at_peak(v) <= budget]
     if fitting:  # Note [near ties go to memory]: on a CPU host
@@ -365,16 +413,18 @@ def make_plan(
     ]
     return Plan(plans, budget, plain, full, best.mem, best.recompute, best.transfer,
                 bool(fitting), note, model_peak=best.peak,
-                peak_offset=off(best.kind) if peak else None,
+                peak_offset=off(best.kind) - best.offset_shift if peak else None,
                 variant=best.kind, keep_tail=best.keep_tail, keep_all=best.keep_all,
-                returns=dict(best.returns))
+                returns=dict(best.returns),
+                terms=((best.start_term(), best.rebuild_term()) if best.staged else None))
 
 
 def _vary(variants: List[Greedy], regions: List[RegionRecord], rest: List[int],
           shipped: Tuple[int, ...], machine: Machine, kinds: Sequence[str],
           ctx: Optional[Dict[str, Any]], device_is_host: bool, tails: Tuple[bool, ...],
           remakes: Tuple[bool, ...], rederive: bool, budget: int, outside_bytes: int,
-          tail_bytes: int, peak: bool, off: Any, grad_of: Any) -> None:
+          tail_bytes: int, peak: bool, off: Any, grad_of: Any, borrowed: Any,
+          start_offset: Any) -> None:
     """The variants of :func:`make_plan` over the regions ``rest`` (indices, in call order),
     the regions ``shipped`` run plainly under the context (Note [regions shipped whole]): the
     last k of ``rest`` run plainly (each k, with and without their cheap saves made again),
@@ -410,8 +460,17 @@ def _vary(variants: List[Greedy], regions: List[RegionRecord], rest: List[int],
             # The plain tail's backward comes first and frees it before the others rebuild.
             g.budget = budget - off(kind) - (max(held + tail_grad, g.bwd) if peak else held)
             if kind == KEPT and peak:  # Note [a kept backward frees as it goes]
-                g.staged, g.budget, g.start_grad = True, budget - off(kind), tail_bytes
+                g.staged, g.start_grad = True, tail_bytes
                 g.pre_held = held + max(tail_grad, tail_bytes)
+                # Note [gradients as backward goes]
+                g.model_tail, g.tail_grads = tail_bytes, sum(r.grad_bytes for r in tail)
+                start_off = start_offset()
+                if start_off is None:  # borrowed, or one offset for both terms
+                    if borrowed(kind):
+                        g.offset_shift = g.borrow_shift()
+                    start_off = off(kind) - g.offset_shift
+                g.start_extra = start_off - (off(kind) - g.offset_shift)
+                g.budget = budget - off(kind) + g.offset_shift
             g.run()
             g.add_plain_tail(tail, held, tail_grad, remake=remake)
             if kind == KEPT:

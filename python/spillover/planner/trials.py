@@ -18,7 +18,11 @@ Note [a family's own offset]
     the least-peak plan, made for its offset, not for its speed, so the next tuning step
     follows the plan the budget gives with the offset just measured (on that estimate: the
     same full recompute with the tail kept, Note [the tail stays] in search.py) and the
-    settling keeps the faster of the two measured within the budget.
+    settling keeps the faster of the two measured within the budget. A trial measured in the
+    last tuning step gets one step more for that re-plan: on that estimate the kept trial
+    (Note [a kept trial]) ran third, its offsets were measured and never used, and auto
+    settled on the trial itself, full recomputation (1.00x full's time, where the re-plan runs
+    0.98x).
 
 Note [a tail's trial]
     A plan that keeps the model's tail on the device (Note [the tail stays] in search.py) holds

@@ -80,9 +80,10 @@ from .records import (
     _sim_link,
     input_signature,
     keeps_on_host,
+    output_tensors,
     sim_of,
 )
-from .search import KINDS, Plan, RegionPlan, family, learning_peak, make_plan
+from .search import KEPT_START, KINDS, Plan, RegionPlan, family, learning_peak, make_plan
 from .trials import EXPLORING, EXPLORING_KEPT, EXPLORING_TAIL, LEARNED, Trials
 
 __all__ = ["Planner", "Phase", "EXPLORING", "EXPLORING_KEPT", "EXPLORING_TAIL", "LEARNED"]
@@ -173,6 +174,10 @@ class Planner(Trials, Metering):
         self.measured_seconds: Dict[int, float] = {}
         self.last_peak: Optional[int] = None
         self.last_seconds: Optional[float] = None
+        #: Note [gradients as backward goes] (search.py): a kept plan's step read at the start
+        #: of backward, and that reading of the last step metered (None: not read)
+        self._start_read: Optional[int] = None
+        self.last_start_peak: Optional[int] = None
         #: Note [seeded plan] (spillover/estimate/seed.py): whether the first step traces the
         #: step on fake tensors and follows the plan made there; what that gave (or why not)
         self.seed_from_trace = seed_from_trace
@@ -306,7 +311,11 @@ class Planner(Trials, Metering):
         if plan.note == EXPLORING_TAIL:  # Note [a tail's trial] (trials.py): its peak decides
             self._settle(budget)
             return
-        self.peak_offsets[family(plan.variant)] = peak - plan.model_peak
+        self._measured_offsets(plan, peak)
+        if plan.note in (EXPLORING, EXPLORING_KEPT) and self.tuning_left <= 0:
+            # Note [a family's own offset] (trials.py): the offset a trial measured is for the
+            # re-plan, which gets the step it needs
+            self.tuning_left = 1
         if peak > budget and self.tuning_left > 0 and self._explore_kept(budget):
             return
         # Note [a family's own offset] (trials.py): a trial that fits is re-planned all the same
@@ -338,6 +347,23 @@ class Planner(Trials, Metering):
             self._settle(budget)
         elif [(r.mode, r.actions) for r in self.plan.regions] == old:  # type: ignore[union-attr]
             self._settle(budget)  # the correction changes nothing
+
+    def _measured_offsets(self, plan: Plan, peak: int) -> None:
+        """The offset of ``plan``'s family: measured peak - modeled. A kept plan's two terms
+        apart where the start of backward was read (Note [gradients as backward goes] in
+        search.py): the start's from that reading; the rebuilt regions' from the step's peak,
+        which bounds it from above only where the start was the peak (the least bound kept)."""
+        fam = family(plan.variant)
+        start = self.last_start_peak
+        if plan.terms is None or start is None:
+            self.peak_offsets[fam] = peak - plan.model_peak
+            return
+        start_model, rebuilt_model = plan.terms
+        self.peak_offsets[KEPT_START] = start - start_model
+        off = peak - rebuilt_model
+        if peak <= start and fam in self.peak_offsets:
+            off = min(off, self.peak_offsets[fam])
+        self.peak_offsets[fam] = off
 
     def _settle(self, budget: int) -> None:
         """Tuning over: keep the fastest measured plan within the budget, else the one whose
@@ -421,7 +447,7 @@ class Planner(Trials, Metering):
             self._meter = StorageMeter() if what == "storages" else PeakMeter(device)
             if what == "storages":  # Note [a stale profiler] in _peak.py
                 weakref.finalize(self, _peak.release, self._meter)
-        self._step_peak = None
+        self._step_peak = self._start_read = None
         self._watch_pool(ctx)
         self._metering = self._meter.start()
 
@@ -480,6 +506,12 @@ class Planner(Trials, Metering):
             self._dirty = True  # shapes, order or context changed: learn again next step
             return sig, None
 
+    def watch_start_of_backward(self, out: Any) -> None:
+        """The last region of a kept plan returned ``out``: while the step is metered, read its
+        peak when backward reaches it (Note [gradients as backward goes] in search.py)."""
+        if self._metering:
+            _on_grad_of(output_tensors(out), self.start_of_backward)
+
     def add_record(self, rec: RegionRecord) -> None:
         with self._lock:
             self._records.append(rec)
@@ -491,8 +523,9 @@ class Planner(Trials, Metering):
 
 
 def _on_grad_of(args: Sequence[Any], fn: Callable[[], None]) -> None:
-    """Call ``fn`` once backward has computed the gradient of the first region's input: the
-    regions' backward is over."""
+    """Call ``fn`` once backward has computed the gradient of the first tensor of ``args``
+    that requires one (of the first region's input: the regions' backward is over; of the
+    last region's output: the model's tail is done, no region rebuilt yet)."""
     t = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
     if t is None:
         return

@@ -19,7 +19,7 @@ from ..planner import Explanation, Machine, Planner, RegionRecord, output_tensor
 from . import follow as _follow
 from .base import RegionPolicy, _sac
 from .modes import Decider, _Run, top_hooks
-from .ops import device_of, input_bytes, key_of
+from .ops import device_of, input_bytes, key_of, new_grad_bytes
 
 if TYPE_CHECKING:
     from .blocks import _WrapState
@@ -75,7 +75,7 @@ class _Auto(RegionPolicy):
             # Note [learning frugally] in planner/tuner.py: run plainly, the context's hooks
             # taking what autograd saves, while the save mode records every op.
             record = RegionRecord(key, name or str(key), sig, device, "plain-offload",
-                                  input_bytes=input_bytes(args),
+                                  input_bytes=input_bytes(args), grad_bytes=new_grad_bytes(fn),
                                   offload=_planner.region_offload_info(ctx, kept_here))
             pack, unpack = _context_hooks(state)
             t0 = time.perf_counter()
@@ -85,7 +85,7 @@ class _Auto(RegionPolicy):
             _time_forward(record, args, t0)
         else:
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
-                                  input_bytes=input_bytes(args),
+                                  input_bytes=input_bytes(args), grad_bytes=new_grad_bytes(fn),
                                   offload=_planner.region_offload_info(ctx, kept_here))
             if rplan is None:
                 t0 = time.perf_counter()
@@ -106,6 +106,9 @@ class _Auto(RegionPolicy):
         if (ctx is not None and rplan is not None and plan is not None and plan.keep_tail
                 and rplan is plan.regions[-1]):
             ctx.keep_rest()  # Note [the tail stays] in planner/search.py
+        if rplan is not None and plan is not None and plan.terms is not None \
+                and rplan is plan.regions[-1]:
+            pol.watch_start_of_backward(out)  # Note [gradients as backward goes]
         if ctx is not None and rplan is not None and plan is not None and plan.returns:
             back = next((nb for at, nb in plan.returns.items()
                          if at < len(plan.regions) and plan.regions[at] is rplan), 0)

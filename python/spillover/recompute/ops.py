@@ -232,6 +232,22 @@ def input_bytes(args: Tuple[Any, ...]) -> int:
     return storage_bytes(ts)
 
 
+def new_grad_bytes(fn: Callable[..., Any]) -> int:
+    """Note [gradients as backward goes] in planner/search.py: the bytes of the gradients the
+    backward of a region running ``fn`` (a module's bound forward) makes for its parameters:
+    those that require grad and have none yet (with gradient accumulation they exist before
+    the step); a sharded one's local shard. 0 where ``fn`` is not a module's."""
+    module = getattr(fn, "__self__", None)
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    total = 0
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            local = getattr(p, "_local_tensor", p)
+            total += local.numel() * local.element_size()
+    return total
+
+
 #: The device regions name in their records while ``spillover.estimate`` traces a GPU's step on
 #: fake CPU tensors (Note [fake device] in spillover/estimate/fakes.py); None: the tensors'.
 DEVICE_OVERRIDE = threading.local()
