@@ -45,7 +45,7 @@ from __future__ import annotations
 import atexit
 import os
 import warnings
-from typing import Any, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -113,7 +113,7 @@ class PeakMeter:
             return None
         return max(0, peak - self.base)
 
-    def mark_start_of_backward(self) -> Optional[int]:
+    def mark(self, name: str) -> Optional[int]:
         """The peak so far (Note [gradients as backward goes] in planner/search.py)."""
         return self.read()
 
@@ -165,9 +165,10 @@ def _stop_at_exit() -> None:
         m._stop()
 
 
-#: the profile's marks of :meth:`StorageMeter.mark_start_of_backward` and of a step's end
-START_MARK = "spillover.start_of_backward"
+#: the profile's marks of a step's end (:meth:`StorageMeter.read` in backward) and of
+#: :meth:`StorageMeter.mark` (that prefix and its name)
 END_MARK = "spillover.end_of_step"
+MARK_PREFIX = "spillover.mark."
 
 
 class StorageMeter:
@@ -187,11 +188,10 @@ class StorageMeter:
         self.available = True
         self._prof: Optional[Any] = None
         self._ended = False  # the step's end is marked in the profile (``END_MARK``)
-        #: Note [gradients as backward goes] in planner/search.py: backward reached a kept
-        #: plan's last region (``START_MARK`` in the profile), and the most the storages grew
-        #: up to it (at ``read``)
-        self._marked = False
-        self.start_peak: Optional[int] = None
+        #: Note [gradients as backward goes] in planner/search.py: the moments ``mark``ed in
+        #: the step (in the profile), and at ``read`` the most the storages grew up to each
+        self._marks: Set[str] = set()
+        self.marked: Dict[str, int] = {}
 
     def start(self) -> bool:
         self._stop()
@@ -208,7 +208,7 @@ class StorageMeter:
         except RuntimeError:  # another profiler runs: plan from the model alone
             self.available = False
             return False
-        self._prof, self._ended, self._marked, self.start_peak = prof, False, False, None
+        self._prof, self._ended, self._marks, self.marked = prof, False, set(), {}
         _RUNNING.add(self)
         return True
 
@@ -227,19 +227,24 @@ class StorageMeter:
         # the marks are events of the profile, on its clock, which time.time_ns() is not: a
         # 16 MiB allocation was stamped 2.8 ms before a time.time_ns() read right after it, so
         # a mark read from it would count what backward allocates for ~3 ms more
-        marks = {e.name(): e.start_ns() for e in prof.profiler.kineto_results.events()
-                 if e.name() in (START_MARK, END_MARK)} if self._marked or self._ended else {}
-        mid = marks.get(START_MARK)
-        if mid is not None:
-            self.start_peak = peak_of(e for e in events if e[0] <= mid)
+        marks: Dict[str, int] = {}
+        if self._marks or self._ended:
+            for e in prof.profiler.kineto_results.events():
+                if e.name().startswith("spillover.") and e.name() not in marks:
+                    marks[e.name()] = e.start_ns()
+        for name in self._marks:
+            at = marks.get(MARK_PREFIX + name)
+            if at is not None:
+                self.marked[name] = peak_of(e for e in events if e[0] <= at)
         end = marks.get(END_MARK)
         return peak_of(e for e in events if end is None or e[0] <= end)
 
-    def mark_start_of_backward(self) -> None:
-        """Mark the moment in the profile (the peak up to it is counted when it stops)."""
-        if self._prof is not None and not self._marked:
-            self._marked = True
-            with torch.profiler.record_function(START_MARK):
+    def mark(self, name: str) -> None:
+        """Mark the moment in the profile (the peak up to it is counted when it stops, in
+        ``marked[name]``)."""
+        if self._prof is not None and name not in self._marks:
+            self._marks.add(name)
+            with torch.profiler.record_function(MARK_PREFIX + name):
                 pass
 
     def read(self) -> Optional[int]:

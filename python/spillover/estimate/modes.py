@@ -137,7 +137,7 @@ class _TraceMeter:
             self.seconds = self._now() - self._t0
         return max(0, self.tracker.peak - self.base) + self.workspace
 
-    def mark_start_of_backward(self) -> Optional[int]:
+    def mark(self, name: str) -> Optional[int]:
         """The peak so far (Note [gradients as backward goes] in planner/search.py)."""
         if self.base is None:
             return None

@@ -49,8 +49,8 @@ class Metering:
     _step_pool: Optional[int]  # the pool it held at the end of backward
     last_peak: Optional[int]
     last_seconds: Optional[float]
-    _start_read: Optional[int]
-    last_start_peak: Optional[int]
+    _reads: Dict[str, Optional[int]]
+    last_marks: Dict[str, int]
 
     if TYPE_CHECKING:  # what the readings use of the Planner they are mixed into
 
@@ -74,24 +74,22 @@ class Metering:
             return None
         peak = self._step_peak if self._step_peak is not None else self._meter.read()
         self._step_peak = None
-        # Note [gradients as backward goes] in search.py: the reading at the start of backward,
-        # or, on a meter that marks it, what it counted up to the mark
-        start = self._start_read
-        if start is None and peak is not None:
-            start = getattr(self._meter, "start_peak", None)
-        self._start_read = None
+        # Note [gradients as backward goes] in search.py: the step's peak up to each mark, read
+        # then, or counted up to it by a meter that marks
+        marked = getattr(self._meter, "marked", {}) if peak is not None else {}
+        reads = {k: v if v is not None else marked.get(k) for k, v in self._reads.items()}
+        self._reads = {}
         # Note [a traced step is timed] in tuner.py: a meter that times its step (the trace's)
         self.last_seconds = getattr(self._meter, "seconds", None) if peak is not None else None
         if self._step_pool is None:
             self._read_pool()
-        if peak is not None and recs:
-            charge = self._pool_charge(recs, self._step_pool)
+        charge = self._pool_charge(recs, self._step_pool) if peak is not None and recs else 0
+        if peak is not None:
             peak += charge
-            start = start + charge if start is not None else None
         self._step_ctx = self._step_pool = None
         self.last_peak = peak
-        self.last_start_peak = min(start, peak) if start is not None and peak is not None \
-            else None
+        self.last_marks = {k: min(v + charge, peak) for k, v in reads.items()
+                           if v is not None and peak is not None}
         return peak
 
     @staticmethod
@@ -118,13 +116,14 @@ class Metering:
         if mapped is not None:
             self._step_pool = int(mapped)
 
-    def start_of_backward(self) -> None:
-        """Backward reached the last region of a kept plan (Note [gradients as backward goes] in
-        search.py): read the step's peak so far (a meter that cannot read in backward marks the
-        moment and counts up to it when read)."""
+    def mark_peak(self, name: str) -> None:
+        """Read the step's peak so far as ``name`` (Note [gradients as backward goes] in
+        search.py; a meter that cannot read in backward marks the moment and counts up to it
+        when read)."""
         if self._metering and self._meter is not None and self._step_peak is None:
-            mark = getattr(self._meter, "mark_start_of_backward", None)
-            self._start_read = mark() if mark is not None else None
+            mark = getattr(self._meter, "mark", None)
+            if mark is not None:
+                self._reads[name] = mark(name)
 
     def end_of_backward(self) -> None:
         """The step's backward reached its first region: read the step's peak now (before the

@@ -144,12 +144,24 @@ Note [gradients as backward goes]
     whole-vocabulary fp32 backward) was modeled 1,464, its last rebuild 1,380. The one
     offset (785 MiB) charged the start with what the gradients add at the end, nothing could
     be kept, and auto ran full recomputation (1.00x full's time). So the tuner also reads a
-    kept plan's step at the start of backward, when the gradient of its last region's output
-    is made (``Planner.watch_start_of_backward``; the meters' ``mark_start_of_backward``), and
-    the family has two offsets: the start's (``KEPT_START``) from that reading, the rebuilt
-    regions' from the step's peak -- an upper bound only where the start was the peak, and
-    the least such bound is kept. On that estimate: 419 and 249 MiB; auto runs the last
-    layer plainly with its cheap saves made again, within the budget, at 0.98x full's time.
+    kept plan's step at the start of backward, when the gradient of the output of the last
+    region it rebuilds is made -- past the plain tail's backward, which the start's term
+    models (``Plan.last_rebuilt``, ``Planner.watch_start_of_backward``; the meters' ``mark``;
+    read at the last region instead, the simulated H200's SDPA GPT at 0.7x none's peak
+    charged a 3-block plain tail's backward, 61 MB, to the rebuilt regions' offset and
+    settled at 0.79x its budget, 0.90x full's time against 0.86x) -- and the family has two
+    offsets: the start's (``KEPT_START``) from that reading, the rebuilt regions' from the
+    step's peak -- an upper bound only where the start was the peak, and the least such bound
+    is kept. The reading is the peak so far, forward's included (a device's counter cannot be
+    reset under the user's own reading of it), so it counts for the start only where it
+    passed the peak read as the last region's forward ended: on the simulated H200 (GPT
+    4x256, explicit attention, full checkpointing's peak) the last block's forward, its
+    scores and probabilities alive, was that peak, 16 MiB over the start's model, and taken
+    for the start's offset it ruled out running the last block plainly, which saves those
+    tensors rather than adding them (auto 1.00x full's time, 0.94x before). On the H200
+    estimate the start passed it (the loss's backward): offsets of 419 and 249 MiB, and auto
+    runs the last layer plainly with its cheap saves made again, within the budget, at 0.98x
+    full's time.
     What bounds it there (``benches/python/estimate_h200.py --headroom``): the start of
     backward leaves 365 MiB under full's peak, and the replay is host-bound (Note [a replay's
     host time is the region's] in machine.py: 2.7 ms of dispatch a layer against 1.15 ms of
@@ -227,6 +239,12 @@ class Plan:
     #: Note [gradients as backward goes]: a kept plan's modeled peaks at the start of backward
     #: and over its rebuilt regions (before their offsets), which the tuner measures apart
     terms: Optional[Tuple[int, int]] = None
+
+    @functools.cached_property
+    def last_rebuilt(self) -> Optional[RegionPlan]:
+        """The last region backward rebuilds: its output's gradient ends the plain tail's
+        backward, the start of backward's term (Note [gradients as backward goes])."""
+        return next((rp for rp in reversed(self.regions) if rp.mode == "checkpoint"), None)
 
 
 

@@ -174,10 +174,11 @@ class Planner(Trials, Metering):
         self.measured_seconds: Dict[int, float] = {}
         self.last_peak: Optional[int] = None
         self.last_seconds: Optional[float] = None
-        #: Note [gradients as backward goes] (search.py): a kept plan's step read at the start
-        #: of backward, and that reading of the last step metered (None: not read)
-        self._start_read: Optional[int] = None
-        self.last_start_peak: Optional[int] = None
+        #: Note [gradients as backward goes] (search.py): a kept plan's step read at the end of
+        #: its regions' forward ("regions") and at the start of backward ("start"), and those
+        #: readings of the last step metered
+        self._reads: Dict[str, Optional[int]] = {}
+        self.last_marks: Dict[str, int] = {}
         #: Note [seeded plan] (spillover/estimate/seed.py): whether the first step traces the
         #: step on fake tensors and follows the plan made there; what that gave (or why not)
         self.seed_from_trace = seed_from_trace
@@ -351,15 +352,19 @@ class Planner(Trials, Metering):
     def _measured_offsets(self, plan: Plan, peak: int) -> None:
         """The offset of ``plan``'s family: measured peak - modeled. A kept plan's two terms
         apart where the start of backward was read (Note [gradients as backward goes] in
-        search.py): the start's from that reading; the rebuilt regions' from the step's peak,
-        which bounds it from above only where the start was the peak (the least bound kept)."""
+        search.py): the start's from that reading, where it passed the regions' forward; the
+        rebuilt regions' from the step's peak, which bounds it from above only where the start
+        was the peak (the least bound kept)."""
         fam = family(plan.variant)
-        start = self.last_start_peak
+        start = self.last_marks.get("start")
         if plan.terms is None or start is None:
             self.peak_offsets[fam] = peak - plan.model_peak
             return
         start_model, rebuilt_model = plan.terms
-        self.peak_offsets[KEPT_START] = start - start_model
+        if start > self.last_marks.get("regions", start):
+            # the start of backward peaked over the regions' forward (their transients are not
+            # the start's: they are saved where a region runs plainly)
+            self.peak_offsets[KEPT_START] = start - start_model
         off = peak - rebuilt_model
         if peak <= start and fam in self.peak_offsets:
             off = min(off, self.peak_offsets[fam])
@@ -447,7 +452,8 @@ class Planner(Trials, Metering):
             self._meter = StorageMeter() if what == "storages" else PeakMeter(device)
             if what == "storages":  # Note [a stale profiler] in _peak.py
                 weakref.finalize(self, _peak.release, self._meter)
-        self._step_peak = self._start_read = None
+        self._step_peak = None
+        self._reads = {}
         self._watch_pool(ctx)
         self._metering = self._meter.start()
 
@@ -507,10 +513,12 @@ class Planner(Trials, Metering):
             return sig, None
 
     def watch_start_of_backward(self, out: Any) -> None:
-        """The last region of a kept plan returned ``out``: while the step is metered, read its
-        peak when backward reaches it (Note [gradients as backward goes] in search.py)."""
+        """The last region a kept plan rebuilds returned ``out``: while the step is metered,
+        read its peak now and when backward reaches it, past the plain tail (Note [gradients as
+        backward goes] in search.py)."""
         if self._metering:
-            _on_grad_of(output_tensors(out), self.start_of_backward)
+            self.mark_peak("regions")
+            _on_grad_of(output_tensors(out), lambda: self.mark_peak("start"))
 
     def add_record(self, rec: RegionRecord) -> None:
         with self._lock:

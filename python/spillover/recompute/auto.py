@@ -107,7 +107,7 @@ class _Auto(RegionPolicy):
                 and rplan is plan.regions[-1]):
             ctx.keep_rest()  # Note [the tail stays] in planner/search.py
         if rplan is not None and plan is not None and plan.terms is not None \
-                and rplan is plan.regions[-1]:
+                and rplan is plan.last_rebuilt:
             pol.watch_start_of_backward(out)  # Note [gradients as backward goes]
         if ctx is not None and rplan is not None and plan is not None and plan.returns:
             back = next((nb for at, nb in plan.returns.items()
