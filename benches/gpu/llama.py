@@ -1,6 +1,6 @@
 """The GPU bench's model (bench.py's activation modes): a Llama-style decoder (RMSNorm, RoPE,
 SwiGLU MLP, fused attention), its head and loss written out, with torch's checkpointing per
-layer behind ``ckpt``."""
+layer behind ``ckpt`` and spillover's chunked loss behind ``chunked_loss``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ class Llama(nn.Module):
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
         self.ckpt = False
+        #: the head and loss by spillover's chunked loss (no logits: spillover.loss), in place of
+        #: ``F.cross_entropy`` on the fp32 logits
+        self.chunked_loss = False
 
     def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]
@@ -71,5 +74,9 @@ class Llama(nn.Module):
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
+        if self.chunked_loss:
+            from spillover.loss import chunked_cross_entropy
+
+            return chunked_cross_entropy(self.norm(x), self.head.weight, tgt)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())

@@ -69,16 +69,17 @@ def measured(path: str) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def model_and_batch(batch: int = 1) -> Any:
+def model_and_batch(batch: int = 1, chunked_loss: bool = False) -> Any:
     with torch.device("meta"):
         model = Llama(**DIMS).to(torch.bfloat16)
+    model.chunked_loss = chunked_loss
     idx = torch.zeros(batch, DIMS["seq"], dtype=torch.long, device="meta")
     return model, idx
 
 
 def run(modes: Any, budget: Optional[int] = None, device: Any = "h200",
-        rederive: Optional[bool] = None) -> Any:
-    model, idx = model_and_batch()
+        rederive: Optional[bool] = None, chunked_loss: bool = False) -> Any:
+    model, idx = model_and_batch(chunked_loss=chunked_loss)
     return spillover.estimate(model, idx, idx, device=device, optimizer="none", modes=modes,
                               host_pool_bytes=POOL, budget=budget, rederive=rederive)
 
@@ -194,6 +195,16 @@ def main() -> None:
               f"{au.nvme_write_bytes_per_step / 1e9:.2f} | "
               f"{'-' if dwpd is None else f'{dwpd:.1f}'} | {'yes' if fits else 'NO'} | "
               f"{au.note} |")
+    # the same model with spillover's chunked loss (no fp32 logits, nor their backward at the
+    # start of backward), against the plain loss's modes: what the user's own loss costs
+    peak = full.device_peak_bytes
+    au = run(["none", "auto"], budget=peak - start, chunked_loss=True)["auto"]
+    print(f"| full's peak, the model's loss by spillover.loss.chunked_cross_entropy "
+          f"({peak / GiB:.2f} GiB) | {au.step_seconds:.3f} | {au.device_peak_bytes / GiB:.2f} | "
+          f"{au.step_seconds / none.step_seconds:.2f}x | "
+          f"{au.step_seconds / full.step_seconds:.2f}x | "
+          f"{au.nvme_write_bytes_per_step / 1e9:.2f} | - | "
+          f"{'yes' if au.device_peak_bytes <= peak else 'NO'} | {au.note} |")
 
 
 if __name__ == "__main__":

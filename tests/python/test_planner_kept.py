@@ -142,6 +142,22 @@ def test_a_kept_plan_keeps_what_the_start_of_backward_has_room_for():
     assert plans[off - 100 * MiB].recompute_seconds < plans[off].recompute_seconds
 
 
+def test_a_kept_familys_plain_tails_are_bounded_by_its_own_offsets():
+    """Note [gradients as backward goes]: which plain tails are tried is bounded by the least
+    offset they can be charged -- the kept family's own where measured, not the shipping
+    checkpoint family's, whose copies in flight and staged back the kept plan never holds. On
+    the H200 estimate with the chunked loss the checkpoint family's 1,719 MiB ruled out every
+    tail past one layer, where the kept family's 249 MiB left room for four."""
+    recs = _with_grads(8 * MiB)
+    least = make_plan(recs, GPU, budget=0, outside_bytes=OUTSIDE, peak_offset=0, kinds=(KEPT,))
+    budget = max(least.terms) + 2 * (recs[-1].input_bytes + recs[-1].needed_bytes)
+    offsets = {"learning": budget, "checkpoint": budget, "kept": 0, KEPT_START: 0}
+    plan = make_plan(_with_grads(8 * MiB), GPU, budget=budget, outside_bytes=OUTSIDE,
+                     peak_offset=offsets, kinds=(KEPT,))
+    assert plan.fits and plan.keep_all and "plain" in plan.variant, plan.variant
+    assert any(rp.mode == "plain-keep" for rp in plan.regions)
+
+
 def _record(seconds, ops):
     return dataclasses.replace(_step(1)[0], forward_seconds=seconds, ops=ops)
 
