@@ -14,7 +14,8 @@ from conftest import assert_bitwise, gpt_step
 from test_planner_search import MiB, _step
 
 from spillover.planner import Machine, Planner, explain_records, make_plan
-from spillover.planner.search import _shipped_sets, shipped_bytes
+from spillover.planner.variants import shipped_bytes
+from spillover.planner.variants import shipped_sets as _shipped_sets
 
 #: a GPU-like machine: 8 ms per synthetic block's forward, a 20 GB/s link (160 MB a block)
 GPU = Machine({"float32": 5e12}, 5e11, 2e10, 2e10, 5e9, 5e9, host_seconds_per_offload=20e-6)

@@ -263,34 +263,36 @@ class Costs:
         the regions after it kept (freed by their backward) and what it kept of its own saved
         tensors (``mem`` holds them, and they are among what it rebuilds; an output it keeps
         that autograd does not save is held on top)."""
-        rebuilt = self._rebuilt
-        if rebuilt is None:  # decision-independent: once per pass
-            rebuilt = self._rebuilt = [r.needed_bytes + transient_bytes(r) for r in self.regions]
-        out = [0] * len(self.regions)
+        out = list(self._rebuilt_done())
         after = 0
-        # Note [gradients as backward goes] in search.py: by then the model's tail and the
-        # regions after it are done, their inputs freed, their parameters' gradients made
-        done = self.tail_grads - self.model_tail
         for i in range(len(self.regions) - 1, -1, -1):
-            out[i] = rebuilt[i] - after - self.region_kept_needed[i] + done
+            out[i] -= after + self.region_kept_needed[i]
             after += self.region_kept[i]
-            done += self.regions[i].grad_bytes - self.regions[i].input_bytes
         return out
+
+    def _rebuilt_done(self) -> List[int]:
+        """Per region, its rebuilt bytes with what backward has done by then (Note [gradients
+        as backward goes] in search.py): the model's tail and the regions after it done, their
+        inputs freed, their parameters' gradients made. Decision-independent: once per pass
+        (the tail's fields are set before the pass runs)."""
+        if self._rebuilt is None:
+            done = self.tail_grads - self.model_tail
+            out = [0] * len(self.regions)
+            for i in range(len(self.regions) - 1, -1, -1):
+                r = self.regions[i]
+                out[i] = r.needed_bytes + transient_bytes(r) + done
+                done += r.grad_bytes - r.input_bytes
+            self._rebuilt = out
+        return self._rebuilt
 
     def borrow_shift(self) -> int:
         """Note [gradients as backward goes] in search.py: how far this model of full
         recomputation (nothing kept) lies above the one without the backward's progress, which
         an offset the kept family borrows was measured against (what the step holds after
         forward is common to both: ``over``)."""
-        self._staged_terms()
-        rebuilt = self._rebuilt or []
-        done = self.tail_grads - self.model_tail
-        with_done = []
-        for i in range(len(self.regions) - 1, -1, -1):
-            with_done.append(rebuilt[i] + done)
-            done += self.regions[i].grad_bytes - self.regions[i].input_bytes
-        return (max(self.pre_held, max(with_done, default=0))
-                - max(self.pre_held, max(rebuilt, default=0)))
+        plain = max((r.needed_bytes + transient_bytes(r) for r in self.regions), default=0)
+        return (max(self.pre_held, max(self._rebuilt_done(), default=0))
+                - max(self.pre_held, plain))
 
     def bwd_now(self) -> int:
         """The backward term of the peak under the decisions so far."""

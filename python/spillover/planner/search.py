@@ -182,12 +182,12 @@ import dataclasses
 import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..activations.link.common import default_cap_bytes
 from ..config import format_size, rederive_enabled
 from .cost import Costs
 from .machine import Machine
 from .records import RegionRecord, host_is_device
 from .variants import Greedy, PlainOffload
+from .variants import shipped_sets as _shipped_sets
 
 # ---- the plan --------------------------------------------------------------------------------
 
@@ -521,43 +521,6 @@ def _vary(variants: List[Greedy], regions: List[RegionRecord], rest: List[int],
             g.keep_tail = keep
             g.kind += tail_name + (", tail kept" if keep else "")
             variants.append(g)
-
-
-def shipped_bytes(r: RegionRecord, rederive: bool) -> int:
-    """What the context takes of a region run plainly under it: its input and what autograd
-    saves, less what it makes again at unpack (Note [made again at unpack])."""
-    return r.input_bytes + r.needed_bytes - (r.rederived_bytes if rederive else 0)
-
-
-def _shipped_sets(regions: List[RegionRecord], machine: Machine,
-                  ctx: Optional[Dict[str, Any]], device_is_host: bool, rederive: bool,
-                  checkpoint: bool) -> List[Tuple[int, ...]]:
-    """Note [regions shipped whole]: no region, then for each count the earliest regions whose
-    copies out the link keeps pace with (what is still in flight at each region's end within
-    the context's cap), within its pool; on a device's host tier, or tier auto's RAM."""
-    out: List[Tuple[int, ...]] = [()]
-    if (ctx is None or device_is_host or not checkpoint or len(regions) < 2
-            or (ctx.get("nvme") and ctx.get("tier") != "auto")):
-        return out
-    cap = ctx.get("inflight_bytes")
-    cap = int(cap if cap is not None else default_cap_bytes(None))
-    pool = int(ctx.get("pool_bytes") or 0)
-    rate = machine.link_bytes_per_s
-    fwd = [machine.forward_seconds(r.ops) for r in regions]
-    ship = [shipped_bytes(r, rederive) for r in regions]
-    for count in range(1, len(regions)):
-        chosen: List[int] = []
-        backlog = 0.0
-        for i in range(len(regions) - 1):  # the last: backward needs it first
-            take = len(chosen) < count and ship[i] > 0 and \
-                backlog + ship[i] - rate * fwd[i] <= cap
-            if take:
-                chosen.append(i)
-            backlog = max(0.0, backlog + (ship[i] if take else 0) - rate * fwd[i])
-        if len(chosen) < count or sum(ship[i] for i in chosen) > pool:
-            break
-        out.append(tuple(chosen))
-    return out
 
 
 def _fit_loss(regions: List[RegionRecord], machine: Machine, budget: int, outside_bytes: int,

@@ -84,14 +84,18 @@ class _Auto(RegionPolicy):
                 out = fn(*args, **kwargs)
             _time_forward(record, args, t0)
         else:
+            # the records the planner keeps (a learning run, a plan made elsewhere) count the
+            # gradients their backward makes; one that follows its plan is not kept
+            recorded = rplan is None or rplan.record is None or not rplan.record.ops
             record = RegionRecord(key, name or str(key), sig, device, "checkpoint",
-                                  input_bytes=input_bytes(args), grad_bytes=new_grad_bytes(fn),
+                                  input_bytes=input_bytes(args),
+                                  grad_bytes=new_grad_bytes(fn) if recorded else 0,
                                   offload=_planner.region_offload_info(ctx, kept_here))
             if rplan is None:
                 t0 = time.perf_counter()
                 out = _sac(fn, args, kwargs, _Run(_learning, ctx, record, pol.add_record).contexts)
                 _time_forward(record, args, t0)
-            elif rplan.record is None or not rplan.record.ops:  # a plan made elsewhere
+            elif recorded:  # a plan made elsewhere
                 out = _sac(fn, args, kwargs,
                            _Run(_planned(pol, rplan), ctx, record, pol.add_record).contexts)
             else:  # Note [a forward that follows its record] in follow.py
